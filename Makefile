@@ -1,0 +1,53 @@
+# megatron-mecefo: the two README commands (make demo, make test) and friends.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCHRUN := $(VENV)/bin/torchrun
+DATA := data/stdlib_text_document
+NPROC ?= 8
+export OMP_NUM_THREADS := 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv data demo test test-all lint clean
+
+# torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
+$(VENV)/.installed: setup.py constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e .[test]
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(DATA).bin: $(VENV)/.installed
+	$(PY) examples/pretrain_gpt/prepare_data.py --output-prefix $(DATA)
+
+data: $(DATA).bin
+
+# TP2 x PP2 x DP2 on 8 CPU ranks over gloo.
+demo: data
+	$(TORCHRUN) --nproc_per_node=$(NPROC) --master_port=29533 examples/pretrain_gpt/pretrain_gpt.py \
+	    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+	    --data-path $(DATA) --split 98,2,0 \
+	    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+	    --micro-batch-size 4 --global-batch-size 16 \
+	    --train-iters 150 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 \
+	    --log-interval 10 --eval-interval 50 --eval-iters 4 \
+	    --metrics-file results/demo/metrics.jsonl
+
+test: venv
+	$(PY) -m pytest -q -m "not slow" --timeout=900 tests
+
+test-all: venv
+	$(PY) -m pytest -q --timeout=1800 tests
+
+lint: venv
+	$(PIP) install -q -c constraints.txt ruff black
+	$(VENV)/bin/ruff check megatron_mecefo examples tests benchmarks
+	$(VENV)/bin/black --check megatron_mecefo examples tests benchmarks
+
+clean:
+	rm -rf $(VENV) data results .pytest_cache

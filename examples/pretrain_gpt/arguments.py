@@ -1,0 +1,369 @@
+"""Command-line flags of the example trainer: Megatron-LM's names, meanings and checks.
+
+Everything here runs before torch is imported, so a bad flag combination fails in well under a
+second, with one line that names the flag, the value and the fix, instead of deep inside a
+collective after eight processes have loaded megatron-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+
+class ConfigError(ValueError):
+    """A bad flag (combination); the message names the flag, the value and the fix."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The trainer's parser. Defaults describe a small LLaMA-style GPT that trains on CPU."""
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="Compact Megatron-Core GPT pretraining (CPU/gloo or GPU/nccl).",
+        allow_abbrev=False,
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="Layers per virtual pipeline stage (interleaved 1F1B schedule).",
+    )
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cpu: gloo + the plugin's CPU runtime; cuda: nccl; auto: cuda if available.",
+    )
+
+    g = p.add_argument_group("model (LLaMA-style by default)")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument(
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="Default: 4*hidden, or Megatron's SwiGLU size int(8*hidden/3/64)*64.",
+    )
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default="RMSNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument(
+        "--swiglu", action=argparse.BooleanOptionalAction, default=True, help="SwiGLU MLP."
+    )
+    g.add_argument("--add-bias-linear", dest="add_bias_linear", action="store_true")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.set_defaults(add_bias_linear=False)
+    g.add_argument(
+        "--position-embedding-type", choices=("rope", "learned_absolute"), default="rope"
+    )
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        dest="untie_embeddings_and_output_weights",
+        action="store_true",
+    )
+    g.add_argument(
+        "--tie-embeddings-and-output-weights",
+        dest="untie_embeddings_and_output_weights",
+        action="store_false",
+    )
+    g.set_defaults(untie_embeddings_and_output_weights=True)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument(
+        "--transformer-impl",
+        choices=("auto", "local", "transformer_engine"),
+        default="auto",
+        help="auto: transformer_engine on GPU when it is installed, else local.",
+    )
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument(
+        "--layout-invariant-init",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Draw every weight from its global tensor, so every TP/PP layout starts equal.",
+    )
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument(
+        "--global-batch-size", type=int, default=None, help="Default: micro-batch × DP."
+    )
+    g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument(
+        "--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine"
+    )
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--calculate-per-token-loss", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="Megatron indexed dataset prefix(es), optionally weighted: [W1] P1 [W2] P2 ...",
+    )
+    g.add_argument("--mock-data", action="store_true", help="Megatron's MockGPTDataset.")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", choices=("ByteTokenizer",), default="ByteTokenizer")
+
+    g = p.add_argument_group("evaluation and logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--metrics-file", default=None, help="JSON lines: one per step and eval.")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument(
+        "--check-weight-hash-across-dp-replicas-interval",
+        type=int,
+        default=None,
+        help="Every N iterations assert that all DP replicas hold bit-identical weights.",
+    )
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="Stop after the iteration divisible by this (after saving), as Megatron-LM.",
+    )
+    return p
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag}={value}: must be a positive integer")
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check flag combinations and fill derived values; raises :class:`ConfigError`.
+
+    Args:
+        args: Parsed flags.
+        world_size: Number of ranks (``WORLD_SIZE`` from torchrun).
+    """
+    _positive(
+        args,
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "micro_batch_size",
+        "global_batch_size",
+        "train_iters",
+        "log_interval",
+        "eval_interval",
+        "save_interval",
+        "num_layers_per_virtual_pipeline_stage",
+        "exit_interval",
+        "check_weight_hash_across_dp_replicas_interval",
+    )
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(
+            f"--tensor-model-parallel-size={tp} x --pipeline-model-parallel-size={pp} = "
+            f"{tp * pp} does not divide the world size {world_size}; launch a multiple of "
+            f"{tp * pp} ranks or change the sizes"
+        )
+    args.world_size = world_size
+    args.data_parallel_size = dp = world_size // (tp * pp)
+    if args.num_layers % pp != 0:
+        raise ConfigError(
+            f"--num-layers={args.num_layers} is not divisible by "
+            f"--pipeline-model-parallel-size={pp}"
+        )
+    if args.hidden_size % args.num_attention_heads != 0:
+        raise ConfigError(
+            f"--hidden-size={args.hidden_size} is not divisible by "
+            f"--num-attention-heads={args.num_attention_heads}"
+        )
+    if args.num_attention_heads % tp != 0:
+        raise ConfigError(
+            f"--num-attention-heads={args.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size={tp}"
+        )
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    if args.num_query_groups % tp != 0 or args.num_attention_heads % args.num_query_groups:
+        raise ConfigError(
+            f"--num-query-groups={args.num_query_groups} must divide --num-attention-heads="
+            f"{args.num_attention_heads} and be divisible by --tensor-model-parallel-size={tp}"
+        )
+    if args.ffn_hidden_size is None:
+        if args.swiglu:  # Megatron-LM's rule, keeps FLOPs equal to the 4h GELU MLP
+            args.ffn_hidden_size = max(64, int((4 * args.hidden_size * 2 / 3) / 64) * 64)
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.ffn_hidden_size % tp != 0:
+        raise ConfigError(
+            f"--ffn-hidden-size={args.ffn_hidden_size} is not divisible by "
+            f"--tensor-model-parallel-size={tp}"
+        )
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise ConfigError(
+            f"--seq-length={args.seq_length} exceeds --max-position-embeddings="
+            f"{args.max_position_embeddings}"
+        )
+
+    mbs = args.micro_batch_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    if args.global_batch_size % (mbs * dp) != 0:
+        raise ConfigError(
+            f"--global-batch-size={args.global_batch_size} is not divisible by "
+            f"--micro-batch-size={mbs} x data-parallel size {dp} = {mbs * dp}; use a multiple "
+            f"of {mbs * dp}"
+        )
+    args.num_microbatches = args.global_batch_size // (mbs * dp)
+
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers // pp
+        if pp < 2 or per_stage % args.num_layers_per_virtual_pipeline_stage != 0:
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage="
+                f"{args.num_layers_per_virtual_pipeline_stage} needs "
+                f"--pipeline-model-parallel-size > 1 and must divide the {per_stage} layers "
+                f"of each pipeline stage"
+            )
+        args.virtual_pipeline_model_parallel_size = (
+            per_stage // args.num_layers_per_virtual_pipeline_stage
+        )
+        if args.num_microbatches % pp != 0:
+            raise ConfigError(
+                f"the interleaved schedule needs the number of micro-batches per replica "
+                f"({args.num_microbatches}) to be divisible by "
+                f"--pipeline-model-parallel-size={pp}; raise --global-batch-size"
+            )
+
+    if args.sequence_parallel and tp == 1:
+        # Megatron-LM drops SP at TP=1 too; say so rather than ignore the flag silently.
+        print("WARNING: --sequence-parallel has no effect with --tensor-model-parallel-size=1")
+        args.sequence_parallel = False
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are mutually exclusive; pick one")
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        raise ConfigError("--recompute-granularity=full needs --recompute-method uniform|block")
+    if args.recompute_method is not None and args.recompute_num_layers is None:
+        args.recompute_num_layers = 1
+
+    _validate_data(args)
+    _validate_checkpointing(args)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters and args.lr_warmup_iters > 0:
+        raise ConfigError(
+            f"--lr-warmup-iters={args.lr_warmup_iters} must be below --lr-decay-iters="
+            f"{args.lr_decay_iters}"
+        )
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr={args.min_lr} exceeds --lr={args.lr}")
+    return args
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    if args.mock_data and args.data_path:
+        raise ConfigError("--mock-data and --data-path are mutually exclusive; pick one")
+    if not args.mock_data and not args.data_path:
+        raise ConfigError(
+            "no training data: pass --data-path PREFIX (e.g. data/stdlib_text_document, "
+            "built by examples/pretrain_gpt/prepare_data.py) or --mock-data"
+        )
+    try:
+        split = [float(x) for x in args.split.split(",")]
+    except ValueError:
+        split = []
+    if not 1 <= len(split) <= 3 or any(x < 0 for x in split) or sum(split) <= 0:
+        raise ConfigError(f"--split={args.split}: expected up to three weights, e.g. 969,30,1")
+    split += [0.0] * (3 - len(split))
+    if args.eval_iters > 0 and split[1] == 0:
+        raise ConfigError(
+            f"--split={args.split} has no validation part but --eval-iters={args.eval_iters}; "
+            "give the second weight a value or pass --eval-iters 0"
+        )
+    for prefix in _data_prefixes(args.data_path or []):
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(prefix + ext):
+                raise ConfigError(
+                    f"--data-path {prefix}: {prefix + ext} does not exist; build the default "
+                    "data with 'python examples/pretrain_gpt/prepare_data.py' or pass an "
+                    "existing Megatron indexed dataset prefix"
+                )
+
+
+def _data_prefixes(data_path: Sequence[str]) -> list[str]:
+    """The prefixes of Megatron's ``--data-path [W1] P1 [W2] P2`` (weights optional)."""
+
+    def is_number(x: str) -> bool:
+        try:
+            float(x)
+        except ValueError:
+            return False
+        return True
+
+    if len(data_path) % 2 == 0 and data_path and all(is_number(w) for w in data_path[::2]):
+        return list(data_path[1::2])
+    return list(data_path)
+
+
+def _validate_checkpointing(args: argparse.Namespace) -> None:
+    if args.save_interval is not None and not args.save:
+        raise ConfigError(
+            f"--save-interval={args.save_interval} needs --save DIR to say where to save"
+        )
+    if args.save and args.save_interval is None:
+        args.save_interval = args.train_iters  # save once, at the end
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse and validate; on a bad config print one line (rank 0 only) and exit 2."""
+    args = build_parser().parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        return validate_args(args, world_size)
+    except ConfigError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)

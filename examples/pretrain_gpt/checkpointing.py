@@ -1,0 +1,192 @@
+"""Save and resume through Megatron-Core's ``dist_checkpointing`` (torch_dist format).
+
+The layout follows Megatron-LM: ``<dir>/iter_0000100/`` holds one sharded checkpoint and
+``<dir>/latest_checkpointed_iteration.txt`` names the newest. Model and optimizer state are
+sharded tensors, so a checkpoint loads into another TP/PP layout; the iteration, consumed
+samples and LR-scheduler state are common state. Per-rank RNG states go to ``rng/`` and are
+restored only when the layout is unchanged (they only matter with dropout).
+
+Fallback: with ``--use-distributed-optimizer`` on megatron-core without Apex/TE (the CPU
+case), the optimizer state is saved per rank beside the sharded checkpoint (see
+``_per_rank_optimizer_state``); model weights still go through dist_checkpointing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _sharded_state(
+    model_chunks: list[torch.nn.Module],
+    optimizer: Any,
+    with_optimizer: bool,
+    is_loading: bool,
+    dist_optimizer: bool,
+) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    if len(model_chunks) == 1:
+        state["model"] = model_chunks[0].sharded_state_dict(prefix="")
+    else:  # virtual pipeline: one entry per chunk, as Megatron-LM
+        for i, chunk in enumerate(model_chunks):
+            state[f"model{i}"] = chunk.sharded_state_dict(prefix="")
+    if with_optimizer and not _per_rank_optimizer_state(dist_optimizer):
+        model_state = {k: v for k, v in state.items() if k.startswith("model")}
+        # fully_reshardable: the default "fully_sharded_model_space" raises on flattened
+        # ranges in 0.16.1.
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"} if dist_optimizer else None
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=metadata
+        )
+    return state
+
+
+def _per_rank_optimizer_state(dist_optimizer: bool) -> bool:
+    """Whether the optimizer state must take the per-rank fallback instead of dist_checkpointing.
+
+    megatron-core 0.16.1 cannot load a DistributedOptimizer's state without Apex/TE: building
+    the load template asserts on the (empty) torch-Adam 'step', and once that is filled,
+    ``_set_main_param_and_optimizer_states`` looks for a 'step' tensor that the checkpoint
+    never holds. The fallback stores each rank's shard (main params and Adam state) next to
+    the sharded checkpoint; it resumes exactly, on the same layout only.
+    """
+    if not dist_optimizer:
+        return False
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+
+
+def _optimizer_path(ckpt_dir: str) -> str:
+    return os.path.join(ckpt_dir, "optim", os.path.basename(_rng_path(ckpt_dir)))
+
+
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    return [sub.optimizer for sub in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _save_optimizer_per_rank(ckpt_dir: str, optimizer: Any) -> None:
+    inner = _inner_optimizers(optimizer)
+    payload = {
+        "state": [opt.state_dict() for opt in inner],
+        "main_params": [[p.detach().clone() for g in opt.param_groups for p in g["params"]]
+                        for opt in inner],
+    }
+    os.makedirs(os.path.dirname(_optimizer_path(ckpt_dir)), exist_ok=True)
+    torch.save(payload, _optimizer_path(ckpt_dir))
+
+
+def _load_optimizer_per_rank(ckpt_dir: str, optimizer: Any) -> None:
+    path = _optimizer_path(ckpt_dir)
+    if not os.path.isfile(path):
+        raise RuntimeError(
+            f"--load {ckpt_dir}: no distributed-optimizer state for this rank's layout "
+            f"({os.path.basename(path)}); on megatron-core without Apex/TE that state resumes "
+            "only on the layout that saved it. Resume with the same TP/PP/DP sizes, or pass "
+            "--no-load-optim to load the weights alone"
+        )
+    payload = torch.load(path, weights_only=False)
+    for opt, state, params in zip(_inner_optimizers(optimizer), payload["state"],
+                                  payload["main_params"]):
+        opt.load_state_dict(state)
+        live = [p for g in opt.param_groups for p in g["params"]]
+        for dst, src in zip(live, params, strict=True):
+            dst.data.copy_(src)
+
+
+def _rng_path(ckpt_dir: str) -> str:
+    layout = (
+        f"tp{ps.get_tensor_model_parallel_rank()}of{ps.get_tensor_model_parallel_world_size()}"
+        f"_pp{ps.get_pipeline_model_parallel_rank()}of{ps.get_pipeline_model_parallel_world_size()}"
+        f"_dp{ps.get_data_parallel_rank()}of{ps.get_data_parallel_world_size()}"
+    )
+    return os.path.join(ckpt_dir, "rng", f"{layout}.pt")
+
+
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    model_chunks: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    consumed_samples: int,
+    save_optimizer: bool,
+    dist_optimizer: bool,
+) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    ckpt_dir = os.path.join(save_dir, f"iter_{iteration:07d}")
+    state = _sharded_state(model_chunks, optimizer, save_optimizer, False, dist_optimizer)
+    state.update(
+        iteration=iteration,
+        consumed_samples=consumed_samples,
+        opt_param_scheduler=scheduler.state_dict(),
+        checkpoint_version=1,
+    )
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state, ckpt_dir)
+    if save_optimizer and _per_rank_optimizer_state(dist_optimizer):
+        _save_optimizer_per_rank(ckpt_dir, optimizer)
+    os.makedirs(os.path.dirname(_rng_path(ckpt_dir)), exist_ok=True)
+    torch.save({"torch": torch.get_rng_state()}, _rng_path(ckpt_dir))
+    dist.barrier()
+    if dist.get_rank() == 0:  # written last: a crash mid-save never names a partial checkpoint
+        with open(os.path.join(save_dir, TRACKER), "w") as f:
+            f.write(str(iteration))
+    dist.barrier()
+    return ckpt_dir
+
+
+def latest_iteration(load_dir: str) -> Optional[int]:
+    """The iteration named by the tracker file, or None when there is no checkpoint."""
+    tracker = os.path.join(load_dir, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        return int(f.read().strip())
+
+
+def load_checkpoint(
+    load_dir: str,
+    model_chunks: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    load_optimizer: bool,
+    dist_optimizer: bool,
+) -> tuple[int, int]:
+    """Collective. Returns ``(iteration, consumed_samples)``; ``(0, 0)`` without a checkpoint."""
+    iteration = latest_iteration(load_dir)
+    if iteration is None:
+        if dist.get_rank() == 0:
+            print(f"WARNING: no checkpoint in --load {load_dir}; training from scratch", flush=True)
+        return 0, 0
+    ckpt_dir = os.path.join(load_dir, f"iter_{iteration:07d}")
+    template = _sharded_state(model_chunks, optimizer, load_optimizer, True, dist_optimizer)
+    state = dist_checkpointing.load(template, ckpt_dir)
+    if len(model_chunks) == 1:
+        model_chunks[0].load_state_dict(state["model"])
+    else:
+        for i, chunk in enumerate(model_chunks):
+            chunk.load_state_dict(state[f"model{i}"])
+    if load_optimizer:
+        if _per_rank_optimizer_state(dist_optimizer):
+            optimizer.reload_model_params()  # main-param shards from the loaded weights...
+            _load_optimizer_per_rank(ckpt_dir, optimizer)  # ...then the exact saved ones
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    else:
+        # The optimizer's fp32/sharded main params must pick up the loaded weights.
+        optimizer.reload_model_params()
+    rng_file = _rng_path(ckpt_dir)
+    if os.path.isfile(rng_file):
+        torch.set_rng_state(torch.load(rng_file, weights_only=True)["torch"])
+    return int(state["iteration"]), int(state["consumed_samples"])

@@ -1,0 +1,597 @@
+"""Compact Megatron-Core GPT pretraining, on CPU (gloo) or GPU (nccl).
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=8 examples/pretrain_gpt/pretrain_gpt.py \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \\
+        --data-path data/stdlib_text_document --train-iters 100
+
+Real megatron-core throughout: GPTModel, DistributedDataParallel, get_megatron_optimizer, the
+pipeline schedules, dist_checkpointing and the GPT datasets. On the CPU the plugin's CPU runtime
+(megatron_mecefo.runtime) supplies the CUDA plumbing megatron-core expects.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from datetime import timedelta
+from functools import partial
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arguments import parse_args  # noqa: E402  (validated before torch is imported)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+
+    import torch
+
+    device = _select_device(args)
+    trainer = Trainer(args, device)
+    trainer.train()
+    trainer.finish(time.perf_counter() - t_start)
+
+
+def _select_device(args: Any) -> "torch.device":  # noqa: F821
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        _fail("--device=cuda: CUDA is not available on this machine; use --device cpu")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cpu" and args.transformer_impl == "transformer_engine":
+        _fail("--transformer-impl=transformer_engine needs --device cuda; use local on CPU")
+    return torch.device(args.device)
+
+
+def _fail(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+class Trainer:
+    """One training run: distributed setup, model, optimizer, data, loop, eval, checkpoints."""
+
+    def __init__(self, args: Any, device: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.args = args
+        self.device = device
+        if device.type == "cpu":
+            # Expected on CPU and printed once per rank: keep the log readable.
+            warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*installed")
+            warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+            # 2 cores shared by up to 8 ranks: more threads per rank is 10-20x slower.
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        else:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend="gloo" if device.type == "cpu" else "nccl",
+                timeout=timedelta(minutes=int(os.environ.get("MECEFO_PG_TIMEOUT_MIN", "10"))),
+            )
+        self.rank = dist.get_rank()
+        if device.type == "cpu":
+            from megatron_mecefo.runtime import enable_cpu_runtime
+
+            enable_cpu_runtime()
+        self._init_parallel_state()
+        self.config = self._transformer_config()
+        self.model_chunks, self.model = self._build_model()
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.tokens_per_step = args.global_batch_size * args.seq_length
+        self.iteration, self.consumed_samples = 0, 0
+        if args.load:
+            self._load()
+        self._build_data()
+        self.metrics_file = None
+        if self.rank == 0 and args.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
+            self.metrics_file = open(args.metrics_file, "a" if args.load else "w")
+        self.tb = self._tensorboard()
+        self.history: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.saved: list[int] = []
+
+    # ------------------------------------------------------------------ setup
+    def _init_parallel_state(self) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        a = self.args
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=a.tensor_model_parallel_size,
+            pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
+        )
+        tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
+
+    def _transformer_config(self) -> Any:
+        import torch
+        import torch.nn.functional as F
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        a = self.args
+        dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
+        gloo = self.device.type == "cpu"
+        return TransformerConfig(
+            num_layers=a.num_layers,
+            hidden_size=a.hidden_size,
+            ffn_hidden_size=a.ffn_hidden_size,
+            num_attention_heads=a.num_attention_heads,
+            num_query_groups=a.num_query_groups,
+            kv_channels=a.kv_channels,
+            tensor_model_parallel_size=a.tensor_model_parallel_size,
+            pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
+            sequence_parallel=a.sequence_parallel,
+            normalization=a.normalization,
+            layernorm_epsilon=a.norm_epsilon,
+            gated_linear_unit=a.swiglu,
+            activation_func=F.silu if a.swiglu else F.gelu,
+            add_bias_linear=a.add_bias_linear,
+            init_method_std=a.init_method_std,
+            hidden_dropout=a.hidden_dropout,
+            attention_dropout=a.attention_dropout,
+            bf16=a.bf16,
+            fp16=a.fp16,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            use_cpu_initialization=gloo,
+            recompute_granularity=a.recompute_granularity,
+            recompute_method=a.recompute_method,
+            recompute_num_layers=a.recompute_num_layers,
+            calculate_per_token_loss=a.calculate_per_token_loss,
+            # Fused kernels are CUDA-only (or torch.compile on CPU, 17 s of first-step codegen).
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            # gloo swaps the tensors of batched isend/irecv pairs with one peer under the
+            # interleaved schedule: silently wrong gradients. Unbatched p2p is correct.
+            batch_p2p_comm=not (gloo and a.virtual_pipeline_model_parallel_size),
+            overlap_p2p_comm=bool(gloo and a.virtual_pipeline_model_parallel_size),
+        )
+
+    def _build_model(self) -> tuple[list[Any], list[Any]]:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer.module import Float16Module
+
+        from megatron_mecefo._optional import have_transformer_engine
+        from megatron_mecefo.layer_specs import gpt_decoder_spec
+        from megatron_mecefo.layout_invariant_init import layout_invariant_init_
+
+        a, cfg = self.args, self.config
+        if a.transformer_impl == "auto":
+            use_te = self.device.type == "cuda" and have_transformer_engine()
+            a.transformer_impl = "transformer_engine" if use_te else "local"
+        from megatron_mecefo.data import ByteTokenizer
+
+        self.tokenizer = ByteTokenizer()
+        multiple = a.make_vocab_size_divisible_by * a.tensor_model_parallel_size
+        a.padded_vocab_size = math.ceil(self.tokenizer.vocab_size / multiple) * multiple
+        vpp = a.virtual_pipeline_model_parallel_size
+        chunks = []
+        for vp_stage in range(vpp) if vpp else [None]:
+            chunk = GPTModel(
+                config=cfg,
+                transformer_layer_spec=gpt_decoder_spec(cfg, a.transformer_impl, vp_stage),
+                vocab_size=a.padded_vocab_size,
+                max_sequence_length=a.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
+                position_embedding_type=a.position_embedding_type,
+                rotary_base=a.rotary_base,
+                vp_stage=vp_stage,
+            )
+            chunks.append(chunk.to(self.device))
+        if a.layout_invariant_init:
+            layout_invariant_init_(chunks, cfg, a.seed)
+        self.num_params = sum(p.numel() for c in chunks for p in c.parameters())
+        wrapped = [Float16Module(cfg, c) for c in chunks] if (a.bf16 or a.fp16) else chunks
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=a.bf16 or a.fp16,
+            overlap_grad_reduce=a.overlap_grad_reduce,
+            use_distributed_optimizer=a.use_distributed_optimizer,
+        )
+        model = [
+            # Bucketing only for the first chunk, as Megatron-LM does (the others overlap
+            # their whole reduction with the first chunk's backward).
+            DistributedDataParallel(cfg, ddp_config, m, disable_bucketing=i > 0)
+            for i, m in enumerate(wrapped)
+        ]
+        return chunks, model
+
+    def _build_optimizer(self) -> tuple[Any, Any]:
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        a, cfg = self.args, self.config
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer=a.optimizer,
+                lr=a.lr,
+                min_lr=a.min_lr,
+                weight_decay=a.weight_decay,
+                adam_beta1=a.adam_beta1,
+                adam_beta2=a.adam_beta2,
+                adam_eps=a.adam_eps,
+                clip_grad=a.clip_grad,
+                bf16=a.bf16,
+                fp16=a.fp16,
+                params_dtype=cfg.params_dtype,
+                use_distributed_optimizer=a.use_distributed_optimizer,
+            ),
+            self.model,
+        )
+        scheduler = OptimizerParamScheduler(
+            optimizer,
+            init_lr=0.0 if a.lr_warmup_iters else a.lr,
+            max_lr=a.lr,
+            min_lr=a.min_lr,
+            lr_warmup_steps=a.lr_warmup_iters,
+            lr_decay_steps=a.lr_decay_iters,
+            lr_decay_style=a.lr_decay_style,
+            start_wd=a.weight_decay,
+            end_wd=a.weight_decay,
+            wd_incr_steps=a.train_iters,
+            wd_incr_style="constant",
+        )
+        # The hooks Megatron-LM's train() installs.
+        cfg.finalize_model_grads_func = finalize_model_grads
+        cfg.grad_scale_func = optimizer.scale_loss
+        if a.overlap_grad_reduce:
+            one = len(self.model) == 1
+            no_sync = [m.no_sync for m in self.model]
+            grad_sync = [m.start_grad_sync for m in self.model]
+            cfg.no_sync_func = no_sync[0] if one else no_sync
+            cfg.grad_sync_func = grad_sync[0] if one else grad_sync
+        return optimizer, scheduler
+
+    def _build_data(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        from megatron_mecefo.data import PretrainingSampler, build_data_iterator, build_gpt_datasets
+
+        a = self.args
+        train_samples = a.train_iters * a.global_batch_size
+        eval_samples = a.eval_iters * a.global_batch_size
+        cache = a.data_cache_path or (
+            os.path.join(os.path.dirname(os.path.abspath(a.data_path[-1])), "cache")
+            if a.data_path
+            else None
+        )
+        self.train_ds, self.valid_ds, _ = build_gpt_datasets(
+            data_path=a.data_path,
+            mock=a.mock_data,
+            seq_length=a.seq_length,
+            seed=a.seed,
+            split=a.split,
+            num_samples=(train_samples, eval_samples, 0),
+            tokenizer=self.tokenizer,
+            cache_dir=cache,
+        )
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+
+        def iterators(dataset: Any, consumed: int) -> Any:
+            def one() -> Any:
+                sampler = PretrainingSampler(
+                    total_samples=len(dataset),
+                    consumed_samples=consumed,
+                    micro_batch_size=a.micro_batch_size,
+                    data_parallel_rank=self.dp_rank,
+                    data_parallel_size=self.dp_size,
+                )
+                return build_data_iterator(dataset, sampler)
+
+            # The interleaved schedule pulls from one iterator per model chunk, each of
+            # which must see every micro-batch.
+            vpp = a.virtual_pipeline_model_parallel_size
+            return [one() for _ in range(vpp)] if vpp else one()
+
+        self._iterators = iterators
+        self.train_iter = iterators(self.train_ds, self.consumed_samples)
+
+    def _tensorboard(self) -> Any:
+        if self.rank != 0 or not self.args.tensorboard_dir:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            _fail(
+                f"--tensorboard-dir={self.args.tensorboard_dir}: the tensorboard package is not "
+                "installed; pip install tensorboard, or drop the flag"
+            )
+        return SummaryWriter(log_dir=self.args.tensorboard_dir)
+
+    # ------------------------------------------------------------------ steps
+    def _forward_step(self, data_iterator: Any, model: Any) -> tuple[Any, Any]:
+        batch = {k: v.to(self.device) for k, v in next(data_iterator).items()}
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, partial(_loss_func, batch["loss_mask"])
+
+    def _run_schedule(self, data_iterator: Any, forward_only: bool) -> float:
+        """One global batch through the pipeline schedule; returns the mean lm loss."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        a = self.args
+        losses = get_forward_backward_func()(
+            forward_step_func=self._forward_step,
+            data_iterator=data_iterator,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=a.num_microbatches,
+            seq_length=a.seq_length,
+            micro_batch_size=a.micro_batch_size,
+            forward_only=forward_only,
+        )
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            for item in losses:
+                total += item["lm loss"].to(total)
+        # Sum over every rank: each TP rank of each last stage adds its (equal) share, so
+        # loss-sum / token-count is still the mean over the global batch.
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step on one global batch."""
+        a = self.args
+        t0 = time.perf_counter()
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._run_schedule(self.train_iter, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        self.iteration += 1
+        self.consumed_samples += a.global_batch_size
+        dt = time.perf_counter() - t0
+        return {
+            "type": "train",
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "loss": loss,
+            "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
+            "skipped": not ok,
+            "step_time_s": dt,
+            "tokens": self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_step / dt,
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
+
+    def evaluate(self) -> dict[str, Any]:
+        """Validation loss and perplexity on the first ``--eval-iters`` global batches."""
+        for m in self.model:
+            m.eval()
+        import torch
+
+        with torch.no_grad():
+            it = self._iterators(self.valid_ds, 0)
+            losses = [
+                self._run_schedule(it, forward_only=True) for _ in range(self.args.eval_iters)
+            ]
+        for m in self.model:
+            m.train()
+        loss = sum(losses) / len(losses)
+        return {
+            "type": "eval",
+            "split": "valid",
+            "iteration": self.iteration,
+            "loss": loss,
+            "ppl": math.exp(min(loss, 50.0)),
+        }
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> None:
+        a = self.args
+        self._log_start()
+        window: list[dict[str, Any]] = []
+        while self.iteration < a.train_iters:
+            record = self.train_step()
+            self.history.append(record)
+            window.append(record)
+            self._emit(record)
+            if self.iteration % a.log_interval == 0 or self.iteration == a.train_iters:
+                self._log_window(window)
+                window = []
+            check = a.check_weight_hash_across_dp_replicas_interval
+            if check and (self.iteration % check == 0 or self.iteration == a.train_iters):
+                self._check_dp_replicas()
+            if a.eval_iters > 0 and self.iteration % a.eval_interval == 0:
+                self._log_eval(self.evaluate())
+            if a.save and self.iteration % a.save_interval == 0:
+                self._save()
+            if a.exit_interval and self.iteration % a.exit_interval == 0:
+                break
+        if a.eval_iters > 0 and (not self.evals or self.evals[-1]["iteration"] != self.iteration):
+            self._log_eval(self.evaluate())
+        if a.save and self.saved[-1:] != [self.iteration]:
+            self._save()
+
+    def _check_dp_replicas(self) -> None:
+        """Megatron-LM's weight-hash check: every DP replica must hold the same bits."""
+        import hashlib
+
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        digest = hashlib.sha256()
+        for chunk in self.model_chunks:
+            for _, param in sorted(chunk.named_parameters()):
+                digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy())
+        mine = torch.tensor(list(digest.digest()), dtype=torch.uint8, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.dp_size)]
+        dist.all_gather(gathered, mine, group=ps.get_data_parallel_group())
+        identical = all(torch.equal(g, gathered[0]) for g in gathered)
+        flags = torch.tensor([0.0 if identical else 1.0], device=self.device)
+        dist.all_reduce(flags)  # one verdict for the whole job
+        record = {"type": "dp_weight_check", "iteration": self.iteration,
+                  "identical": bool(flags.item() == 0)}
+        self._emit(record)
+        if not record["identical"]:
+            raise RuntimeError(f"iteration {self.iteration}: DP replicas hold different weights")
+
+    def _save(self) -> None:
+        from checkpointing import save_checkpoint
+
+        a = self.args
+        path = save_checkpoint(
+            a.save,
+            self.iteration,
+            self.model_chunks,
+            self.optimizer,
+            self.scheduler,
+            self.consumed_samples,
+            save_optimizer=not a.no_save_optim,
+            dist_optimizer=a.use_distributed_optimizer,
+        )
+        self.saved.append(self.iteration)
+        self._print(f"saved checkpoint at iteration {self.iteration} to {path}")
+
+    def _load(self) -> None:
+        from checkpointing import load_checkpoint
+
+        a = self.args
+        self.iteration, self.consumed_samples = load_checkpoint(
+            a.load,
+            self.model_chunks,
+            self.optimizer,
+            self.scheduler,
+            load_optimizer=not a.no_load_optim,
+            dist_optimizer=a.use_distributed_optimizer,
+        )
+        if self.iteration:
+            self._print(
+                f"loaded checkpoint from {a.load} at iteration {self.iteration} "
+                f"(consumed samples {self.consumed_samples})"
+            )
+
+    # ------------------------------------------------------------------ output
+    def _print(self, line: str) -> None:
+        if self.rank == 0:
+            print(line, flush=True)
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        if self.metrics_file is not None:
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+        if self.tb is not None and "loss" in record:
+            prefix = "train" if record["type"] == "train" else record["split"]
+            for key in ("loss", "grad_norm", "lr", "tokens_per_s", "ppl"):
+                if key in record:
+                    self.tb.add_scalar(f"{prefix}/{key}", record[key], record["iteration"])
+
+    def _log_start(self) -> None:
+        a = self.args
+        self._print(
+            f"> training GPT: TP{a.tensor_model_parallel_size} x "
+            f"PP{a.pipeline_model_parallel_size} x DP{a.data_parallel_size}"
+            f"{f' x VPP{a.virtual_pipeline_model_parallel_size}' if a.virtual_pipeline_model_parallel_size else ''}"
+            f" on {a.world_size} {self.device.type} ranks ({'gloo' if self.device.type == 'cpu' else 'nccl'}), "
+            f"{a.num_layers} layers, hidden {a.hidden_size}, ffn {a.ffn_hidden_size}, "
+            f"{a.num_attention_heads} heads, seq {a.seq_length}, vocab {a.padded_vocab_size}, "
+            f"{self.num_params:,} params on rank 0, spec {a.transformer_impl}; "
+            f"global batch {a.global_batch_size} = {a.num_microbatches} micro-batches x "
+            f"{a.micro_batch_size} x DP{a.data_parallel_size}"
+        )
+
+    def _log_window(self, window: list[dict[str, Any]]) -> None:
+        a = self.args
+        last = window[-1]
+        mean = lambda k: sum(r[k] for r in window) / len(window)  # noqa: E731
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        self._print(
+            f" [{stamp}] iteration {last['iteration']:>8d}/{a.train_iters:>8d} |"
+            f" consumed samples: {last['consumed_samples']:>10d} |"
+            f" elapsed time per iteration (ms): {1000 * mean('step_time_s'):.1f} |"
+            f" learning rate: {last['lr']:.6E} |"
+            f" global batch size: {a.global_batch_size:>5d} |"
+            f" lm loss: {mean('loss'):.6E} |"
+            f" grad norm: {mean('grad_norm'):.3f} |"
+            f" tokens/s: {sum(r['tokens'] for r in window) / sum(r['step_time_s'] for r in window):.0f} |"
+            f" number of skipped iterations: {sum(r['skipped'] for r in window):>3d} |"
+        )
+
+    def _log_eval(self, record: dict[str, Any]) -> None:
+        self.evals.append(record)
+        self._emit(record)
+        line = (
+            f" validation loss at iteration {record['iteration']} | lm loss value: "
+            f"{record['loss']:.6E} | lm loss PPL: {record['ppl']:.6E} |"
+        )
+        self._print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+
+    def finish(self, wall_s: float) -> None:
+        """Print the summary table and shut the process group down."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        a = self.args
+        if self.rank == 0 and self.history:
+            steady = self.history[1:] or self.history  # the first step pays one-off costs
+            step_s = sum(r["step_time_s"] for r in steady) / len(steady)
+            rows = [
+                ("layout", f"TP{a.tensor_model_parallel_size} x PP{a.pipeline_model_parallel_size}"
+                 f" x DP{a.data_parallel_size} ({a.world_size} ranks, {self.device.type})"),
+                ("iterations", f"{self.history[0]['iteration']} -> {self.history[-1]['iteration']}"
+                 f" ({self.consumed_samples} samples consumed)"),
+                ("lm loss first -> last",
+                 f"{self.history[0]['loss']:.4f} -> {self.history[-1]['loss']:.4f}"),
+                ("mean step time", f"{step_s:.3f} s (iterations after the first)"),
+                ("throughput", f"{self.tokens_per_step / step_s:,.0f} tokens/s"),
+            ]
+            if self.evals:
+                ev = self.evals[-1]
+                rows.append(("validation loss / ppl", f"{ev['loss']:.4f} / {ev['ppl']:.2f}"
+                             f" (iteration {ev['iteration']})"))
+            if self.saved:
+                rows.append(("checkpoints", f"iterations {self.saved} in {a.save}"))
+            rows.append(("wall time", f"{wall_s:.1f} s"))
+            width = max(len(k) for k, _ in rows)
+            print("=" * 30 + " training summary " + "=" * 30)
+            for key, value in rows:
+                print(f" {key:<{width}}  {value}")
+            print("=" * 78, flush=True)
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+        if self.tb is not None:
+            self.tb.close()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """Megatron-LM's GPT loss: (sum of token losses, token count, report [sum, count])."""
+    import torch
+
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+if __name__ == "__main__":  # required: dist_checkpointing's writer spawns processes
+    main()

@@ -1,0 +1,19 @@
+"""Runtime support that lets megatron-core run where it was not built to (CPU + gloo)."""
+
+from megatron_mecefo.runtime.cpu import (
+    LAYERS,
+    PATCHED_CALL_SITES,
+    CpuRuntime,
+    PatchedCallSite,
+    active_cpu_runtime,
+    enable_cpu_runtime,
+)
+
+__all__ = [
+    "LAYERS",
+    "PATCHED_CALL_SITES",
+    "CpuRuntime",
+    "PatchedCallSite",
+    "active_cpu_runtime",
+    "enable_cpu_runtime",
+]

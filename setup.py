@@ -1,0 +1,26 @@
+"""Packaging for megatron-mecefo."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-mecefo",
+    version="0.1.0",
+    description="MeCeFO fault-tolerant training plugin for Megatron-Core (3D parallel).",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_mecefo", "megatron_mecefo.*"]),
+    # Tested: megatron-core 0.16.1 (CPU, Python 3.11); the code also follows the 0.19 API.
+    # Install torch first and pin it: an unpinned torch pulls the CUDA build.
+    install_requires=["torch>=2.6", "megatron-core>=0.16.1", "numpy", "psutil"],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout", "tensorboard"],
+        "plot": ["matplotlib"],
+        "tensorboard": ["tensorboard"],
+        # GPU machines only: Transformer Engine breaks `import megatron.core` on a CPU torch.
+        # NVIDIA apex is not on PyPI (PyPI's `apex` is an unrelated package); build it from
+        # source if you want it.
+        "te": ["transformer-engine[pytorch]"],
+    },
+)

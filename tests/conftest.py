@@ -1,0 +1,71 @@
+"""Shared fixtures: a small real-text dataset, and launching the example trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
+
+# A tiny LLaMA-style model that still has every parallel dimension to split.
+TINY_MODEL = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "3e-3", "--lr-decay-style", "constant", "--split", "90,10,0",
+    # 258 tokens pad to 512 at TP1 and TP2 alike, so the layouts build the same model.
+    "--make-vocab-size-divisible-by", "256",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def run_trainer(
+    nproc: int, args: list[str], workdir: Path, timeout: int = 600, **env: str
+) -> tuple[subprocess.CompletedProcess, list[dict[str, Any]]]:
+    """torchrun the example trainer as a user would; returns the process and its metrics."""
+    metrics = workdir / f"metrics_{len(list(workdir.glob('metrics_*')))}.jsonl"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}", str(TRAINER), *args, "--metrics-file", str(metrics),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=workdir, env=child_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return proc, records
+
+
+def train_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r["type"] == "train"]
+
+
+@pytest.fixture(scope="session")
+def text_data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A small Megatron indexed dataset of real text (stdlib docstrings), built once."""
+    from megatron_mecefo.data import prepare_stdlib_dataset
+
+    prefix = tmp_path_factory.mktemp("data") / "stdlib_text_document"
+    prepare_stdlib_dataset(str(prefix), max_bytes=400_000)
+    return str(prefix)
