@@ -40,13 +40,16 @@ def gpt_decoder_spec(
         if not have_transformer_engine():
             raise RuntimeError(
                 "--transformer-impl transformer_engine needs Transformer Engine, which is not "
-                "installed; install megatron-mecefo[te] on a GPU machine or use --transformer-impl local"
+                "installed; install megatron-mecefo[te] on a GPU machine, or use "
+                "--transformer-impl local"
             )
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=None, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm
         )
     if transformer_impl != "local":
-        raise ValueError(f"transformer_impl={transformer_impl!r}; expected one of {TRANSFORMER_IMPLS}")
+        raise ValueError(
+            f"transformer_impl={transformer_impl!r}; expected one of {TRANSFORMER_IMPLS}"
+        )
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         normalization=config.normalization, qk_layernorm=config.qk_layernorm
     )

@@ -62,7 +62,9 @@ def layout_invariant_init_(
             shape = tuple(sh.global_shape[n:])
             offset = tuple(sh.global_offset[n:])
             full = _global_tensor(sh.key, layer_offset, shape, sh.data.dtype, config, seed)
-            local = full[tuple(slice(o, o + s) for o, s in zip(offset, sh.local_shape))]
+            local = full[
+                tuple(slice(o, o + s) for o, s in zip(offset, sh.local_shape, strict=True))
+            ]
             sh.data.copy_(local)
             written += 1
     return written

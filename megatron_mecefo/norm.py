@@ -39,5 +39,5 @@ class SequenceParallelTorchNorm:
         norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)
         for param in norm.parameters():
             # Read by finalize_model_grads: all-reduce this grad over the TP group.
-            setattr(param, "sequence_parallel", config.sequence_parallel)
+            param.sequence_parallel = config.sequence_parallel
         return norm

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,9 @@ def test_patched_call_sites_are_exactly_the_documented_list(tmp_path: Path) -> N
     documented = {(s.layer, s.path, s.function) for s in PATCHED_CALL_SITES}
     assert not observed - documented, f"undocumented sites: {sorted(observed - documented)}"
     assert not documented - observed, f"documented but never hit: {sorted(documented - observed)}"
+
+
+def test_readme_table_lists_exactly_the_patched_call_sites() -> None:
+    readme = (REPO / "README.md").read_text()
+    listed = set(re.findall(r"^\| (\w+) \| `([^`]+)::(\w+)` \|", readme, flags=re.M))
+    assert listed == {(s.layer, s.path, s.function) for s in PATCHED_CALL_SITES}

@@ -27,9 +27,13 @@ def test_layout_trains_and_keeps_replicas_identical(
         "--data-path", text_data, "--train-iters", "12", "--eval-iters", "2",
         "--eval-interval", "12", "--check-weight-hash-across-dp-replicas-interval", "4",
     ]  # fmt: skip
+    if (tp, pp) == (1, 1):  # TensorBoard output, once
+        args += ["--tensorboard-dir", str(tmp_path / "tb")]
     _, records = run_trainer(tp * pp * dp, args, tmp_path)
     losses = [r["loss"] for r in train_records(records)]
     assert len(losses) == 12
+    if (tp, pp) == (1, 1):
+        assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert losses[-1] < losses[0] - 1.0, losses
     checks = [r for r in records if r["type"] == "dp_weight_check"]
     assert [c["iteration"] for c in checks] == [4, 8, 12]
@@ -66,7 +70,7 @@ def test_parallel_layout_matches_single_rank(
     losses = [r["loss"] for r in train_records(records)]
     diffs = [abs(a - b) for a, b in zip(losses, reference_losses, strict=True)]
     print(f"max |loss - reference| over 10 steps: {max(diffs):.2e}")
-    assert max(diffs) < LOSS_ATOL, list(zip(losses, reference_losses))
+    assert max(diffs) < LOSS_ATOL, list(zip(losses, reference_losses, strict=True))
     assert reference_losses[-1] < reference_losses[0] - 1.0  # a run that learns, not a flat one
 
 

@@ -105,17 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument(
-        "--global-batch-size", type=int, default=None, help="Default: micro-batch × DP."
-    )
+    g.add_argument("--global-batch-size", type=int, default=None, help="Default: micro-batch × DP.")
     g.add_argument("--train-iters", type=int, default=100)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument(
-        "--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine"
-    )
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -323,29 +319,14 @@ def _validate_data(args: argparse.Namespace) -> None:
             f"--split={args.split} has no validation part but --eval-iters={args.eval_iters}; "
             "give the second weight a value or pass --eval-iters 0"
         )
-    for prefix in _data_prefixes(args.data_path or []):
-        for ext in (".bin", ".idx"):
-            if not os.path.isfile(prefix + ext):
-                raise ConfigError(
-                    f"--data-path {prefix}: {prefix + ext} does not exist; build the default "
-                    "data with 'python examples/pretrain_gpt/prepare_data.py' or pass an "
-                    "existing Megatron indexed dataset prefix"
-                )
+    if args.data_path:
+        from megatron_mecefo.data.data_path import check_data_prefix, parse_data_path
 
-
-def _data_prefixes(data_path: Sequence[str]) -> list[str]:
-    """The prefixes of Megatron's ``--data-path [W1] P1 [W2] P2`` (weights optional)."""
-
-    def is_number(x: str) -> bool:
         try:
-            float(x)
-        except ValueError:
-            return False
-        return True
-
-    if len(data_path) % 2 == 0 and data_path and all(is_number(w) for w in data_path[::2]):
-        return list(data_path[1::2])
-    return list(data_path)
+            for prefix in parse_data_path(args.data_path)[0]:
+                check_data_prefix(prefix)
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(f"--data-path {' '.join(args.data_path)}: {err}") from None
 
 
 def _validate_checkpointing(args: argparse.Namespace) -> None:

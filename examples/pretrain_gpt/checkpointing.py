@@ -76,8 +76,9 @@ def _save_optimizer_per_rank(ckpt_dir: str, optimizer: Any) -> None:
     inner = _inner_optimizers(optimizer)
     payload = {
         "state": [opt.state_dict() for opt in inner],
-        "main_params": [[p.detach().clone() for g in opt.param_groups for p in g["params"]]
-                        for opt in inner],
+        "main_params": [
+            [p.detach().clone() for g in opt.param_groups for p in g["params"]] for opt in inner
+        ],
     }
     os.makedirs(os.path.dirname(_optimizer_path(ckpt_dir)), exist_ok=True)
     torch.save(payload, _optimizer_path(ckpt_dir))
@@ -93,8 +94,9 @@ def _load_optimizer_per_rank(ckpt_dir: str, optimizer: Any) -> None:
             "--no-load-optim to load the weights alone"
         )
     payload = torch.load(path, weights_only=False)
-    for opt, state, params in zip(_inner_optimizers(optimizer), payload["state"],
-                                  payload["main_params"]):
+    for opt, state, params in zip(
+        _inner_optimizers(optimizer), payload["state"], payload["main_params"], strict=True
+    ):
         opt.load_state_dict(state)
         live = [p for g in opt.param_groups for p in g["params"]]
         for dst, src in zip(live, params, strict=True):

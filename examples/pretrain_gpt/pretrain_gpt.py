@@ -28,9 +28,6 @@ from arguments import parse_args  # noqa: E402  (validated before torch is impor
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     t_start = time.perf_counter()
-
-    import torch
-
     device = _select_device(args)
     trainer = Trainer(args, device)
     trainer.train()
@@ -446,8 +443,11 @@ class Trainer:
         identical = all(torch.equal(g, gathered[0]) for g in gathered)
         flags = torch.tensor([0.0 if identical else 1.0], device=self.device)
         dist.all_reduce(flags)  # one verdict for the whole job
-        record = {"type": "dp_weight_check", "iteration": self.iteration,
-                  "identical": bool(flags.item() == 0)}
+        record = {
+            "type": "dp_weight_check",
+            "iteration": self.iteration,
+            "identical": bool(flags.item() == 0),
+        }
         self._emit(record)
         if not record["identical"]:
             raise RuntimeError(f"iteration {self.iteration}: DP replicas hold different weights")
@@ -504,11 +504,13 @@ class Trainer:
 
     def _log_start(self) -> None:
         a = self.args
+        vpp = a.virtual_pipeline_model_parallel_size
+        backend = "gloo" if self.device.type == "cpu" else "nccl"
         self._print(
             f"> training GPT: TP{a.tensor_model_parallel_size} x "
             f"PP{a.pipeline_model_parallel_size} x DP{a.data_parallel_size}"
-            f"{f' x VPP{a.virtual_pipeline_model_parallel_size}' if a.virtual_pipeline_model_parallel_size else ''}"
-            f" on {a.world_size} {self.device.type} ranks ({'gloo' if self.device.type == 'cpu' else 'nccl'}), "
+            f"{f' x VPP{vpp}' if vpp else ''}"
+            f" on {a.world_size} {self.device.type} ranks ({backend}), "
             f"{a.num_layers} layers, hidden {a.hidden_size}, ffn {a.ffn_hidden_size}, "
             f"{a.num_attention_heads} heads, seq {a.seq_length}, vocab {a.padded_vocab_size}, "
             f"{self.num_params:,} params on rank 0, spec {a.transformer_impl}; "
@@ -520,6 +522,7 @@ class Trainer:
         a = self.args
         last = window[-1]
         mean = lambda k: sum(r[k] for r in window) / len(window)  # noqa: E731
+        tokens_per_s = sum(r["tokens"] for r in window) / sum(r["step_time_s"] for r in window)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         self._print(
             f" [{stamp}] iteration {last['iteration']:>8d}/{a.train_iters:>8d} |"
@@ -529,7 +532,7 @@ class Trainer:
             f" global batch size: {a.global_batch_size:>5d} |"
             f" lm loss: {mean('loss'):.6E} |"
             f" grad norm: {mean('grad_norm'):.3f} |"
-            f" tokens/s: {sum(r['tokens'] for r in window) / sum(r['step_time_s'] for r in window):.0f} |"
+            f" tokens/s: {tokens_per_s:.0f} |"
             f" number of skipped iterations: {sum(r['skipped'] for r in window):>3d} |"
         )
 
@@ -552,19 +555,31 @@ class Trainer:
             steady = self.history[1:] or self.history  # the first step pays one-off costs
             step_s = sum(r["step_time_s"] for r in steady) / len(steady)
             rows = [
-                ("layout", f"TP{a.tensor_model_parallel_size} x PP{a.pipeline_model_parallel_size}"
-                 f" x DP{a.data_parallel_size} ({a.world_size} ranks, {self.device.type})"),
-                ("iterations", f"{self.history[0]['iteration']} -> {self.history[-1]['iteration']}"
-                 f" ({self.consumed_samples} samples consumed)"),
-                ("lm loss first -> last",
-                 f"{self.history[0]['loss']:.4f} -> {self.history[-1]['loss']:.4f}"),
+                (
+                    "layout",
+                    f"TP{a.tensor_model_parallel_size} x PP{a.pipeline_model_parallel_size}"
+                    f" x DP{a.data_parallel_size} ({a.world_size} ranks, {self.device.type})",
+                ),
+                (
+                    "iterations",
+                    f"{self.history[0]['iteration']} -> {self.history[-1]['iteration']}"
+                    f" ({self.consumed_samples} samples consumed)",
+                ),
+                (
+                    "lm loss first -> last",
+                    f"{self.history[0]['loss']:.4f} -> {self.history[-1]['loss']:.4f}",
+                ),
                 ("mean step time", f"{step_s:.3f} s (iterations after the first)"),
                 ("throughput", f"{self.tokens_per_step / step_s:,.0f} tokens/s"),
             ]
             if self.evals:
                 ev = self.evals[-1]
-                rows.append(("validation loss / ppl", f"{ev['loss']:.4f} / {ev['ppl']:.2f}"
-                             f" (iteration {ev['iteration']})"))
+                rows.append(
+                    (
+                        "validation loss / ppl",
+                        f"{ev['loss']:.4f} / {ev['ppl']:.2f}" f" (iteration {ev['iteration']})",
+                    )
+                )
             if self.saved:
                 rows.append(("checkpoints", f"iterations {self.saved} in {a.save}"))
             rows.append(("wall time", f"{wall_s:.1f} s"))

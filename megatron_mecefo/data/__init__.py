@@ -10,12 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_mecefo.data.datasets import (
-        build_data_iterator,
-        build_gpt_datasets,
-        check_data_prefix,
-        parse_data_path,
-    )
+    from megatron_mecefo.data.data_path import check_data_prefix, parse_data_path
+    from megatron_mecefo.data.datasets import build_data_iterator, build_gpt_datasets
     from megatron_mecefo.data.sampler import PretrainingSampler, samples_of_global_batch
     from megatron_mecefo.data.stdlib_corpus import (
         DEFAULT_MAX_BYTES,
@@ -28,8 +24,8 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "build_data_iterator": "datasets",
     "build_gpt_datasets": "datasets",
-    "check_data_prefix": "datasets",
-    "parse_data_path": "datasets",
+    "check_data_prefix": "data_path",
+    "parse_data_path": "data_path",
     "PretrainingSampler": "sampler",
     "samples_of_global_batch": "sampler",
     "DEFAULT_MAX_BYTES": "stdlib_corpus",
