@@ -13,7 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_mecefo.data.stdlib_corpus import (
+from megatron_mecefo.runtime import quiet_cpu_warnings
+
+quiet_cpu_warnings()  # before megatron-core is imported: its Apex/TE notices say nothing here
+
+from megatron_mecefo.data.stdlib_corpus import (  # noqa: E402
     DEFAULT_MAX_BYTES,
     prepare_stdlib_dataset,
     prepared_dataset_stats,

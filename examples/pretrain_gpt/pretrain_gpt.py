@@ -16,7 +16,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from datetime import timedelta
 from functools import partial
 from typing import Any, Optional
@@ -62,9 +61,9 @@ class Trainer:
         self.args = args
         self.device = device
         if device.type == "cpu":
-            # Expected on CPU and printed once per rank: keep the log readable.
-            warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*installed")
-            warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+            from megatron_mecefo.runtime import quiet_cpu_warnings
+
+            quiet_cpu_warnings()  # expected on CPU and printed once per rank
             # 2 cores shared by up to 8 ranks: more threads per rank is 10-20x slower.
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         else:

@@ -7,6 +7,7 @@ from megatron_mecefo.runtime.cpu import (
     PatchedCallSite,
     active_cpu_runtime,
     enable_cpu_runtime,
+    quiet_cpu_warnings,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "PatchedCallSite",
     "active_cpu_runtime",
     "enable_cpu_runtime",
+    "quiet_cpu_warnings",
 ]

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -425,6 +426,21 @@ class CpuRuntime:
             return result
 
         self._set(torch.Tensor, "type", type_)
+
+
+#: Warnings megatron-core prints (once per rank) that say nothing on a CPU run: the fallbacks
+#: for absent Apex/TE, and CUDA-stream tuning advice.
+CPU_NOISE = (
+    r".*(Apex|Transformer Engine).*installed",
+    r".*CUDA_DEVICE_MAX_CONNECTIONS",
+    r"full scope is deprecated",
+)
+
+
+def quiet_cpu_warnings() -> None:
+    """Silence :data:`CPU_NOISE`, keeping every other warning."""
+    for pattern in CPU_NOISE:
+        warnings.filterwarnings("ignore", message=pattern)
 
 
 #: Set to a directory to record the intercepted call sites of every rank into
