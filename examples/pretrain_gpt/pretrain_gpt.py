@@ -11,6 +11,7 @@ pipeline schedules, dist_checkpointing and the GPT datasets. On the CPU the plug
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -38,6 +39,13 @@ def _select_device(args: Any) -> "torch.device":  # noqa: F821
 
     if args.device == "cuda" and not torch.cuda.is_available():
         _fail("--device=cuda: CUDA is not available on this machine; use --device cpu")
+    # Checked here, by every rank alike: a rank that failed alone later would leave the others
+    # waiting in a collective.
+    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        _fail(
+            f"--tensorboard-dir={args.tensorboard_dir}: the tensorboard package is not "
+            "installed; pip install tensorboard, or drop the flag"
+        )
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cpu" and args.transformer_impl == "transformer_engine":
@@ -304,13 +312,8 @@ class Trainer:
     def _tensorboard(self) -> Any:
         if self.rank != 0 or not self.args.tensorboard_dir:
             return None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            _fail(
-                f"--tensorboard-dir={self.args.tensorboard_dir}: the tensorboard package is not "
-                "installed; pip install tensorboard, or drop the flag"
-            )
+        from torch.utils.tensorboard import SummaryWriter
+
         return SummaryWriter(log_dir=self.args.tensorboard_dir)
 
     # ------------------------------------------------------------------ steps
