@@ -1,7 +1,8 @@
-"""Import guards for optional GPU-only dependencies (Transformer Engine, NVIDIA apex).
+"""Import guard for Transformer Engine, an optional GPU-only dependency.
 
-Neither can be installed on a CPU machine; a broken Transformer Engine install even raises
-RuntimeError rather than ImportError at import, so every guard catches both.
+It cannot be installed on a CPU machine, and a broken install raises RuntimeError rather
+than ImportError at import, so the guard catches both. (NVIDIA apex is only ever imported by
+megatron-core itself, behind its own guards.)
 """
 
 from __future__ import annotations
@@ -24,8 +25,3 @@ def have_transformer_engine() -> bool:
     from megatron.core.extensions import transformer_engine as te_ext
 
     return bool(getattr(te_ext, "HAVE_TE", False))
-
-
-def have_apex() -> bool:
-    """Whether NVIDIA apex (not PyPI's unrelated ``apex``) is importable."""
-    return _probe("apex.normalization") and _probe("apex.optimizers")

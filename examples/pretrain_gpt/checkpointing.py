@@ -180,8 +180,7 @@ def load_checkpoint(
             chunk.load_state_dict(state[f"model{i}"])
     if load_optimizer:
         if _per_rank_optimizer_state(dist_optimizer):
-            optimizer.reload_model_params()  # main-param shards from the loaded weights...
-            _load_optimizer_per_rank(ckpt_dir, optimizer)  # ...then the exact saved ones
+            _load_optimizer_per_rank(ckpt_dir, optimizer)  # restores the main params too
         else:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])

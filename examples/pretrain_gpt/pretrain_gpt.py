@@ -88,6 +88,9 @@ class Trainer:
             enable_cpu_runtime()
         self._init_parallel_state()
         self.config = self._transformer_config()
+        from megatron_mecefo.data import ByteTokenizer
+
+        self.tokenizer = ByteTokenizer()  # --tokenizer-type's only choice; sets the vocab
         self.model_chunks, self.model = self._build_model()
         self.optimizer, self.scheduler = self._build_optimizer()
         self.tokens_per_step = args.global_batch_size * args.seq_length
@@ -179,9 +182,6 @@ class Trainer:
         if a.transformer_impl == "auto":
             use_te = self.device.type == "cuda" and have_transformer_engine()
             a.transformer_impl = "transformer_engine" if use_te else "local"
-        from megatron_mecefo.data import ByteTokenizer
-
-        self.tokenizer = ByteTokenizer()
         multiple = a.make_vocab_size_divisible_by * a.tensor_model_parallel_size
         a.padded_vocab_size = math.ceil(self.tokenizer.vocab_size / multiple) * multiple
         vpp = a.virtual_pipeline_model_parallel_size

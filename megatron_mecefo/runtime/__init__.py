@@ -5,7 +5,6 @@ from megatron_mecefo.runtime.cpu import (
     PATCHED_CALL_SITES,
     CpuRuntime,
     PatchedCallSite,
-    active_cpu_runtime,
     enable_cpu_runtime,
     quiet_cpu_warnings,
 )
@@ -15,7 +14,6 @@ __all__ = [
     "PATCHED_CALL_SITES",
     "CpuRuntime",
     "PatchedCallSite",
-    "active_cpu_runtime",
     "enable_cpu_runtime",
     "quiet_cpu_warnings",
 ]

@@ -293,10 +293,6 @@ class CpuRuntime:
     def __exit__(self, *exc: Any) -> None:
         self.disable()
 
-    def observed_sites(self) -> set[tuple[str, str, str]]:
-        """The (layer, path, function) call sites intercepted so far (needs ``record=True``)."""
-        return set(self.observed)
-
     def dump_sites(self, path: str) -> None:
         """Write the observed call sites and their counts as JSON."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -465,8 +461,3 @@ def enable_cpu_runtime(record: bool = False) -> CpuRuntime:
         path = os.path.join(record_dir, f"cpu_runtime_sites_rank{os.environ.get('RANK', '0')}.json")
         atexit.register(runtime.dump_sites, path)
     return runtime
-
-
-def active_cpu_runtime() -> Optional[CpuRuntime]:
-    """The enabled runtime of this process, or None."""
-    return CpuRuntime._active
