@@ -1,8 +1,33 @@
 """megatron-mecefo: MeCeFO fault-tolerant training for Megatron-Core.
 
-Importing the package is cheap: it does not import torch or megatron-core. Submodules do.
+Importing the package is cheap: it does not import torch or megatron-core. The names below are
+loaded on first use, from the submodules that define them.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_LAZY = {
+    "MecefoConfig": "megatron_mecefo.config",
+    "MecefoState": "megatron_mecefo.state",
+    "MicrobatchMode": "megatron_mecefo.state",
+    "apply_mecefo": "megatron_mecefo.apply",
+    "mha_group_parameters": "megatron_mecefo.apply",
+    "mecefo_layers": "megatron_mecefo.apply",
+    "mecefo_spec": "megatron_mecefo.specs",
+    "get_mecefo_local_spec": "megatron_mecefo.specs",
+    "get_mecefo_te_spec": "megatron_mecefo.specs",
+    "mecefo_layer_spec": "megatron_mecefo.specs",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'megatron_mecefo' has no attribute {name!r}")
