@@ -213,6 +213,29 @@ def _gather(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
+def scenario_mixed(layout: str, out: str) -> dict:
+    """In a step mixing modes, each micro-batch contributes what it would alone."""
+    from megatron_mecefo.apply import apply_mecefo
+
+    config = make_config(layout, hidden_dropout=0.0, attention_dropout=0.0)
+    d0, d1 = batches(2)
+    mixed, alone = build(config, True), build(config, True)
+    state, state_alone = state_for(rank=8), state_for(rank=8)
+    apply_mecefo(mixed, state)
+    apply_mecefo(alone, state_alone)
+    run_step(mixed, [d0, d1], state, ["exact", "takeover"])
+    run_step(alone, [d0], state_alone, ["exact"])
+    g_exact = grads(alone)
+    alone.zero_grad()
+    run_step(alone, [d1], state_alone, ["takeover"], step=1)
+    g_takeover, g_mixed = grads(alone), grads(mixed)
+    return {
+        "max_diff": all_max(
+            max(max_diff(g_mixed[n], (g_exact[n] + g_takeover[n]) / 2) for n in g_mixed)
+        )
+    }
+
+
 def _capture_linear_io(model) -> Dict[str, Dict[str, list]]:
     """Record each FFN linear's input X and output gradient G, full sequence, [tokens, dim]."""
     io: Dict[str, Dict[str, list]] = {}
@@ -538,6 +561,7 @@ def scenario_build_errors(layout: str, out: str) -> dict:
 SCENARIOS: Dict[str, Callable[[str, str], dict]] = {
     "exact": scenario_exact,
     "takeover": scenario_takeover,
+    "mixed": scenario_mixed,
     "lowrank": scenario_lowrank,
     "refresh": scenario_refresh,
     "memory": scenario_memory,

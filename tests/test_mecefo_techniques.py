@@ -20,8 +20,20 @@ from conftest import REPO, child_env, free_port
 
 WORKER = REPO / "tests" / "mecefo_worker.py"
 LAYOUTS = {  # layout: (ranks, scenarios)
-    "tp1": (1, ["exact", "takeover", "lowrank", "refresh", "memory", "checkpoint", "build_errors"]),
-    "tp2": (2, ["exact", "takeover", "lowrank", "plan_check", "checkpoint"]),
+    "tp1": (
+        1,
+        [
+            "exact",
+            "takeover",
+            "mixed",
+            "lowrank",
+            "refresh",
+            "memory",
+            "checkpoint",
+            "build_errors",
+        ],
+    ),
+    "tp2": (2, ["exact", "takeover", "mixed", "lowrank", "plan_check", "checkpoint"]),
     "tp2sp": (2, ["exact", "takeover", "lowrank"]),
     "tp2dp2": (4, ["ddp"]),
 }
@@ -89,6 +101,13 @@ def test_takeover_other_grads_equal_detached_attention_reference(results, layout
     # With low-rank on, only the FFN weight gradients move away from the reference.
     assert r["all"]["others_not_ffn_weight_max_diff"] <= RECOMPUTE_ATOL
     assert r["all"]["ffn_weight_max_diff"] > 1e-4
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+def test_exact_microbatches_unaffected_by_takeover_ones_in_the_same_step(results, layout):
+    # [exact, takeover] in one step == (exact alone + takeover alone) / 2, up to fp32 rounding
+    # of the two summation orders.
+    assert results(layout)["mixed"]["max_diff"] <= 1e-7
 
 
 @pytest.mark.parametrize("layout", TP_LAYOUTS)
