@@ -388,31 +388,16 @@ class Runner:
         return t1 - t0, t2 - t0
 
     def saved_bytes(self, mode: str) -> int:
-        """Unique storage bytes autograd saves in the forward, less persistent tensors.
-
-        Parameters and the cached bases V are held by the modules across steps anyway, so
-        saving them costs no activation memory; they are left out.
-        """
-        seen: Dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-            return t
+        """Activation bytes autograd saves in the forward (parameters and V left out)."""
+        from megatron_mecefo.activation_bytes import SavedActivationBytes
 
         self._prepare(mode)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedActivationBytes(self.block) as saved:
             out = self._forward()
         out.backward(self.grad_out)
         del out
         self._clear()
-        persistent = [p for p in self.block.parameters()] + [
-            m.mecefo_basis
-            for m in self.block.modules()
-            if getattr(m, "mecefo_basis", None) is not None
-        ]
-        held = {t.untyped_storage().data_ptr() for t in persistent}
-        return sum(n for ptr, n in seen.items() if ptr not in held)
+        return saved.nbytes
 
     def cuda_memory(self, mode: str) -> Dict[str, int]:
         """Allocator bytes: held after forward, and peaks of forward and forward+backward."""

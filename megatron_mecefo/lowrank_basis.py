@@ -81,10 +81,8 @@ def compute_basis(
     if parallel_mode not in (COLUMN, ROW):
         raise ValueError(f"parallel_mode={parallel_mode!r}; expected {COLUMN!r} or {ROW!r}")
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    dtype = getattr(torch, config.basis_dtype)
-    w = weight.detach().to(dtype)
-    out_full = w.shape[0] * (tp_size if parallel_mode == COLUMN else 1)
-    in_full = w.shape[1] * (tp_size if parallel_mode == ROW else 1)
+    out_full = weight.shape[0] * (tp_size if parallel_mode == COLUMN else 1)
+    in_full = weight.shape[1] * (tp_size if parallel_mode == ROW else 1)
     rank = min(config.rank, out_full, in_full)
     if rank == in_full:
         # r covers the whole input space: any orthonormal basis of it gives the same, exact
@@ -93,8 +91,10 @@ def compute_basis(
         if parallel_mode == COLUMN:
             return eye
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        return eye[tp_rank * w.shape[1] : (tp_rank + 1) * w.shape[1]].contiguous()
+        return eye[tp_rank * weight.shape[1] : (tp_rank + 1) * weight.shape[1]].contiguous()
 
+    dtype = getattr(torch, config.basis_dtype)
+    w = weight.detach().to(dtype)
     if parallel_mode == COLUMN:
         dim = w.shape[1]
 

@@ -99,6 +99,11 @@ class MecefoState:
         """Number of takeover micro-batches in the current step."""
         return sum(m is MicrobatchMode.TAKEOVER for m in self.modes)
 
+    @property
+    def mixes_modes(self) -> bool:
+        """Whether the current step has both exact and takeover micro-batches."""
+        return len(set(self.modes)) > 1
+
     def basis_is_stale(self, refreshed_at: Optional[int]) -> bool:
         """Whether a basis last computed at step ``refreshed_at`` must be recomputed now."""
         if refreshed_at is None:

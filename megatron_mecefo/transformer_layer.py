@@ -95,7 +95,7 @@ class MecefoTransformerLayer(TransformerLayer):
         state = self.mecefo_state
         if state is None or not self.training or state.current_mode is not MicrobatchMode.TAKEOVER:
             return False
-        if self.config.recompute_granularity == "full" and len(set(state.modes)) > 1:
+        if self.config.recompute_granularity == "full" and state.mixes_modes:
             raise RuntimeError(
                 "--recompute-granularity full reruns whole layers during backward, after other "
                 "micro-batches' forwards, so a step must not mix exact and takeover "

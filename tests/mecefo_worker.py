@@ -372,26 +372,16 @@ def scenario_memory(layout: str, out: str) -> dict:
 
 
 def saved_bytes_in_decoder(model, state, mode: str) -> int:
-    """Unique non-parameter storage bytes that autograd saves during the decoder's forward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: Dict[int, int] = {}
-    inside = [False]
-    model.decoder.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
-    model.decoder.register_forward_hook(lambda *a: inside.__setitem__(0, False))
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if inside[0] and storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
+    """Activation bytes autograd saves during the decoder's forward, for one micro-batch."""
+    from megatron_mecefo.activation_bytes import SavedActivationBytes
 
     state.start_step(0, [mode])
     state.begin_microbatch(model)
     reseed()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedActivationBytes(model, scope=model.decoder) as saved:
         loss = microbatch_loss(model, batches(1)[0])
     loss.backward()
-    return sum(seen.values())
+    return saved.nbytes
 
 
 def _ddp_train(config, modes_per_step, overlap: bool, distopt: bool) -> Dict[str, torch.Tensor]:

@@ -184,7 +184,7 @@ def test_state_plan_and_counters():
     chunk_a, chunk_b = object(), object()
     assert state.current_mode is MicrobatchMode.EXACT  # before any plan
     state.start_step(5, ["exact", "takeover"])
-    assert state.num_takeover == 1
+    assert state.num_takeover == 1 and state.mixes_modes
     # Each model chunk walks the plan in order (interleaved pipelines).
     assert state.begin_microbatch(chunk_a) is MicrobatchMode.EXACT
     assert state.begin_microbatch(chunk_b) is MicrobatchMode.EXACT
