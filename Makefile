@@ -27,15 +27,19 @@ $(DATA).bin: $(VENV)/.installed
 
 data: $(DATA).bin
 
-# TP2 x PP2 x DP2 on 8 CPU ranks over gloo.
+# PP2 x DP4 on 8 CPU ranks over gloo, training through three simulated replica failures
+# (MeCeFO's neighbor policy; iterations 50-59 have two replicas down at once).
 demo: data
 	$(TORCHRUN) --nproc_per_node=$(NPROC) --master_port=29533 examples/pretrain_gpt/pretrain_gpt.py \
-	    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+	    --pipeline-model-parallel-size 2 \
 	    --data-path $(DATA) --split 98,2,0 \
 	    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
-	    --micro-batch-size 4 --global-batch-size 16 \
+	    --micro-batch-size 2 --global-batch-size 16 \
 	    --train-iters 150 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 \
 	    --log-interval 10 --eval-interval 50 --eval-iters 4 \
+	    --check-weight-hash-across-dp-replicas-interval 50 \
+	    --mecefo --mecefo-rank 32 --mecefo-grad-error-interval 10 \
+	    --mecefo-fail 1:30:70 --mecefo-fail 3:50:60 --mecefo-fail 2:100:120 \
 	    --metrics-file results/demo/metrics.jsonl
 
 test: venv

@@ -22,6 +22,13 @@ _LAZY = {
     "get_mecefo_local_spec": "megatron_mecefo.specs",
     "get_mecefo_te_spec": "megatron_mecefo.specs",
     "mecefo_layer_spec": "megatron_mecefo.specs",
+    "add_arguments": "megatron_mecefo.arguments",
+    "FaultToleranceConfig": "megatron_mecefo.arguments",
+    "MecefoConfigError": "megatron_mecefo.arguments",
+    "FailureSchedule": "megatron_mecefo.failure_schedule",
+    "build_policy": "megatron_mecefo.takeover_policy",
+    "MecefoController": "megatron_mecefo.controller",
+    "ReplicaTopology": "megatron_mecefo.topology",
 }
 
 __all__ = ["__version__", *_LAZY]

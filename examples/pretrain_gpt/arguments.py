@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Stop after the iteration divisible by this (after saving), as Megatron-LM.",
     )
+    from megatron_mecefo.arguments import add_arguments
+
+    add_arguments(p)  # --mecefo, --mecefo-*
     return p
 
 
@@ -287,6 +290,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
     _validate_data(args)
     _validate_checkpointing(args)
+    _validate_mecefo(args)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters >= args.lr_decay_iters and args.lr_warmup_iters > 0:
@@ -327,6 +331,29 @@ def _validate_data(args: argparse.Namespace) -> None:
                 check_data_prefix(prefix)
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(f"--data-path {' '.join(args.data_path)}: {err}") from None
+
+
+def _validate_mecefo(args: argparse.Namespace) -> None:
+    from megatron_mecefo.arguments import (
+        FaultToleranceConfig,
+        MecefoConfigError,
+        mecefo_flags_given,
+    )
+
+    try:
+        args.mecefo_config = ft = FaultToleranceConfig.from_args(args)
+        ft.validate(
+            data_parallel_size=args.data_parallel_size,
+            hidden_size=args.hidden_size,
+            train_iters=args.train_iters,
+            virtual_pipeline=args.virtual_pipeline_model_parallel_size is not None,
+            calculate_per_token_loss=args.calculate_per_token_loss,
+            full_recompute=args.recompute_granularity == "full",
+            distributed_optimizer=args.use_distributed_optimizer,
+            mecefo_flags_given=mecefo_flags_given(args, build_parser()),
+        )
+    except MecefoConfigError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _validate_checkpointing(args: argparse.Namespace) -> None:

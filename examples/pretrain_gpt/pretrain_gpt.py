@@ -98,6 +98,8 @@ class Trainer:
         if args.load:
             self._load()
         self._build_data()
+        self.controller = self._build_controller() if args.mecefo else None
+        self.forward_backward = self._forward_backward_func()
         self.metrics_file = None
         if self.rank == 0 and args.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
@@ -187,9 +189,14 @@ class Trainer:
         vpp = a.virtual_pipeline_model_parallel_size
         chunks = []
         for vp_stage in range(vpp) if vpp else [None]:
+            spec = gpt_decoder_spec(cfg, a.transformer_impl, vp_stage)
+            if a.mecefo:
+                from megatron_mecefo.specs import mecefo_spec
+
+                spec = mecefo_spec(spec, lowrank=a.mecefo_config.techniques.lowrank_ffn)
             chunk = GPTModel(
                 config=cfg,
-                transformer_layer_spec=gpt_decoder_spec(cfg, a.transformer_impl, vp_stage),
+                transformer_layer_spec=spec,
                 vocab_size=a.padded_vocab_size,
                 max_sequence_length=a.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -309,6 +316,53 @@ class Trainer:
         self._iterators = iterators
         self.train_iter = iterators(self.train_ds, self.consumed_samples)
 
+    def _build_controller(self) -> Any:
+        """The MeCeFO controller: schedule, policy, state and the re-weighting hooks."""
+        import torch
+
+        from megatron_mecefo.apply import apply_mecefo, mha_group_parameters
+        from megatron_mecefo.controller import MecefoController
+        from megatron_mecefo.data_remap import GlobalBatchLayout
+        from megatron_mecefo.state import MecefoState
+        from megatron_mecefo.takeover_policy import build_policy
+
+        a, ft = self.args, self.args.mecefo_config
+        state = MecefoState(ft.techniques)
+        apply_mecefo(self.model_chunks, state)
+        controller = MecefoController(
+            schedule=ft.build_schedule(self.dp_size, a.train_iters),
+            policy=build_policy(ft.policy, ft.techniques.skip_attention),
+            state=state,
+            replica=self.dp_rank,
+            layout=GlobalBatchLayout(a.global_batch_size, a.micro_batch_size, self.dp_size),
+            mha_parameters=mha_group_parameters(self.model_chunks),
+            calculate_per_token_loss=a.calculate_per_token_loss,
+            overlap_grad_reduce=a.overlap_grad_reduce,
+        )
+        self.config.finalize_model_grads_func = controller.wrap_finalize(
+            self.config.finalize_model_grads_func
+        )
+        collate = torch.utils.data.default_collate
+        self._fetch = lambda indices: collate([self.train_ds[i] for i in indices])
+        return controller
+
+    def _forward_backward_func(self) -> Any:
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        func = get_forward_backward_func()
+        if self.controller is None:
+            return func
+        import torch
+
+        return self.controller.wrap_forward_backward(
+            func,
+            fetch=lambda indices: self._fetch(indices),
+            finalize=self.config.finalize_model_grads_func,
+            zero_report=lambda: {"lm loss": torch.zeros(2, device=self.device)},
+            is_last_stage=lambda: ps.is_pipeline_last_stage(ignore_virtual=True),
+        )
+
     def _tensorboard(self) -> Any:
         if self.rank != 0 or not self.args.tensorboard_dir:
             return None
@@ -327,10 +381,9 @@ class Trainer:
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         a = self.args
-        losses = get_forward_backward_func()(
+        losses = self.forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=data_iterator,
             model=self.model if len(self.model) > 1 else self.model[0],
@@ -349,22 +402,39 @@ class Trainer:
         return (total[0] / total[1]).item()
 
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step on one global batch."""
+        """One optimizer step on one global batch (through the MeCeFO plan with --mecefo)."""
         a = self.args
+        ctrl = self.controller
+        mecefo: dict[str, Any] = {}
+        grad_error = None
+        if ctrl is not None:
+            plan = ctrl.plan_for(self.iteration + 1)
+            k = a.mecefo_config.grad_error_interval
+            if k and plan.degraded and ctrl.degraded_iterations % k == 0:
+                grad_error = self._failure_free_grads()
         t0 = time.perf_counter()
-        for m in self.model:
-            m.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        if ctrl is not None:
+            plan = ctrl.begin_iteration(self.iteration + 1, self.consumed_samples)
+            mecefo = ctrl.record()
+        self._zero_grads()
         loss = self._run_schedule(self.train_iter, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
+        if mecefo.get("no_update"):
+            ok, grad_norm = True, None  # every replica down: no update, as a skipped iteration
+        else:
+            ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         if self.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if grad_error is not None:
+            mecefo["grad_rel_error"] = self._grad_rel_error(grad_error)
         self.iteration += 1
         self.consumed_samples += a.global_batch_size
-        dt = time.perf_counter() - t0
+        tokens = self.tokens_per_step
+        if ctrl is not None:
+            tokens = mecefo["samples_processed"] * a.seq_length
         return {
             "type": "train",
             "iteration": self.iteration,
@@ -373,10 +443,53 @@ class Trainer:
             "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
             "skipped": not ok,
             "step_time_s": dt,
-            "tokens": self.tokens_per_step,
-            "tokens_per_s": self.tokens_per_step / dt,
+            "tokens": tokens,
+            "tokens_per_s": tokens / dt,
             "lr": self.optimizer.param_groups[0]["lr"],
+            **({"mecefo": mecefo} if ctrl is not None else {}),
         }
+
+    def _zero_grads(self) -> None:
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _grad_buffers(self) -> list[Any]:
+        return [b.grad_data for m in self.model for b in m.buffers]
+
+    def _failure_free_grads(self) -> list[Any]:
+        """The synced gradient of this iteration's batch with no replica down.
+
+        Every micro-batch is read by index, so the data iterators do not move, and the RNG
+        states are restored afterwards, so the real step runs as if this had not happened.
+        """
+        import torch
+        from megatron.core import tensor_parallel
+
+        rng = (torch.get_rng_state(), tensor_parallel.get_cuda_rng_tracker().get_states())
+        self.controller.begin_iteration(
+            self.iteration + 1, self.consumed_samples, failure_free=True
+        )
+        self._zero_grads()
+        vpp = self.args.virtual_pipeline_model_parallel_size
+        self._run_schedule([None] * vpp if vpp else None, forward_only=False)
+        grads = [g.clone() for g in self._grad_buffers()]
+        torch.set_rng_state(rng[0])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng[1])
+        return grads
+
+    def _grad_rel_error(self, reference: list[Any]) -> float:
+        """||g_hat - g|| / ||g|| over the whole model (reduced over the model-parallel ranks)."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for g_hat, g in zip(self._grad_buffers(), reference, strict=True):
+            sums[0] += (g_hat.double() - g.double()).square().sum()
+            sums[1] += g.double().square().sum()
+        dist.all_reduce(sums, group=ps.get_model_parallel_group())
+        return float(sums[0].sqrt() / sums[1].sqrt())
 
     def evaluate(self) -> dict[str, Any]:
         """Validation loss and perplexity on the first ``--eval-iters`` global batches."""
@@ -410,6 +523,7 @@ class Trainer:
             self.history.append(record)
             window.append(record)
             self._emit(record)
+            self._log_failure_change(record)
             if self.iteration % a.log_interval == 0 or self.iteration == a.train_iters:
                 self._log_window(window)
                 window = []
@@ -536,7 +650,53 @@ class Trainer:
             f" grad norm: {mean('grad_norm'):.3f} |"
             f" tokens/s: {tokens_per_s:.0f} |"
             f" number of skipped iterations: {sum(r['skipped'] for r in window):>3d} |"
+            + self._mecefo_window(window)
         )
+
+    @staticmethod
+    def _mecefo_window(window: list[dict[str, Any]]) -> str:
+        """The MeCeFO part of a log line: the window's degraded iterations and the last plan."""
+        if "mecefo" not in window[-1]:
+            return ""
+        m = window[-1]["mecefo"]
+        degraded = sum(r["mecefo"]["degraded"] for r in window)
+        text = f" mecefo degraded iterations: {degraded:>3d} |"
+        if m["degraded"]:
+            text += (
+                f" failed replicas: {m['failed_replicas']} | takeover micro-batches:"
+                f" {m['takeover_microbatches']} | MHA exact fraction:"
+                f" {m['mha_exact_fraction']:.2f} |"
+            )
+        errors = [r["mecefo"]["grad_rel_error"] for r in window if "grad_rel_error" in r["mecefo"]]
+        if errors:
+            text += f" grad rel error: {errors[-1]:.3f} |"
+        return text
+
+    def _log_failure_change(self, record: dict[str, Any]) -> None:
+        """One line whenever the set of failed replicas changes, and on every fallback."""
+        m = record.get("mecefo")
+        if m is None:
+            return
+        before = self.history[-2]["mecefo"]["failed_replicas"] if len(self.history) > 1 else []
+        if m["failed_replicas"] == before and not (
+            m["fallback"] and m["fallback"] != getattr(self, "_last_fallback", None)
+        ):
+            return
+        self._last_fallback = m["fallback"]
+        it = record["iteration"]
+        if not m["failed_replicas"]:
+            self._print(f" > MeCeFO: iteration {it}: every replica up again; training exact")
+            return
+        nbrs = ", ".join(f"{f}->{n}" for f, n in m["neighbours"].items()) or "none"
+        self._print(
+            f" > MeCeFO: iteration {it}: replicas {m['failed_replicas']} down; policy "
+            f"{m['policy']}: neighbours {nbrs}, micro-batches per replica "
+            f"{m['microbatches_per_replica']}, {m['takeover_microbatches']} in takeover mode, "
+            f"MHA exact fraction {m['mha_exact_fraction']:.2f}, samples processed "
+            f"{m['samples_processed']} / skipped {m['samples_skipped']}"
+        )
+        for note in m["fallback"]:
+            self._print(f" > MeCeFO: fallback: {note}")
 
     def _log_eval(self, record: dict[str, Any]) -> None:
         self.evals.append(record)
@@ -546,6 +706,47 @@ class Trainer:
             f"{record['loss']:.6E} | lm loss PPL: {record['ppl']:.6E} |"
         )
         self._print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+
+    def _mecefo_summary_rows(self) -> list[tuple[str, str]]:
+        ctrl = self.controller
+        recs = [r["mecefo"] for r in self.history]
+        degraded = [r for r in self.history if r["mecefo"]["degraded"]]
+        healthy = [r for r in self.history[1:] if not r["mecefo"]["degraded"]]
+        mean = lambda rs: sum(r["step_time_s"] for r in rs) / len(rs)  # noqa: E731
+        rows = [
+            ("mecefo policy", f"{ctrl.policy.name} ({ctrl.schedule.description})"),
+            (
+                "degraded iterations",
+                f"{len(degraded)} of {len(self.history)}"
+                f" ({sum(bool(r['fallback']) for r in recs)} with a fallback,"
+                f" {sum(r['no_update'] for r in recs)} without an update)",
+            ),
+            (
+                "samples processed / skipped",
+                f"{sum(r['samples_processed'] for r in recs)}"
+                f" / {sum(r['samples_skipped'] for r in recs)}",
+            ),
+            ("takeover micro-batches", f"{sum(r['takeover_microbatches'] for r in recs)}"),
+        ]
+        if degraded and healthy:
+            rows.append(
+                (
+                    "step time healthy/degraded",
+                    f"{mean(healthy):.3f} s / {mean(degraded):.3f} s"
+                    f" (x{mean(degraded) / mean(healthy):.2f}; ranks share the CPU cores,"
+                    " so this is total work, not the critical path)",
+                )
+            )
+        errors = [r["grad_rel_error"] for r in recs if "grad_rel_error" in r]
+        if errors:
+            rows.append(
+                (
+                    "grad rel error",
+                    f"mean {sum(errors) / len(errors):.3f}, max {max(errors):.3f}"
+                    f" ({len(errors)} measurements)",
+                )
+            )
+        return rows
 
     def finish(self, wall_s: float) -> None:
         """Print the summary table and shut the process group down."""
@@ -582,6 +783,8 @@ class Trainer:
                         f"{ev['loss']:.4f} / {ev['ppl']:.2f}" f" (iteration {ev['iteration']})",
                     )
                 )
+            if self.controller is not None:
+                rows += self._mecefo_summary_rows()
             if self.saved:
                 rows.append(("checkpoints", f"iterations {self.saved} in {a.save}"))
             rows.append(("wall time", f"{wall_s:.1f} s"))
