@@ -50,8 +50,8 @@ test-all: venv
 
 lint: venv
 	$(PIP) install -q -c constraints.txt ruff black
-	$(VENV)/bin/ruff check megatron_mecefo examples tests benchmarks
-	$(VENV)/bin/black --check megatron_mecefo examples tests benchmarks
+	$(VENV)/bin/ruff check megatron_mecefo examples tests benchmarks patches
+	$(VENV)/bin/black --check megatron_mecefo examples tests benchmarks patches
 
 clean:
 	rm -rf $(VENV) data results .pytest_cache

@@ -18,6 +18,9 @@ setup(
         "test": ["pytest>=8", "pytest-timeout", "tensorboard"],
         "plot": ["matplotlib"],
         "tensorboard": ["tensorboard"],
+        # What Megatron-LM's megatron/training imports beyond megatron-core, for running the
+        # patched pretrain_gpt.py (patches/).
+        "megatron-lm": ["six", "regex", "pyyaml", "pydantic"],
         # GPU machines only: Transformer Engine breaks `import megatron.core` on a CPU torch.
         # NVIDIA apex is not on PyPI (PyPI's `apex` is an unrelated package); build it from
         # source if you want it.

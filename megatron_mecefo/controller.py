@@ -280,3 +280,18 @@ def _weighted_loss(loss_func: Callable, weight: float, output_tensor: Any) -> An
     if weight == 0.0:
         report = {k: v * 0 for k, v in report.items()}
     return loss * weight, report
+
+
+def plan_log_lines(iteration: int, record: Dict[str, Any]) -> List[str]:
+    """The run-log lines announcing a plan (``MecefoController.record()``) of ``iteration``."""
+    if not record["failed_replicas"]:
+        return [f"> MeCeFO: iteration {iteration}: every replica up again; training exact"]
+    nbrs = ", ".join(f"{f}->{n}" for f, n in record["neighbours"].items()) or "none"
+    lines = [
+        f"> MeCeFO: iteration {iteration}: replicas {record['failed_replicas']} down; policy "
+        f"{record['policy']}: neighbours {nbrs}, micro-batches per replica "
+        f"{record['microbatches_per_replica']}, {record['takeover_microbatches']} in takeover "
+        f"mode, MHA exact fraction {record['mha_exact_fraction']:.2f}, samples processed "
+        f"{record['samples_processed']} / skipped {record['samples_skipped']}"
+    ]
+    return lines + [f"> MeCeFO: fallback: {note}" for note in record["fallback"]]

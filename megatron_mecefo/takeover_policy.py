@@ -146,41 +146,26 @@ class TakeoverPolicy:
     ) -> StepPlan:
         """The plan of ``iteration`` with ``failed`` replicas down."""
         failed_t = tuple(sorted(failed))
-        own = lambda r, mode: [MicrobatchWork(r, k, mode) for k in range(microbatches)]  # noqa
         alive = [r for r in range(num_replicas) if r not in failed]
+        work: Dict[int, List[MicrobatchWork]] = {r: [] for r in range(num_replicas)}
+        neighbours: Dict[int, int] = {}
+        skipped: List[Tuple[int, int]] = []
+        notes: List[str] = []
         if not alive:
-            skipped = tuple((r, k) for r in range(num_replicas) for k in range(microbatches))
-            return StepPlan(
-                iteration,
-                self.name,
-                num_replicas,
-                microbatches,
-                failed_t,
-                tuple(() for _ in range(num_replicas)),
-                skipped=skipped,
-                skip_attention=self.skip_attention,
-                notes=("every replica is down: no update this iteration, its samples skipped",),
-            )
-        if not failed:
-            work = tuple(tuple(own(r, EXACT)) for r in range(num_replicas))
-            return StepPlan(
-                iteration,
-                self.name,
-                num_replicas,
-                microbatches,
-                (),
-                work,
-                skip_attention=self.skip_attention,
-            )
-        work_lists: Dict[int, List[MicrobatchWork]] = {r: [] for r in range(num_replicas)}
-        neighbours, skipped, notes = self.assign(failed_t, alive, microbatches, work_lists)
+            skipped = [(r, k) for r in range(num_replicas) for k in range(microbatches)]
+            notes = ["every replica is down: no update this iteration, its samples skipped"]
+        elif not failed:
+            for r in range(num_replicas):
+                work[r] = [MicrobatchWork(r, k, EXACT) for k in range(microbatches)]
+        else:
+            neighbours, skipped, notes = self.assign(failed_t, alive, microbatches, work)
         return StepPlan(
             iteration,
             self.name,
             num_replicas,
             microbatches,
             failed_t,
-            tuple(tuple(work_lists[r]) for r in range(num_replicas)),
+            tuple(tuple(work[r]) for r in range(num_replicas)),
             neighbours=neighbours,
             skipped=tuple(skipped),
             skip_attention=self.skip_attention,

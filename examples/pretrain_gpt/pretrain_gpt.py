@@ -106,6 +106,7 @@ class Trainer:
             self.metrics_file = open(args.metrics_file, "a" if args.load else "w")
         self.tb = self._tensorboard()
         self.history: list[dict[str, Any]] = []
+        self._last_fallback: Optional[list[str]] = None
         self.evals: list[dict[str, Any]] = []
         self.saved: list[int] = []
 
@@ -679,24 +680,14 @@ class Trainer:
             return
         before = self.history[-2]["mecefo"]["failed_replicas"] if len(self.history) > 1 else []
         if m["failed_replicas"] == before and not (
-            m["fallback"] and m["fallback"] != getattr(self, "_last_fallback", None)
+            m["fallback"] and m["fallback"] != self._last_fallback
         ):
             return
         self._last_fallback = m["fallback"]
-        it = record["iteration"]
-        if not m["failed_replicas"]:
-            self._print(f" > MeCeFO: iteration {it}: every replica up again; training exact")
-            return
-        nbrs = ", ".join(f"{f}->{n}" for f, n in m["neighbours"].items()) or "none"
-        self._print(
-            f" > MeCeFO: iteration {it}: replicas {m['failed_replicas']} down; policy "
-            f"{m['policy']}: neighbours {nbrs}, micro-batches per replica "
-            f"{m['microbatches_per_replica']}, {m['takeover_microbatches']} in takeover mode, "
-            f"MHA exact fraction {m['mha_exact_fraction']:.2f}, samples processed "
-            f"{m['samples_processed']} / skipped {m['samples_skipped']}"
-        )
-        for note in m["fallback"]:
-            self._print(f" > MeCeFO: fallback: {note}")
+        from megatron_mecefo.controller import plan_log_lines
+
+        for line in plan_log_lines(record["iteration"], m):
+            self._print(line)
 
     def _log_eval(self, record: dict[str, Any]) -> None:
         self.evals.append(record)
