@@ -29,6 +29,8 @@ _LAZY = {
     "build_policy": "megatron_mecefo.takeover_policy",
     "MecefoController": "megatron_mecefo.controller",
     "ReplicaTopology": "megatron_mecefo.topology",
+    "install": "megatron_mecefo.megatron_lm",
+    "extra_args_provider": "megatron_mecefo.megatron_lm",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import atexit
 import functools
-import os
-import sys
 from typing import Any, Callable, List, Optional
 
-from megatron_mecefo.arguments import FaultToleranceConfig, MecefoConfigError, add_arguments
+from megatron_mecefo.arguments import (
+    FaultToleranceConfig,
+    MecefoConfigError,
+    add_arguments,
+    exit_with_config_error,
+)
 from megatron_mecefo.controller import plan_log_lines
 
 _TRAINING = "megatron.training.training"
@@ -66,7 +69,7 @@ class MegatronLMIntegration:
         try:
             self.config = _validated_config(args)
         except MecefoConfigError as err:
-            _exit(err)
+            exit_with_config_error(err)
         if self.config.enabled:
             from megatron_mecefo.state import MecefoState
 
@@ -120,7 +123,7 @@ class MegatronLMIntegration:
         try:
             apply_mecefo(chunks, self.state)
         except ValueError as err:
-            _exit(
+            exit_with_config_error(
                 f"--mecefo: {err} (with --spec, pass a MeCeFO spec such as "
                 "megatron_mecefo.specs mecefo_layer_spec)"
             )
@@ -187,9 +190,14 @@ class MegatronLMIntegration:
         )
         self._device = next(self.chunks[0].parameters()).device
         self._collate = torch.utils.data.default_collate
+        from megatron_mecefo.topology import ORDERS, ReplicaTopology
+
+        order = ORDERS[1] if getattr(args, "use_tp_pp_dp_mapping", False) else ORDERS[0]
+        units = ReplicaTopology.from_parallel_state(order).describe()
         if torch.distributed.get_rank() == 0:
             print(
-                f"> MeCeFO: policy {ft.policy}, {self.controller.schedule.description}",
+                f"> MeCeFO: policy {ft.policy}, {self.controller.schedule.description}; "
+                f"failure units: {units}",
                 flush=True,
             )
             atexit.register(self._summary)
@@ -259,14 +267,6 @@ def install(args: Any = None, model_cfg: Any = None) -> MegatronLMIntegration:
     if args is not None and model_cfg is not None:
         integration.configure_model(args, model_cfg)
     return integration
-
-
-def _exit(err: object) -> None:
-    """One error line (rank 0) and exit 2 on every rank: all ranks check the same flags, so
-    they all stop here and nothing waits in a collective."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 def _train_iters(args: Any) -> int:

@@ -104,6 +104,12 @@ class ReplicaTopology:
             raise ValueError(f"replica {replica} out of range [0, {self.data_parallel_size})")
         return [r for r, c in enumerate(self.coordinates) if c.dp == replica]
 
+    def describe(self) -> str:
+        """One line: the global ranks of every replica."""
+        return "; ".join(
+            f"replica {r}: ranks {self.ranks_of_replica(r)}" for r in range(self.data_parallel_size)
+        )
+
     def peer_in_replica(self, rank: int, replica: int) -> int:
         """The rank of ``replica`` at the same (tp, cp, pp) coordinates as ``rank``."""
         c = self.coordinates[rank]

@@ -46,7 +46,8 @@ CPU = [
 MECEFO = ["--mecefo", "--mecefo-rank", "16"]
 FAILURE = ["--mecefo-fail", "1:2:5"]
 EXPECTED = [
-    r"> MeCeFO: policy neighbor, scripted: 1:2:5",
+    r"> MeCeFO: policy neighbor, scripted: 1:2:5; failure units: replica 0: ranks \[0\]; "
+    r"replica 1: ranks \[1\]",
     r"> MeCeFO: iteration 2: replicas \[1\] down; policy neighbor: neighbours 1->2, "
     r"micro-batches per replica \[2, 0, 4, 2\], 4 in takeover mode, MHA exact fraction 0.50",
     r"> MeCeFO: iteration 5: every replica up again",

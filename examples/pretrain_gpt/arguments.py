@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Optional, Sequence
 
 
@@ -372,6 +371,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     try:
         return validate_args(args, world_size)
     except ConfigError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        from megatron_mecefo.arguments import exit_with_config_error
+
+        exit_with_config_error(err)

@@ -54,9 +54,9 @@ def _select_device(args: Any) -> "torch.device":  # noqa: F821
 
 
 def _fail(message: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    from megatron_mecefo.arguments import exit_with_config_error
+
+    exit_with_config_error(message)
 
 
 class Trainer:
@@ -343,6 +343,10 @@ class Trainer:
         self.config.finalize_model_grads_func = controller.wrap_finalize(
             self.config.finalize_model_grads_func
         )
+        from megatron_mecefo.topology import ReplicaTopology
+
+        # Checks megatron-core's layout against the failure units the schedule names.
+        self._print(f"> MeCeFO failure units: {ReplicaTopology.from_parallel_state().describe()}")
         collate = torch.utils.data.default_collate
         self._fetch = lambda indices: collate([self.train_ds[i] for i in indices])
         return controller
