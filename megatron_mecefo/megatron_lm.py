@@ -276,8 +276,14 @@ def _train_iters(args: Any) -> int:
 
 
 def _validated_config(args: Any) -> FaultToleranceConfig:
+    import argparse
+
+    from megatron_mecefo.arguments import mecefo_flags_given
+
     ft = FaultToleranceConfig.from_args(args)
     if not ft.enabled:
+        given = mecefo_flags_given(args, add_arguments(argparse.ArgumentParser()))
+        ft.validate(data_parallel_size=0, hidden_size=0, train_iters=0, mecefo_flags_given=given)
         return ft
     if getattr(args, "rampup_batch_size", None):
         raise MecefoConfigError(

@@ -83,6 +83,7 @@ def test_extra_args_provider_keeps_the_other_provider() -> None:
         (["--mecefo", "--mecefo-fail", "4:2:5"], {}, "--mecefo-fail"),
         (["--mecefo", "--mecefo-rank", "512"], {}, "--mecefo-rank=512"),
         (["--mecefo"], {"data_parallel_size": 1}, "--mecefo-policy=neighbor"),
+        (["--mecefo-policy", "drop"], {}, "--mecefo-policy=drop was given without --mecefo"),
         (
             ["--mecefo"] + [f"--mecefo-fail={r}:3:4" for r in range(4)],
             {},

@@ -752,6 +752,7 @@ class Trainer:
         if self.rank == 0 and self.history:
             steady = self.history[1:] or self.history  # the first step pays one-off costs
             step_s = sum(r["step_time_s"] for r in steady) / len(steady)
+            throughput = sum(r["tokens"] for r in steady) / sum(r["step_time_s"] for r in steady)
             rows = [
                 (
                     "layout",
@@ -768,7 +769,7 @@ class Trainer:
                     f"{self.history[0]['loss']:.4f} -> {self.history[-1]['loss']:.4f}",
                 ),
                 ("mean step time", f"{step_s:.3f} s (iterations after the first)"),
-                ("throughput", f"{self.tokens_per_step / step_s:,.0f} tokens/s"),
+                ("throughput", f"{throughput:,.0f} tokens/s (processed tokens)"),
             ]
             if self.evals:
                 ev = self.evals[-1]
