@@ -424,7 +424,7 @@ class Trainer:
         self._zero_grads()
         loss = self._run_schedule(self.train_iter, forward_only=False)
         if mecefo.get("no_update"):
-            ok, grad_norm = True, None  # every replica down: no update, as a skipped iteration
+            ok, grad_norm = False, None  # every replica down: no update, a skipped iteration
         else:
             ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
@@ -642,7 +642,12 @@ class Trainer:
     def _log_window(self, window: list[dict[str, Any]]) -> None:
         a = self.args
         last = window[-1]
-        mean = lambda k: sum(r[k] for r in window) / len(window)  # noqa: E731
+
+        def mean(key: str) -> float:
+            # Iterations without an update (every replica down) have no loss: leave them out.
+            values = [r[key] for r in window if not math.isnan(r[key])]
+            return sum(values) / len(values) if values else float("nan")
+
         tokens_per_s = sum(r["tokens"] for r in window) / sum(r["step_time_s"] for r in window)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         self._print(
