@@ -73,7 +73,8 @@ class MecefoController:
         """Forget the current plan and the run's counters (e.g. for an in-process restart)."""
         self.plan: Optional[StepPlan] = None
         self.consumed_samples = 0
-        self.iterators: List[ReplicaMicrobatches] = []
+        self._counts: Dict[str, int] = {}
+        self._announced: tuple = ((), ())  # (failed, notes) of the last plan announced
         self.degraded_iterations = 0
         self.fallback_iterations = 0
         self.samples_processed = 0
@@ -92,7 +93,7 @@ class MecefoController:
     ) -> StepPlan:
         """Make ``iteration``'s plan current and hand its modes to the ``MecefoState``."""
         plan = self.plan_for(iteration, failure_free)
-        counts = self.layout.account(plan, consumed_samples)
+        counts = self._counts = self.layout.account(plan, consumed_samples)
         self.plan = plan
         self.consumed_samples = consumed_samples
         modes = plan.modes(self.replica) or [MicrobatchMode.EXACT]
@@ -113,10 +114,20 @@ class MecefoController:
         """The metrics fields of the current iteration."""
         plan = self._require_plan()
         fields = plan.summary()
-        fields.update(self.layout.account(plan, self.consumed_samples))
+        fields.update(self._counts)
         fields["degraded"] = plan.degraded
         fields["no_update"] = plan.no_update
         return fields
+
+    def announcements(self) -> List[str]:
+        """Run-log lines for the current plan when its failed set or its fallbacks differ
+        from the last plan announced (nothing while they stay the same)."""
+        plan = self._require_plan()
+        key = (plan.failed, plan.notes)
+        if key == self._announced:
+            return []
+        self._announced = key
+        return plan_log_lines(plan.iteration, self.record())
 
     def _require_plan(self) -> StepPlan:
         if self.plan is None:
@@ -146,9 +157,9 @@ class MecefoController:
             planned = list(work) or [MicrobatchWork(self.replica, 0, MicrobatchMode.EXACT)]
             return ReplicaMicrobatches(planned, own, fetch, samples, self.replica)
 
-        chunks = data_iterator if isinstance(data_iterator, list) else [data_iterator]
-        self.iterators = [one(it) for it in chunks]
-        return self.iterators if isinstance(data_iterator, list) else self.iterators[0]
+        if isinstance(data_iterator, list):
+            return [one(it) for it in data_iterator]
+        return one(data_iterator)
 
     # ------------------------------------------------------------------ wrappers
     def loss_weight(self) -> float:

@@ -29,7 +29,6 @@ from megatron_mecefo.arguments import (
     add_arguments,
     exit_with_config_error,
 )
-from megatron_mecefo.controller import plan_log_lines
 
 _TRAINING = "megatron.training.training"
 
@@ -59,7 +58,6 @@ class MegatronLMIntegration:
         self.controller: Any = None
         self.train_dataset: Any = None
         self._hooks_installed = False
-        self._last_failed: Optional[tuple] = None
 
     # ------------------------------------------------------------------ set-up
     def _setup(self, args: Any) -> bool:
@@ -235,14 +233,9 @@ class MegatronLMIntegration:
     def _log(self, ctrl: Any) -> None:
         import torch
 
-        if torch.distributed.get_rank() != 0:
-            return
-        plan = ctrl.plan
-        if plan.failed == self._last_failed:
-            return
-        self._last_failed = plan.failed
-        if plan.failed or ctrl.degraded_iterations:
-            for line in plan_log_lines(plan.iteration, ctrl.record()):
+        lines = ctrl.announcements()  # every rank: it records what was announced
+        if torch.distributed.get_rank() == 0:
+            for line in lines:
                 print(line, flush=True)
 
     def _summary(self) -> None:

@@ -106,7 +106,6 @@ class Trainer:
             self.metrics_file = open(args.metrics_file, "a" if args.load else "w")
         self.tb = self._tensorboard()
         self.history: list[dict[str, Any]] = []
-        self._last_fallback: Optional[list[str]] = None
         self.evals: list[dict[str, Any]] = []
         self.saved: list[int] = []
 
@@ -413,14 +412,16 @@ class Trainer:
         mecefo: dict[str, Any] = {}
         grad_error = None
         if ctrl is not None:
-            plan = ctrl.plan_for(self.iteration + 1)
             k = a.mecefo_config.grad_error_interval
-            if k and plan.degraded and ctrl.degraded_iterations % k == 0:
+            degraded = bool(ctrl.schedule.failed_at(self.iteration + 1))
+            if k and degraded and ctrl.degraded_iterations % k == 0:
                 grad_error = self._failure_free_grads()
         t0 = time.perf_counter()
         if ctrl is not None:
-            plan = ctrl.begin_iteration(self.iteration + 1, self.consumed_samples)
+            ctrl.begin_iteration(self.iteration + 1, self.consumed_samples)
             mecefo = ctrl.record()
+            for line in ctrl.announcements():
+                self._print(line)
         self._zero_grads()
         loss = self._run_schedule(self.train_iter, forward_only=False)
         if mecefo.get("no_update"):
@@ -528,7 +529,6 @@ class Trainer:
             self.history.append(record)
             window.append(record)
             self._emit(record)
-            self._log_failure_change(record)
             if self.iteration % a.log_interval == 0 or self.iteration == a.train_iters:
                 self._log_window(window)
                 window = []
@@ -681,22 +681,6 @@ class Trainer:
         if errors:
             text += f" grad rel error: {errors[-1]:.3f} |"
         return text
-
-    def _log_failure_change(self, record: dict[str, Any]) -> None:
-        """One line whenever the set of failed replicas changes, and on every fallback."""
-        m = record.get("mecefo")
-        if m is None:
-            return
-        before = self.history[-2]["mecefo"]["failed_replicas"] if len(self.history) > 1 else []
-        if m["failed_replicas"] == before and not (
-            m["fallback"] and m["fallback"] != self._last_fallback
-        ):
-            return
-        self._last_fallback = m["fallback"]
-        from megatron_mecefo.controller import plan_log_lines
-
-        for line in plan_log_lines(record["iteration"], m):
-            self._print(line)
 
     def _log_eval(self, record: dict[str, Any]) -> None:
         self.evals.append(record)
