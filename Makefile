@@ -10,7 +10,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo test test-all lint clean
+.PHONY: venv data demo test test-all bench lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -48,10 +48,28 @@ test: venv
 test-all: venv
 	$(PY) -m pytest -q --timeout=1800 tests
 
+# The CPU evidence suite (README "Results"), about 20 minutes on 2 cores: costs, degraded
+# throughput (model + real DP4 runs), failure traces, convergence runs, plots. JSON, logs and
+# PNGs go to results/. Not run here: the GPU shapes (llama-1b / llama-7b), see benchmarks/README.
+BENCH_LOG := results/logs
+bench: data
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -q -c constraints.txt -e .[plot]
+	mkdir -p $(BENCH_LOG)
+	set -o pipefail; $(PY) benchmarks/takeover_cost.py --shape demo --output results/takeover_cost.json | tee $(BENCH_LOG)/takeover_cost.txt
+	set -o pipefail; $(PY) benchmarks/takeover_cost.py --shape cpu-small --output results/takeover_cost_cpu-small.json | tee $(BENCH_LOG)/takeover_cost_cpu-small.txt
+	set -o pipefail; $(PY) benchmarks/degraded_throughput.py | tee $(BENCH_LOG)/degraded_throughput.txt
+	set -o pipefail; $(PY) benchmarks/failure_trace.py | tee $(BENCH_LOG)/failure_trace.txt
+	set -o pipefail; $(PY) examples/pretrain_gpt/convergence.py | tee $(BENCH_LOG)/convergence.txt
+	$(PY) benchmarks/plots.py
+	@echo "make bench: done; summaries in $(BENCH_LOG)/, plots in results/plots/." \
+	    "Not run on CPU: the llama-1b / llama-7b GPU shapes (benchmarks/README.md)."
+
 lint: venv
 	$(PIP) install -q -c constraints.txt ruff black
 	$(VENV)/bin/ruff check megatron_mecefo examples tests benchmarks patches
 	$(VENV)/bin/black --check megatron_mecefo examples tests benchmarks patches
 
+# results/ holds committed benchmark outputs (see .gitignore); only the run folders go.
 clean:
-	rm -rf $(VENV) data results .pytest_cache
+	rm -rf $(VENV) data .pytest_cache results/demo results/degraded_throughput \
+	    results/convergence/seed* results/convergence/trace_*

@@ -84,9 +84,14 @@ class Shape:
     micro_batch_size: int
     rank: int
     note: str
+    vocab: int = 32000
+    """Vocabulary of the embedding and output layer (timed apart from the block: ``head``)."""
 
 
 SHAPES: Dict[str, Shape] = {
+    # The example trainer's default model, as benchmarks/degraded_throughput.py runs it:
+    # SwiGLU FFN 320 (Megatron's 8h/3 rounded to 64), byte vocab padded to 384, mbs 1.
+    "demo": Shape(128, 320, 4, 4, 128, 1, 32, "examples/pretrain_gpt default model", 384),
     # Small enough that the whole benchmark runs in well under 2 minutes on 2 CPU cores; rank
     # 32 of 256/688 so the low-rank gradient is genuinely low rank.
     "cpu-small": Shape(256, 688, 4, 2, 256, 2, 32, "LLaMA-style toy shape for CPU"),
@@ -280,6 +285,7 @@ def resolve_shape(args: argparse.Namespace) -> Shape:
         micro_batch_size=args.micro_batch_size or base.micro_batch_size,
         rank=args.rank or base.rank,
         note=base.note,
+        vocab=base.vocab,
     )
 
 
@@ -583,6 +589,70 @@ def time_accumulation(
 
 
 # ------------------------------------------------------------------------------ main
+def time_head(
+    shape: Shape, dtype: torch.dtype, device: torch.device, rounds: int
+) -> Dict[str, Any]:
+    """Forward + backward of what a micro-batch runs outside the block, which takeover leaves.
+
+    Embedding lookup, output layer (h -> vocab) and cross-entropy, as plain torch ops of the
+    same shapes as the GPT model's; median of ``rounds`` after one warm-up.
+    """
+    gen = torch.Generator().manual_seed(0)
+    T = shape.seq_length * shape.micro_batch_size
+    emb = torch.randn(shape.vocab, shape.hidden, generator=gen).to(device, dtype)
+    out_w = torch.randn(shape.vocab, shape.hidden, generator=gen).to(device, dtype)
+    emb.requires_grad_(True)
+    out_w.requires_grad_(True)
+    tokens = torch.randint(shape.vocab, (T,), generator=gen).to(device)
+    labels = torch.randint(shape.vocab, (T,), generator=gen).to(device)
+    times = []
+    for i in range(rounds + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        x = F.embedding(tokens, emb)
+        loss = F.cross_entropy(F.linear(x, out_w).float(), labels)
+        loss.backward()
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+        emb.grad = out_w.grad = None
+    return {
+        "what": "embedding + output layer + cross-entropy, fwd+bwd, per micro-batch",
+        "vocab": shape.vocab,
+        "params": 2 * shape.vocab * shape.hidden,
+        "time_ms_median": statistics.median(times) * 1e3,
+    }
+
+
+def time_optimizer(
+    block: torch.nn.Module, head_params: int, device: torch.device, dtype: torch.dtype, rounds: int
+) -> Dict[str, Any]:
+    """One Adam step over the block's and the head's parameters (a fixed per-step cost).
+
+    torch's Adam (the step megatron-core's FP32 optimizer wraps on CPU), on fp32 copies with
+    random gradients; median of ``rounds`` after one warm-up.
+    """
+    gen = torch.Generator().manual_seed(0)
+    sizes = [p.numel() for p in block.parameters()] + [head_params]
+    params = [torch.zeros(n, device=device, dtype=torch.float32) for n in sizes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
+    opt = torch.optim.Adam(params, lr=1e-4)
+    times = []
+    for i in range(rounds + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return {
+        "what": "torch.optim.Adam step over the block + head parameters (fp32 master copies)",
+        "params": sum(sizes),
+        "time_ms_median": statistics.median(times) * 1e3,
+    }
+
+
 def versions() -> Dict[str, str]:
     """Versions and machine facts for the JSON."""
     import megatron.core
@@ -657,6 +727,15 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     basis["first_exact_warmup_minus_median_ms"] = warmup_ms["exact"][0] - median["exact"]
     basis["refresh_over_all_microbatch"] = basis["refresh_ms"] / median["all"]
     accumulation = time_accumulation(shape, dtype, device, args.accumulate_k, max(args.iters, 5))
+    head = time_head(shape, dtype, device, max(args.iters, 5))
+    optimizer = time_optimizer(block, head["params"], device, dtype, max(args.iters // 2, 5))
+    # A whole micro-batch: the head costs the same in both modes, so it dilutes c.
+    head_ms = head["time_ms_median"]
+    per_microbatch = {
+        "exact_ms": median["exact"] + head_ms,
+        "takeover_ms": paired_c(step_ms, "all") * median["exact"] + head_ms,
+    }
+    per_microbatch["c"] = per_microbatch["takeover_ms"] / per_microbatch["exact_ms"]
     for mode in ("all", "lowrank"):
         accumulation[f"saved_fraction_of_{mode}_microbatch"] = (
             accumulation["saved_ms_per_microbatch"] / median[mode]
@@ -679,9 +758,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             "warmup_ms": warmup_ms[mode],
             # Paired: each round's time over the same round's exact time; median over rounds.
             # Robust to slow drifts in machine load, which the ratio of medians is not.
-            "c": statistics.median(
-                t / e for t, e in zip(step_ms[mode], step_ms["exact"], strict=True)
-            ),
+            "c": paired_c(step_ms, mode),
             "c_ratio_of_medians": median[mode] / median["exact"],
             # Minimum times are the least disturbed by other processes on a shared machine.
             "c_ratio_of_minimums": min(step_ms[mode]) / min(step_ms["exact"]),
@@ -723,10 +800,20 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "modes": modes,
         "basis": basis,
         "accumulation": accumulation,
+        # Fixed per-micro-batch (head) and per-step (optimizer) costs; the gradient sync is
+        # measured in the real multi-rank runs of benchmarks/degraded_throughput.py.
+        "head": head,
+        "optimizer": optimizer,
+        "per_microbatch": per_microbatch,
         # Other processes' runnable threads during the timed rounds (see ContentionMonitor).
         "contention": contention,
         "wall_time_s": time.perf_counter() - started,
     }
+
+
+def paired_c(step_ms: Dict[str, List[float]], mode: str) -> float:
+    """Median over rounds of time(mode) / time(exact) of the same round."""
+    return statistics.median(t / e for t, e in zip(step_ms[mode], step_ms["exact"], strict=True))
 
 
 def summary(result: Dict[str, Any]) -> str:
@@ -741,6 +828,12 @@ def summary(result: Dict[str, Any]) -> str:
     parts.append(
         f"saved-activation ratio(all)={m['all']['memory_ratio']:.3f} "
         f"(model {m['all']['memory_ratio_predicted']:.3f})"
+    )
+    pmb = result["per_microbatch"]
+    parts.append(
+        f"whole micro-batch with head (vocab {result['head']['vocab']}) c={pmb['c']:.2f}, "
+        f"optimizer step {result['optimizer']['time_ms_median']:.1f} ms = "
+        f"{result['optimizer']['time_ms_median'] / pmb['exact_ms']:.2f} exact micro-batches"
     )
     acc = result["accumulation"]
     parts.append(

@@ -169,18 +169,38 @@ class FailureSchedule:
 
     @classmethod
     def paper(
-        cls, scenario: str, num_replicas: int, train_iters: int, step_time_s: float, seed: int
+        cls,
+        scenario: str,
+        num_replicas: int,
+        train_iters: int,
+        step_time_s: float,
+        seed: int,
+        reference_replicas: Optional[int] = None,
     ) -> FailureSchedule:
-        """MeCeFO's low / mid / high scenario, with one iteration taking ``step_time_s``."""
+        """MeCeFO's low / mid / high scenario, with one iteration taking ``step_time_s``.
+
+        Args:
+            reference_replicas: If given, the scenario's failure interval is taken as that of a
+                cluster of this many replicas (the paper's 32) and scaled by
+                ``reference_replicas / num_replicas``, so each replica fails as often as one
+                of the paper's; recovery times are per replica and stay as they are. None:
+                the interval is used literally for this cluster.
+        """
         if scenario not in PAPER_SCENARIOS:
             raise ScheduleError(f"scenario {scenario!r}: use one of {sorted(PAPER_SCENARIOS)}")
         fail_h, recover_h = PAPER_SCENARIOS[scenario]
+        scaled = ""
+        if reference_replicas is not None:
+            if reference_replicas < 1:
+                raise ScheduleError(f"reference_replicas={reference_replicas}: must be >= 1")
+            fail_h = fail_h * reference_replicas / num_replicas
+            scaled = f" (per-replica rate of a {reference_replicas}-replica cluster)"
         every = fail_h * 3600.0 / step_time_s
         after = recover_h * 3600.0 / step_time_s
         text = (
-            f"paper '{scenario}': a failure every {fail_h:g} h, recovery after {recover_h:g} h; "
-            f"at {step_time_s:g} s/iteration: every {every:.1f} iterations, down for "
-            f"{after:.1f}"
+            f"paper '{scenario}': a failure every {fail_h:g} h{scaled}, recovery after "
+            f"{recover_h:g} h; at {step_time_s:g} s/iteration: every {every:.1f} iterations, "
+            f"down for {after:.1f}"
         )
         return cls.periodic(num_replicas, train_iters, every, after, seed, text)
 

@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", default=None, help="JSON lines: one per step and eval.")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument(
+        "--log-rank-cpu-time",
+        action="store_true",
+        help="Record every rank's process CPU seconds of forward-backward and of the optimizer "
+        "step in the metrics file (one extra all-gather per iteration). Ranks that share "
+        "cores still report their own work, which is how benchmarks/degraded_throughput.py "
+        "reads the critical path on a small machine.",
+    )
+    g.add_argument(
         "--check-weight-hash-across-dp-replicas-interval",
         type=int,
         default=None,

@@ -296,6 +296,12 @@ class Trainer:
         )
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
+        if a.log_rank_cpu_time:  # which replica each global rank's CPU time belongs to
+            import torch.distributed as dist
+
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, self.dp_rank)
+            self._dp_ranks = [int(r) for r in every]
 
         def iterators(dataset: Any, consumed: int) -> Any:
             def one() -> Any:
@@ -423,11 +429,14 @@ class Trainer:
             for line in ctrl.announcements():
                 self._print(line)
         self._zero_grads()
+        cpu0 = time.process_time()
         loss = self._run_schedule(self.train_iter, forward_only=False)
+        cpu1 = time.process_time()
         if mecefo.get("no_update"):
             ok, grad_norm = False, None  # every replica down: no update, a skipped iteration
         else:
             ok, grad_norm, _ = self.optimizer.step()
+        cpu = (cpu1 - cpu0, time.process_time() - cpu1)
         self.scheduler.step(increment=1)
         if self.device.type == "cuda":
             import torch
@@ -436,6 +445,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         if grad_error is not None:
             mecefo["grad_rel_error"] = self._grad_rel_error(grad_error)
+        rank_cpu = self._gather_rank_cpu(cpu) if a.log_rank_cpu_time else None
         self.iteration += 1
         self.consumed_samples += a.global_batch_size
         tokens = self.tokens_per_step
@@ -453,6 +463,25 @@ class Trainer:
             "tokens_per_s": tokens / dt,
             "lr": self.optimizer.param_groups[0]["lr"],
             **({"mecefo": mecefo} if ctrl is not None else {}),
+            **({"rank_cpu_s": rank_cpu} if rank_cpu is not None else {}),
+        }
+
+    def _gather_rank_cpu(self, cpu: tuple[float, float]) -> dict[str, list[float]]:
+        """Every rank's CPU seconds of (forward-backward, optimizer step), by global rank.
+
+        Process CPU time counts a rank's own work only: a rank blocked in a gloo collective
+        does not spin, and ranks sharing a core each count just their share.
+        """
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor(cpu, dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return {
+            "fwd_bwd": [float(t[0]) for t in every],
+            "optimizer": [float(t[1]) for t in every],
+            "dp_rank": self._dp_ranks,
         }
 
     def _zero_grads(self) -> None:

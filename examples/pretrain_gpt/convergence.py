@@ -1,0 +1,367 @@
+"""Convergence under failures: failure-free vs every takeover policy under the paper's schedules.
+
+Trains the example trainer's default LLaMA-style model (4 layers, hidden 128, 4 heads, seq 128,
+byte tokens) on the default real-text data (``data/stdlib_text_document``) on CPU, DP = 4
+ranks over gloo, once failure-free and once per (policy, scenario):
+
+* failure-free: the stock path (no ``--mecefo``);
+* each policy (``neighbor``, ``spread``, ``exact``, ``drop``) under the paper's low / mid /
+  high scenario (MeCeFO Table 1), compressed into the run: ``--horizon-hours`` of the
+  scenario map onto ``--train-iters`` iterations. The paper's rates are for its 32 replicas;
+  here each replica fails as often as one of the paper's (``reference_replicas=32``), so the
+  share of the batch that is taken over matches the paper's rather than being 8x larger.
+  Every policy of one (scenario, seed) replays the same failure trace.
+
+Seeds (model init, data order and the failure victims): the failure-free runs and the
+``--every-seed-scenarios`` (default: high) run with every seed; the other scenarios with the
+first seed only, which keeps ``make bench`` under 30 minutes on 2 cores. A gap is compared with
+the failure-free seed-to-seed spread and with the same run's gap under the other seed.
+
+Each run writes its metrics (JSON lines) and log under ``--output-dir``; the summary
+(``convergence.json``) holds, per run, the validation curve, the final validation loss and
+perplexity, the degraded iterations, skipped samples and the logged gradient relative error,
+and per (policy, scenario) the perplexity gap to the failure-free run of the same seed.
+
+Usage (repo root): ``.venv/bin/python examples/pretrain_gpt/convergence.py [flags]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run as a plain script from the repo root
+
+from megatron_mecefo.failure_schedule import PAPER_SCENARIOS, FailureSchedule  # noqa: E402
+from megatron_mecefo.takeover_policy import POLICIES  # noqa: E402
+
+TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Flags; the defaults are what ``make bench`` runs."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=4, help="ranks = DP replicas (PP = TP = 1)")
+    p.add_argument("--train-iters", type=int, default=200)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr", type=float, default=3e-4)
+    p.add_argument("--lr-warmup-iters", type=int, default=10)
+    p.add_argument("--eval-interval", type=int, default=25)
+    p.add_argument("--eval-iters", type=int, default=4)
+    p.add_argument("--mecefo-rank", type=int, default=32)
+    p.add_argument(
+        "--grad-error-interval",
+        type=int,
+        default=5,
+        help="log the gradient relative error every N-th degraded iteration",
+    )
+    p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235])
+    p.add_argument(
+        "--every-seed-scenarios",
+        nargs="*",
+        choices=list(PAPER_SCENARIOS),
+        default=["high"],
+        help="scenarios run with every seed; the others run with the first seed only (the "
+        "failure-free run always uses every seed)",
+    )
+    p.add_argument("--policies", nargs="+", choices=sorted(POLICIES), default=list(POLICIES))
+    p.add_argument(
+        "--scenarios", nargs="+", choices=list(PAPER_SCENARIOS), default=list(PAPER_SCENARIOS)
+    )
+    p.add_argument(
+        "--horizon-hours",
+        type=float,
+        default=24.0,
+        help="hours of the paper's scenario compressed into --train-iters iterations",
+    )
+    p.add_argument(
+        "--reference-replicas",
+        type=int,
+        default=32,
+        help="the scenario's failure interval is that of a cluster this large (the paper's)",
+    )
+    p.add_argument("--data-path", default="data/stdlib_text_document")
+    p.add_argument("--output-dir", default="results/convergence")
+    p.add_argument("--master-port", type=int, default=29561)
+    p.add_argument("--reuse", action="store_true", help="keep runs whose metrics file exists")
+    args = p.parse_args(argv)
+    if args.global_batch_size % (args.micro_batch_size * args.nproc):
+        p.error(
+            f"--global-batch-size={args.global_batch_size} must be a multiple of "
+            f"--micro-batch-size x --nproc = {args.micro_batch_size * args.nproc}"
+        )
+    if not Path(args.data_path + ".bin").exists():
+        p.error(f"--data-path={args.data_path}: no {args.data_path}.bin; run `make data` first")
+    return args
+
+
+def seeds_scenarios(args: argparse.Namespace, seed: int) -> List[str]:
+    """The scenarios run with ``seed``."""
+    first = seed == args.seeds[0]
+    return [s for s in args.scenarios if first or s in args.every_seed_scenarios]
+
+
+def run_name(policy: Optional[str], scenario: Optional[str], seed: int) -> str:
+    """Directory name of one run."""
+    return f"seed{seed}_failure-free" if policy is None else f"seed{seed}_{scenario}_{policy}"
+
+
+def trainer_command(args: argparse.Namespace, seed: int, metrics: Path) -> List[str]:
+    """The torchrun command of one run, without its MeCeFO flags."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={args.nproc}",
+        f"--master_port={args.master_port}",
+        str(TRAINER),
+        "--data-path",
+        args.data_path,
+        "--split",
+        "98,2,0",
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--global-batch-size",
+        str(args.global_batch_size),
+        "--train-iters",
+        str(args.train_iters),
+        "--lr",
+        str(args.lr),
+        "--min-lr",
+        str(args.min_lr),
+        "--lr-warmup-iters",
+        str(args.lr_warmup_iters),
+        "--log-interval",
+        str(args.eval_interval),
+        "--eval-interval",
+        str(args.eval_interval),
+        "--eval-iters",
+        str(args.eval_iters),
+        "--seed",
+        str(seed),
+        "--metrics-file",
+        str(metrics),
+    ]
+
+
+def run_trainer(cmd: List[str], run_dir: Path) -> float:
+    """Run one training job; its output goes to ``log.txt``. Returns the wall seconds."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    started = time.perf_counter()
+    with open(run_dir / "log.txt", "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        tail = (run_dir / "log.txt").read_text().splitlines()[-30:]
+        raise RuntimeError(
+            f"run {run_dir.name} failed (exit {proc.returncode}):\n" + "\n".join(tail)
+        )
+    return time.perf_counter() - started
+
+
+def read_metrics(path: Path) -> Dict[str, Any]:
+    """The training curve, validation curve and MeCeFO counters of one metrics file."""
+    train, evals = [], []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["type"] == "train":
+            train.append(rec)
+        elif rec["type"] == "eval":
+            evals.append(rec)
+    mecefo = [r.get("mecefo", {}) for r in train]
+    errors = [
+        (r["iteration"], r["mecefo"]["grad_rel_error"])
+        for r in train
+        if "grad_rel_error" in r.get("mecefo", {})
+    ]
+    return {
+        "loss": [r["loss"] for r in train],
+        "failed_replicas": [m.get("failed_replicas", []) for m in mecefo],
+        "valid": [(e["iteration"], e["loss"]) for e in evals],
+        "final_valid_loss": evals[-1]["loss"],
+        "final_valid_ppl": evals[-1]["ppl"],
+        "degraded_iterations": sum(bool(m.get("degraded")) for m in mecefo),
+        "no_update_iterations": sum(bool(m.get("no_update")) for m in mecefo),
+        "samples_skipped": sum(m.get("samples_skipped", 0) for m in mecefo),
+        "takeover_microbatches": sum(m.get("takeover_microbatches", 0) for m in mecefo),
+        "fallback_iterations": sum(bool(m.get("fallback")) for m in mecefo),
+        "grad_rel_error": errors,
+    }
+
+
+def summarize(runs: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dict[str, Any]:
+    """Per (policy, scenario): perplexity gaps to the same seed's failure-free run."""
+    ff = {s: runs[run_name(None, None, s)] for s in args.seeds}
+    ff_ppl = [ff[s]["final_valid_ppl"] for s in args.seeds]
+    table: Dict[str, Dict[str, Any]] = {}
+    for scenario in args.scenarios:
+        seeds = [s for s in args.seeds if scenario in seeds_scenarios(args, s)]
+        for policy in args.policies:
+            per_seed = [runs[run_name(policy, scenario, s)] for s in seeds]
+            gaps = [
+                100.0 * (r["final_valid_ppl"] / ff[s]["final_valid_ppl"] - 1.0)
+                for r, s in zip(per_seed, seeds, strict=True)
+            ]
+            errors = [e for r in per_seed for _, e in r["grad_rel_error"]]
+            table[f"{scenario}/{policy}"] = {
+                "scenario": scenario,
+                "policy": policy,
+                "seeds": seeds,
+                "valid_ppl": [r["final_valid_ppl"] for r in per_seed],
+                "valid_loss": [r["final_valid_loss"] for r in per_seed],
+                "ppl_gap_pct": gaps,
+                "ppl_gap_pct_mean": statistics.fmean(gaps),
+                "degraded_iterations": [r["degraded_iterations"] for r in per_seed],
+                "samples_skipped": [r["samples_skipped"] for r in per_seed],
+                "fallback_iterations": [r["fallback_iterations"] for r in per_seed],
+                "grad_rel_error_mean": statistics.fmean(errors) if errors else None,
+                "grad_rel_error_max": max(errors) if errors else None,
+            }
+    last = [ff[s]["valid"] for s in args.seeds]
+    return {
+        "failure_free": {
+            "valid_ppl": ff_ppl,
+            "valid_loss": [ff[s]["final_valid_loss"] for s in args.seeds],
+            # Seed-to-seed spread: the noise floor a gap must clear to mean anything.
+            "seed_spread_ppl_pct": (
+                100.0 * (max(ff_ppl) - min(ff_ppl)) / min(ff_ppl) if len(ff_ppl) > 1 else None
+            ),
+            # How flat the curve is at the end: the change over the last evaluation interval.
+            "last_interval_valid_loss_change": [v[-1][1] - v[-2][1] for v in last if len(v) > 1],
+        },
+        "runs": table,
+    }
+
+
+def format_table(summary: Dict[str, Any]) -> str:
+    """The README table: one row per (scenario, policy)."""
+    ff = summary["failure_free"]
+    ppl = " / ".join(f"{p:.3f}" for p in ff["valid_ppl"])
+    lines = [
+        (
+            f"failure-free valid ppl per seed: {ppl} (seed spread {ff['seed_spread_ppl_pct']:.2f}%)"
+            if ff["seed_spread_ppl_pct"] is not None
+            else f"failure-free valid ppl: {ppl}"
+        ),
+        "| scenario | policy | valid ppl per seed | ppl gap % per seed | mean gap % "
+        "| degraded iters | samples skipped | grad rel error mean / max |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in summary["runs"].values():
+        err = (
+            "-"
+            if row["grad_rel_error_mean"] is None
+            else f"{row['grad_rel_error_mean']:.3f} / {row['grad_rel_error_max']:.3f}"
+        )
+        lines.append(
+            f"| {row['scenario']} | {row['policy']} | "
+            + " / ".join(f"{p:.3f}" for p in row["valid_ppl"])
+            + " | "
+            + " / ".join(f"{g:+.2f}" for g in row["ppl_gap_pct"])
+            + f" | {row['ppl_gap_pct_mean']:+.2f} | "
+            + " / ".join(str(d) for d in row["degraded_iterations"])
+            + " | "
+            + " / ".join(str(d) for d in row["samples_skipped"])
+            + f" | {err} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Run every job (sequentially: the ranks already fill the cores), then summarize."""
+    args = parse_args(argv)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    step_time_s = args.horizon_hours * 3600.0 / args.train_iters
+    jobs: List[tuple] = []
+    schedules: Dict[str, Any] = {}
+    for seed in args.seeds:
+        jobs.append((None, None, seed, []))
+        for scenario in seeds_scenarios(args, seed):
+            schedule = FailureSchedule.paper(
+                scenario,
+                args.nproc,
+                args.train_iters,
+                step_time_s,
+                seed,
+                reference_replicas=args.reference_replicas,
+            )
+            trace = out / f"trace_seed{seed}_{scenario}.json"
+            trace.write_text(json.dumps(schedule.to_json(), indent=1) + "\n")
+            schedules[f"seed{seed}_{scenario}"] = {
+                "description": schedule.description,
+                **schedule.to_json(),
+                "degraded_iterations": schedule.degraded_iterations(args.train_iters),
+            }
+            for policy in args.policies:
+                flags = [
+                    "--mecefo",
+                    "--mecefo-policy",
+                    policy,
+                    "--mecefo-rank",
+                    str(args.mecefo_rank),
+                    "--mecefo-failure-schedule",
+                    "replay",
+                    "--mecefo-failure-trace",
+                    str(trace),
+                    "--mecefo-grad-error-interval",
+                    str(args.grad_error_interval),
+                ]
+                jobs.append((policy, scenario, seed, flags))
+
+    runs: Dict[str, Dict[str, Any]] = {}
+    started = time.perf_counter()
+    for i, (policy, scenario, seed, flags) in enumerate(jobs, 1):
+        name = run_name(policy, scenario, seed)
+        run_dir = out / name
+        metrics = run_dir / "metrics.jsonl"
+        if not (args.reuse and metrics.exists()):
+            if metrics.exists():
+                metrics.unlink()  # the trainer appends
+            wall = run_trainer(trainer_command(args, seed, metrics) + flags, run_dir)
+            print(f"[{i}/{len(jobs)}] {name}: {wall:.0f} s", flush=True)
+        runs[name] = {"policy": policy, "scenario": scenario, "seed": seed, **read_metrics(metrics)}
+
+    summary = summarize(runs, args)
+    result = {
+        "benchmark": "convergence",
+        "config": {
+            **{k: v for k, v in vars(args).items() if k not in ("reuse",)},
+            "model": "example trainer default: 4 layers, hidden 128, FFN 320 (SwiGLU), 4 heads, "
+            "seq 128, RMSNorm, RoPE, byte vocab 384",
+            "layout": f"DP {args.nproc} (TP 1, PP 1), gloo, CPU",
+            "nominal_step_time_s": step_time_s,
+        },
+        "schedules": schedules,
+        "summary": summary,
+        "runs": runs,
+        "wall_time_s": time.perf_counter() - started,
+    }
+    (out / "convergence.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(format_table(summary))
+    rows = summary["runs"].values()
+    high = {r["policy"]: r["ppl_gap_pct_mean"] for r in rows if r["scenario"] == "high"}
+    spread = summary["failure_free"]["seed_spread_ppl_pct"]
+    print(
+        "convergence: "
+        + " ".join(f"high/{p} ppl gap {g:+.2f}%" for p, g in high.items())
+        + (f" (failure-free seed spread {spread:.2f}%)" if spread is not None else "")
+        + f" runs={len(jobs)} wall={result['wall_time_s']:.0f}s"
+    )
+
+
+if __name__ == "__main__":
+    main()
