@@ -4,7 +4,7 @@ Two parts, both written to one JSON (``results/degraded_throughput.json``):
 
 1. **Real runs (the measurement and the check).** The example trainer runs its default model on
    CPU at DP = 4 (``--validate-nproc``), mbs 1, 4 micro-batches per replica, once per policy,
-   with replica 0 down from iteration 11 and replica 2 too from iteration 23 (k = 1, then 2).
+   with replica 0 down from iteration 21 and replica 2 too from iteration 43 (k = 1, then 2).
    ``--log-rank-cpu-time`` records every rank's CPU seconds of forward-backward and of the
    optimizer step. A rank blocked in a gloo collective uses no CPU, so a rank's CPU time is its
    own work even though 4 ranks share 2 cores; the slowest replica's CPU time is the critical
@@ -42,7 +42,7 @@ for path in (BENCH, REPO, REPO / "examples" / "pretrain_gpt"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from convergence import run_trainer  # noqa: E402
+from convergence import run_trainer, torchrun_command  # noqa: E402
 from step_cost_model import StepCostModel, spaced_failures  # noqa: E402
 
 from megatron_mecefo.takeover_policy import POLICIES, build_policy  # noqa: E402
@@ -50,7 +50,7 @@ from megatron_mecefo.takeover_policy import POLICIES, build_policy  # noqa: E402
 # The validation run's failure windows (1-based iterations, recover exclusive): k = 1 from
 # FAIL1, k = 2 from FAIL2, both until the end. The first SETTLE iterations of each window hold
 # the transition (the neighbour's basis computation) and are left out of the steady state.
-HEALTHY_FROM, FAIL1, FAIL2, ITERS, SETTLE = 4, 11, 23, 34, 2
+HEALTHY_FROM, FAIL1, FAIL2, ITERS, SETTLE = 4, 21, 43, 64, 2
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -87,13 +87,7 @@ def validation_command(args: argparse.Namespace, policy: str, metrics: Path) -> 
     fails = [
         f"{r}:{FAIL1 if i == 0 else FAIL2}:{ITERS + 1}" for i, r in enumerate(spaced_failures(n, 2))
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={n}",
-        f"--master_port={args.master_port}",
-        str(REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"),
+    flags = [
         "--data-path",
         args.data_path,
         "--split",
@@ -122,8 +116,8 @@ def validation_command(args: argparse.Namespace, policy: str, metrics: Path) -> 
         "32",
     ]
     for spec in fails:
-        cmd += ["--mecefo-fail", spec]
-    return cmd
+        flags += ["--mecefo-fail", spec]
+    return torchrun_command(n, args.master_port, flags)
 
 
 def replica_cpu(record: Dict[str, Any], key: str, n: int) -> List[float]:
@@ -184,19 +178,24 @@ def fixed_costs(runs: Dict[str, Dict[str, Any]], n: int, microbatches: int) -> D
 def check_model(
     model: StepCostModel, runs: Dict[str, Dict[str, Any]], n: int, microbatches: int
 ) -> Dict[str, Any]:
-    """Predicted vs measured per-replica work, critical path and wall time, per policy."""
+    """Predicted vs measured per-replica work, critical path and wall time, per policy.
+
+    Each replica's measured CPU time is divided by its own healthy CPU time: ranks differ by
+    up to ~20% in healthy iterations on this shared VM (rank 0 also logs), and that offset
+    is not what the model predicts.
+    """
     cores = min(os.cpu_count() or 1, n)
     healthy_plan = build_policy("neighbor").plan(1, frozenset(), n, microbatches)
     healthy_work = model.replica_work(healthy_plan, 0) + model.sync
     out: Dict[str, Any] = {}
     errors_cp, errors_wall = [], []
     for policy, run in runs.items():
-        measured_healthy = statistics.median(run["healthy"]["fwd_bwd_cpu_s"])
+        own_healthy = run["healthy"]["fwd_bwd_cpu_s"]
         rows = {}
         for w in ("k1", "k2"):
             plan = build_policy(policy).plan(1, frozenset(run[w]["failed"]), n, microbatches)
             pred = [(model.replica_work(plan, r) + model.sync) / healthy_work for r in range(n)]
-            meas = [v / measured_healthy for v in run[w]["fwd_bwd_cpu_s"]]
+            meas = [v / h for v, h in zip(run[w]["fwd_bwd_cpu_s"], own_healthy, strict=True)]
             # Wall time of ranks sharing the cores: the total work spread over the cores, but
             # never less than the slowest rank (each rank runs on one core at a time).
             work = [p * healthy_work + model.optimizer for p in pred]
@@ -226,27 +225,57 @@ def check_model(
 
 # ------------------------------------------------------------------------------ main
 def format_grid(grid: List[Dict[str, Any]], model: StepCostModel) -> str:
-    """The README table."""
+    """The README table: samples/s vs failure-free per policy (ratio to its limit)."""
     lines = [
-        f"c = {model.c:.3f} (takeover / exact micro-batch); limits: exact (n-k)/n, "
-        "takeover 1/(1+c k/(n-k))",
-        "| n | k | policy | step time | samples/s | samples skipped | limit exact (n-k)/n | "
-        "limit takeover | ratio to limit (same fixed costs) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"c = {model.c:.3f} (takeover / exact micro-batch); cells: samples/s relative to "
+        "failure-free (ratio to the policy's limit with the same fixed costs); drop also "
+        "loses the samples shown",
+        "| n | k | limit exact (n-k)/n | limit takeover 1/(1+ck/(n-k)) | "
+        + " | ".join(POLICIES)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(POLICIES),
     ]
-    for row in grid:
-        if row["step_time_rel"] is None:
-            lines.append(
-                f"| {row['n']} | {row['k']} | {row['policy']} | all down | 0 | 100% | | | |"
-            )
-            continue
-        fb = " (fallback)" if row["fallback"] else ""
+    keyed = {(r["n"], r["k"], r["policy"]): r for r in grid}
+    for n, k in dict.fromkeys((r["n"], r["k"]) for r in grid):
+        cells = []
+        for policy in POLICIES:
+            r = keyed[(n, k, policy)]
+            if r["step_time_rel"] is None:
+                cells.append("all down")
+                continue
+            cell = f"{r['samples_per_s_rel']:.3f} ({r['ratio_to_limit']:.2f})"
+            if r["samples_skipped_frac"]:
+                cell += f", {100 * r['samples_skipped_frac']:.1f}% lost"
+            if r["fallback"]:
+                cell += " †"
+            cells.append(cell)
+        first = keyed[(n, k, "drop")]
         lines.append(
-            f"| {row['n']} | {row['k']} | {row['policy']}{fb} | {row['step_time_rel']:.3f} | "
-            f"{row['samples_per_s_rel']:.3f} | {100 * row['samples_skipped_frac']:.1f}% | "
-            f"{row['limit_exact']:.3f} | {row['limit_takeover']:.3f} | "
-            f"{row['ratio_to_limit']:.3f} ({row['limit']}) |"
+            f"| {n} | {k} | {first['limit_exact']:.3f} | {first['limit_takeover']:.3f} | "
+            + " | ".join(cells)
+            + " |"
         )
+    lines.append(
+        "† fallback: no normal replica left, the neighbours run their own micro-batches " "exactly"
+    )
+    return "\n".join(lines)
+
+
+def format_validation(check: Dict[str, Any]) -> str:
+    """The README table: the model against the real DP4 runs, per policy and window."""
+    lines = [
+        "| policy | replicas down | critical path: model | measured | error "
+        "| wall: model | measured | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for policy, rows in check["per_policy"].items():
+        for r in rows.values():
+            lines.append(
+                f"| {policy} | {r['failed']} | {r['critical_path_predicted']:.2f} | "
+                f"{r['critical_path_measured']:.2f} | {100 * r['critical_path_error']:+.0f}% | "
+                f"{r['total_work_predicted']:.2f} | {r['wall_measured']:.2f} | "
+                f"{100 * r['wall_error']:+.0f}% |"
+            )
     return "\n".join(lines)
 
 
@@ -333,6 +362,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(format_grid(grid, model))
+    if check:
+        print(format_validation(check))
     at8 = {r["policy"]: r for r in grid if r["n"] == 8 and r["k"] == 1}
     parts = [f"degraded_throughput: c={model.c:.3f}"]
     parts += [

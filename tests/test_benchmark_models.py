@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -113,3 +114,28 @@ def test_trace_counts_basis_refreshes_and_transitions() -> None:
     drop = simulate(MODEL, sets, "drop", n, m, refresh, remap, basis_interval=200)
     assert drop["basis_computations"] == 0
     assert drop["samples_skipped_pct"] == pytest.approx(100 * 450 / (8 * iters))
+
+
+def test_rank_cpu_time_shows_the_critical_path(tmp_path: Path, text_data: str) -> None:
+    """--log-rank-cpu-time: per-rank CPU seconds by DP rank; under `exact` with replica 1 down,
+    its neighbour (2) does twice the work and the failed replica almost none."""
+    from conftest import TINY_MODEL, run_trainer, train_records
+
+    args = TINY_MODEL + [
+        "--data-path", text_data, "--train-iters", "8", "--eval-iters", "0",
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--log-rank-cpu-time",
+        "--mecefo", "--mecefo-policy", "exact", "--mecefo-rank", "16", "--mecefo-fail", "1:3",
+    ]  # fmt: skip
+    _, records = run_trainer(4, args, tmp_path)
+    train = train_records(records)
+    for r in train:
+        assert r["rank_cpu_s"]["dp_rank"] == [0, 1, 2, 3]
+        assert all(v > 0 for v in r["rank_cpu_s"]["optimizer"])
+    steady = [r["rank_cpu_s"]["fwd_bwd"] for r in train[3:]]  # iterations 4..8, replica 1 down
+
+    def median(replica: int) -> float:
+        return statistics.median(s[replica] for s in steady)
+
+    assert train[3]["mecefo"]["neighbours"] == {"1": 2}
+    assert median(1) < 0.5 * min(median(0), median(3))
+    assert median(2) > 1.3 * max(median(0), median(3))

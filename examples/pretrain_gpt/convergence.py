@@ -117,42 +117,53 @@ def run_name(policy: Optional[str], scenario: Optional[str], seed: int) -> str:
     return f"seed{seed}_failure-free" if policy is None else f"seed{seed}_{scenario}_{policy}"
 
 
-def trainer_command(args: argparse.Namespace, seed: int, metrics: Path) -> List[str]:
-    """The torchrun command of one run, without its MeCeFO flags."""
+def torchrun_command(nproc: int, port: int, flags: List[str]) -> List[str]:
+    """``torchrun`` of the example trainer with ``flags``, from this Python's environment."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        f"--nproc_per_node={args.nproc}",
-        f"--master_port={args.master_port}",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={port}",
         str(TRAINER),
-        "--data-path",
-        args.data_path,
-        "--split",
-        "98,2,0",
-        "--micro-batch-size",
-        str(args.micro_batch_size),
-        "--global-batch-size",
-        str(args.global_batch_size),
-        "--train-iters",
-        str(args.train_iters),
-        "--lr",
-        str(args.lr),
-        "--min-lr",
-        str(args.min_lr),
-        "--lr-warmup-iters",
-        str(args.lr_warmup_iters),
-        "--log-interval",
-        str(args.eval_interval),
-        "--eval-interval",
-        str(args.eval_interval),
-        "--eval-iters",
-        str(args.eval_iters),
-        "--seed",
-        str(seed),
-        "--metrics-file",
-        str(metrics),
+        *flags,
     ]
+
+
+def trainer_command(args: argparse.Namespace, seed: int, metrics: Path) -> List[str]:
+    """The torchrun command of one run, without its MeCeFO flags."""
+    return torchrun_command(
+        args.nproc,
+        args.master_port,
+        [
+            "--data-path",
+            args.data_path,
+            "--split",
+            "98,2,0",
+            "--micro-batch-size",
+            str(args.micro_batch_size),
+            "--global-batch-size",
+            str(args.global_batch_size),
+            "--train-iters",
+            str(args.train_iters),
+            "--lr",
+            str(args.lr),
+            "--min-lr",
+            str(args.min_lr),
+            "--lr-warmup-iters",
+            str(args.lr_warmup_iters),
+            "--log-interval",
+            str(args.eval_interval),
+            "--eval-interval",
+            str(args.eval_interval),
+            "--eval-iters",
+            str(args.eval_iters),
+            "--seed",
+            str(seed),
+            "--metrics-file",
+            str(metrics),
+        ],
+    )
 
 
 def run_trainer(cmd: List[str], run_dir: Path) -> float:
