@@ -185,12 +185,14 @@ def plot_trace(ft: Dict[str, Any], out: Path) -> None:
         ft["paper_7b_high_drop_pct"].items(), (":", "--", "-."), strict=True
     ):
         ax.axhline(value, color="black", ls=ls, lw=1, label=f"{name}, 7B high: {value}%")
+    top = max(r["drop_pct"] for r in rows)
+    ax.set_ylim(0, 1.45 * top)  # room for the legend above the bars
     ax.set_xticks(range(len(scenarios)), scenarios)
     ax.set_ylabel("time-averaged throughput drop (%)")
     ax.set_title(
         "Failure traces at n = 32 (model; drop counts skipped samples as lost)", fontsize=10
     )
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=3, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -94,7 +94,7 @@ SHAPES: Dict[str, Shape] = {
     "demo": Shape(128, 320, 4, 4, 128, 1, 32, "examples/pretrain_gpt default model", 384),
     # Small enough that the whole benchmark runs in well under 2 minutes on 2 CPU cores; rank
     # 32 of 256/688 so the low-rank gradient is genuinely low rank.
-    "cpu-small": Shape(256, 688, 4, 2, 256, 2, 32, "LLaMA-style toy shape for CPU"),
+    "cpu-small": Shape(256, 688, 4, 2, 256, 2, 32, "LLaMA-style toy shape for CPU", 384),
     # GaLore's llama_1b config (mecefo-algorithm.md §8.1): h 2048, FFN 5461, 32 heads.
     "llama-1b": Shape(2048, 5461, 32, 2, 1024, 1, 128, "GaLore llama_1b widths, 2 of 24 layers"),
     "llama-7b": Shape(4096, 11008, 32, 2, 2048, 1, 128, "LLaMA-7B widths, 2 of 32 layers"),
@@ -833,7 +833,7 @@ def summary(result: Dict[str, Any]) -> str:
     parts.append(
         f"whole micro-batch with head (vocab {result['head']['vocab']}) c={pmb['c']:.2f}, "
         f"optimizer step {result['optimizer']['time_ms_median']:.1f} ms = "
-        f"{result['optimizer']['time_ms_median'] / pmb['exact_ms']:.2f} exact micro-batches"
+        f"{result['optimizer']['time_ms_median'] / pmb['exact_ms']:.2f} exact micro-batches;"
     )
     acc = result["accumulation"]
     parts.append(
