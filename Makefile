@@ -10,7 +10,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo test test-all bench lint clean
+.PHONY: venv data demo test test-all bench bench-long lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -64,6 +64,14 @@ bench: data
 	@echo "make bench: done; summaries in $(BENCH_LOG)/, plots in results/plots/." \
 	    "Not run on CPU: the llama-1b / llama-7b GPU shapes (benchmarks/README.md)."
 
+# Not part of make bench (about 12 minutes): the high scenario at 600 iterations, one seed,
+# to see whether the convergence gaps last once the validation loss is flatter.
+bench-long: data
+	mkdir -p $(BENCH_LOG)
+	set -o pipefail; $(PY) examples/pretrain_gpt/convergence.py --train-iters 600 \
+	    --eval-interval 50 --seeds 1234 --scenarios high --every-seed-scenarios \
+	    --output-dir results/convergence_long | tee $(BENCH_LOG)/convergence_long.txt
+
 lint: venv
 	$(PIP) install -q -c constraints.txt ruff black
 	$(VENV)/bin/ruff check megatron_mecefo examples tests benchmarks patches
@@ -72,4 +80,4 @@ lint: venv
 # results/ holds committed benchmark outputs (see .gitignore); only the run folders go.
 clean:
 	rm -rf $(VENV) data .pytest_cache results/demo results/degraded_throughput \
-	    results/convergence/seed* results/convergence/trace_*
+	    results/convergence*/seed* results/convergence*/trace_*

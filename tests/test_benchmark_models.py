@@ -116,21 +116,27 @@ def test_trace_counts_basis_refreshes_and_transitions() -> None:
     assert drop["samples_skipped_pct"] == pytest.approx(100 * 450 / (8 * iters))
 
 
-def test_rank_cpu_time_shows_the_critical_path(tmp_path: Path, text_data: str) -> None:
-    """--log-rank-cpu-time: per-rank CPU seconds by DP rank; under `exact` with replica 1 down,
-    its neighbour (2) does twice the work and the failed replica almost none."""
+def test_rank_cpu_time_and_grad_error_under_exact(tmp_path: Path, text_data: str) -> None:
+    """Under `exact` with replica 1 down: (1) --log-rank-cpu-time gives per-rank CPU seconds
+    by DP rank, the neighbour (2) doing twice the work and the failed replica almost none;
+    (2) the logged gradient relative error is ~0, also when clipping scales the gradient (it
+    is measured before the optimizer step)."""
     from conftest import TINY_MODEL, run_trainer, train_records
 
     args = TINY_MODEL + [
         "--data-path", text_data, "--train-iters", "8", "--eval-iters", "0",
         "--micro-batch-size", "1", "--global-batch-size", "8", "--log-rank-cpu-time",
         "--mecefo", "--mecefo-policy", "exact", "--mecefo-rank", "16", "--mecefo-fail", "1:3",
+        "--mecefo-grad-error-interval", "1", "--clip-grad", "1e-3",
     ]  # fmt: skip
     _, records = run_trainer(4, args, tmp_path)
     train = train_records(records)
     for r in train:
         assert r["rank_cpu_s"]["dp_rank"] == [0, 1, 2, 3]
         assert all(v > 0 for v in r["rank_cpu_s"]["optimizer"])
+    errors = [r["mecefo"]["grad_rel_error"] for r in train[2:]]
+    assert len(errors) == 6 and max(errors) < 1e-5, errors
+    assert min(r["grad_norm"] for r in train[2:]) > 1e-2  # so clipping scaled every step
     steady = [r["rank_cpu_s"]["fwd_bwd"] for r in train[3:]]  # iterations 4..8, replica 1 down
 
     def median(replica: int) -> float:

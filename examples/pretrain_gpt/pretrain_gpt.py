@@ -432,19 +432,22 @@ class Trainer:
         cpu0 = time.process_time()
         loss = self._run_schedule(self.train_iter, forward_only=False)
         cpu1 = time.process_time()
+        if grad_error is not None:
+            # Before the optimizer step: clipping scales the gradient buffers in place, which
+            # would count as error on every iteration whose norm exceeds --clip-grad.
+            mecefo["grad_rel_error"] = self._grad_rel_error(grad_error)
+        cpu2 = time.process_time()
         if mecefo.get("no_update"):
             ok, grad_norm = False, None  # every replica down: no update, a skipped iteration
         else:
             ok, grad_norm, _ = self.optimizer.step()
-        cpu = (cpu1 - cpu0, time.process_time() - cpu1)
+        cpu = (cpu1 - cpu0, time.process_time() - cpu2)
         self.scheduler.step(increment=1)
         if self.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        if grad_error is not None:
-            mecefo["grad_rel_error"] = self._grad_rel_error(grad_error)
         rank_cpu = self._gather_rank_cpu(cpu) if a.log_rank_cpu_time else None
         self.iteration += 1
         self.consumed_samples += a.global_batch_size
