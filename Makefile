@@ -64,7 +64,7 @@ bench: data
 	@echo "make bench: done; summaries in $(BENCH_LOG)/, plots in results/plots/." \
 	    "Not run on CPU: the llama-1b / llama-7b GPU shapes (benchmarks/README.md)."
 
-# Not part of make bench (about 12 minutes): the high scenario at 600 iterations, one seed,
+# Not part of make bench (about 11 minutes): the high scenario at 600 iterations, one seed,
 # to see whether the convergence gaps last once the validation loss is flatter.
 bench-long: data
 	mkdir -p $(BENCH_LOG)
