@@ -94,15 +94,6 @@ def build_schedule(
     return FailureSchedule.paper(scenario, n, iters, args.step_time, args.seed, ref)
 
 
-def failed_sets(schedule: FailureSchedule, iters: int) -> List[FrozenSet[int]]:
-    """The failed set of every iteration 1..iters (index 0 unused)."""
-    down: List[set] = [set() for _ in range(iters + 1)]
-    for e in schedule.events:
-        for it in range(e.fail_iteration, min(e.recover_iteration, iters + 1)):
-            down[it].add(e.replica)
-    return [frozenset(d) for d in down]
-
-
 def time_remap_ms(
     policy: str, sets: List[FrozenSet[int]], n: int, m: int, samples: int = 16
 ) -> float:
@@ -134,46 +125,42 @@ def simulate(
     remap: float,
     basis_interval: int,
 ) -> Dict[str, Any]:
-    """Walk the trace; returns time-averaged throughput and the transition counts."""
+    """Walk the trace (``sets``: ``FailureSchedule.failed_by_iteration``); returns the
+    time-averaged throughput and the transition counts."""
     obj = build_policy(policy)
-    # Per distinct failed set: processed micro-batches, per-replica work, the replicas running
-    # takeover micro-batches, and the step time without transition costs.
+    # Per distinct failed set: the plan, the replicas running takeover micro-batches, and the
+    # step time without transition costs (all down: nobody computes, the zero sync still runs).
     cache: Dict[FrozenSet[int], tuple] = {}
     last_basis: Dict[int, int] = {}
-    healthy = model.failure_free_time(n, m)
-    fixed = model.optimizer + model.sync_time(n)
     total = processed = transition_time = 0.0
     refreshes = transitions = degraded = 0
     prev: FrozenSet[int] = frozenset()
     for it in range(1, len(sets)):
         failed = sets[it]
-        entry = cache.get(failed)
-        if entry is None:
+        if failed not in cache:
             plan = obj.plan(it, failed, n, m)
-            work = [model.replica_work(plan, r) for r in range(n)]
             takeover = [r for r in range(n) if any(mb.mode is TAKEOVER for mb in plan.work[r])]
-            base = model.sync_time(n) if plan.no_update else max(work) + fixed
-            entry = cache[failed] = (plan.processed, work, takeover, base, plan.no_update)
-        done, work, takeover, base, no_update = entry
+            base = model.sync_time(n) if plan.no_update else model.step_time(plan)
+            cache[failed] = (plan, takeover, base)
+        plan, takeover, base = cache[failed]
+        # A basis computation is on its replica's critical path, like MecefoState's refresh.
         extra: Dict[int, float] = {}
         for r in takeover:
             if r not in last_basis or it - last_basis[r] >= basis_interval:
                 last_basis[r] = it
                 extra[r] = refresh
-                refreshes += 1
-        step = base
+        refreshes += len(extra)
+        step = model.step_time(plan, extra) if extra else base
         if failed != prev:  # every rank re-plans: the whole step waits for it
             transitions += 1
             step += remap
         prev = failed
-        if extra:
-            worst = max(work[r] + e for r, e in extra.items())
-            step = max(step, (0.0 if no_update else fixed) + worst + (step - base))
         degraded += bool(failed)
         transition_time += step - base
         total += step
-        processed += done
+        processed += plan.processed
     iters = len(sets) - 1
+    healthy = model.failure_free_time(n, m)
     rel = (processed / (iters * n * m)) * (iters * healthy) / total
     return {
         "throughput_rel": rel,
@@ -204,7 +191,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 if scenario == "poisson" and rate == "cluster":
                     continue  # Poisson rates are per replica by definition
                 schedule = build_schedule(scenario, n, iters, args, rate)
-                sets = failed_sets(schedule, iters)
+                sets = schedule.failed_by_iteration(iters)
                 concurrent = statistics.fmean(len(s) for s in sets[1:])
                 for policy in POLICIES:
                     remap = time_remap_ms(policy, sets, n, m) / unit_ms

@@ -120,13 +120,13 @@ class StepCostModel:
             return row
         step = self.step_time(plan)
         processed = plan.processed / plan.total_microbatches
-        work = [self.replica_work(plan, r) for r in range(n)]
+        critical = max(range(n), key=lambda r: self.replica_work(plan, r))
         row.update(
             step_time_rel=step / healthy,
             samples_per_s_rel=processed * healthy / step,
             samples_skipped_frac=1.0 - processed,
-            critical_replica=max(range(n), key=lambda r: work[r]),
-            critical_microbatches=len(plan.work[max(range(n), key=lambda r: work[r])]),
+            critical_replica=critical,
+            critical_microbatches=len(plan.work[critical]),
         )
         # Takeover policies are held to the takeover limit, exact and drop to the exact one,
         # with the same fixed costs as the policy's own step (the bare formulas leave them out).

@@ -100,9 +100,21 @@ class FailureSchedule:
         """The replicas that are down at (1-based) ``iteration``."""
         return frozenset(e.replica for e in self.events if e.covers(iteration))
 
+    def failed_by_iteration(self, train_iters: int) -> List[FrozenSet[int]]:
+        """``failed_at`` of every iteration ``1..train_iters`` in one sweep (index 0: none).
+
+        One pass over the events instead of one per iteration: long traces (tens of thousands
+        of iterations, hundreds of events) are walked this way.
+        """
+        down: List[set] = [set() for _ in range(train_iters + 1)]
+        for e in self.events:
+            for it in range(e.fail_iteration, min(e.recover_iteration, train_iters + 1)):
+                down[it].add(e.replica)
+        return [frozenset(d) for d in down]
+
     def degraded_iterations(self, train_iters: int) -> int:
         """How many of iterations ``1..train_iters`` have at least one replica down."""
-        return sum(bool(self.failed_at(i)) for i in range(1, train_iters + 1))
+        return sum(bool(s) for s in self.failed_by_iteration(train_iters))
 
     def to_json(self) -> dict:
         """A trace that :meth:`replay` reads back into the same schedule."""

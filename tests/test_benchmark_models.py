@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from failure_trace import failed_sets, simulate  # noqa: E402
+from failure_trace import simulate  # noqa: E402
 from step_cost_model import (  # noqa: E402
     StepCostModel,
     limit_exact,
@@ -94,7 +94,7 @@ def test_paper_schedule_reference_replicas_scales_the_failure_interval() -> None
 
 
 def test_trace_without_failures_loses_nothing() -> None:
-    sets = failed_sets(FailureSchedule.none(8), 500)
+    sets = FailureSchedule.none(8).failed_by_iteration(500)
     for policy in POLICIES:
         res = simulate(MODEL, sets, policy, 8, 4, refresh=0.5, remap=0.01, basis_interval=200)
         assert res["drop_pct"] == pytest.approx(0.0, abs=1e-12)
@@ -104,7 +104,9 @@ def test_trace_without_failures_loses_nothing() -> None:
 def test_trace_counts_basis_refreshes_and_transitions() -> None:
     """Replica 2 down for iterations 101..550: its neighbour computes V at 101, 301 and 501."""
     n, m, iters, refresh, remap = 8, 4, 600, 0.5, 0.01
-    sets = failed_sets(FailureSchedule([FailureEvent(101, 551, 2)], n), iters)
+    schedule = FailureSchedule([FailureEvent(101, 551, 2)], n)
+    sets = schedule.failed_by_iteration(iters)
+    assert sets[1:] == [schedule.failed_at(i) for i in range(1, iters + 1)]
     res = simulate(MODEL, sets, "neighbor", n, m, refresh, remap, basis_interval=200)
     assert res["transitions"] == 2 and res["basis_computations"] == 3
     healthy = m + OPT + MODEL.sync_time(n)
