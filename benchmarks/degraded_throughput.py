@@ -13,12 +13,13 @@ Two parts, both written to one JSON (``results/degraded_throughput.json``):
    From the failure-free iterations of those runs: the exact micro-batch cost, the optimizer
    step; from a failed replica (which only syncs): the gradient sync.
 
-2. **The model** (:mod:`step_cost_model`) with ``c`` from ``benchmarks/takeover_cost.py`` at the
-   same shape (its ``per_microbatch.c``: the block's paired ratio plus the unchanged embedding,
-   output layer and loss), and the fixed costs above. It predicts each replica's work from the
-   policy's real plan; part 1 checks those predictions against the measured CPU time of every
-   replica, and the predicted total work against the measured wall time. Then the grid:
-   n in {4, 8, 32, 128}, k in {1, 2, 4}, every policy, beside (n-k)/n and 1/(1 + c k/(n-k)).
+2. **The model** (:mod:`megatron_mecefo.planner.step_cost_model`) with ``c`` from
+   ``benchmarks/takeover_cost.py`` at the same shape (its ``per_microbatch.c``: the block's
+   paired ratio plus the unchanged embedding, output layer and loss), and the fixed costs
+   above. It predicts each replica's work from the policy's real plan; part 1 checks those
+   predictions against the measured CPU time of every replica, and the predicted total work
+   against the measured wall time. Then the grid: n in {4, 8, 32, 128}, k in {1, 2, 4}, every
+   policy, beside (n-k)/n and 1/(1 + c k/(n-k)).
 
 Usage (repo root, after ``takeover_cost.py --shape demo``):
 ``.venv/bin/python benchmarks/degraded_throughput.py [--no-validate]``.
@@ -43,9 +44,9 @@ for path in (BENCH, REPO, REPO / "examples" / "pretrain_gpt"):
         sys.path.insert(0, str(path))
 
 from convergence import run_trainer, torchrun_command  # noqa: E402
-from step_cost_model import StepCostModel, spaced_failures  # noqa: E402
 
-from megatron_mecefo.takeover_policy import POLICIES, build_policy  # noqa: E402
+from megatron_mecefo.planner.step_cost_model import StepCostModel, spaced_failures  # noqa: E402
+from megatron_mecefo.takeover.policies import POLICIES, build_policy  # noqa: E402
 
 # The validation run's failure windows (1-based iterations, recover exclusive): k = 1 from
 # FAIL1, k = 2 from FAIL2, both until the end. The first SETTLE iterations of each window hold

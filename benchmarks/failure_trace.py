@@ -1,9 +1,10 @@
 """Time-averaged throughput of every policy under failure traces, at n = 8, 32 and 128.
 
-Each trace is a real :class:`~megatron_mecefo.failure_schedule.FailureSchedule` (the paper's
+Each trace is a real
+:class:`~megatron_mecefo.takeover.failure_schedule.FailureSchedule` (the paper's
 low / mid / high scenario, and a Poisson trace) over ``--hours`` of training at a nominal
 ``--step-time``. Every iteration is planned by the real policy object and timed by
-:class:`step_cost_model.StepCostModel` with the costs measured by
+:class:`megatron_mecefo.planner.step_cost_model.StepCostModel` with the costs measured by
 ``benchmarks/degraded_throughput.py`` (c, optimizer, sync). Transition costs are counted:
 
 * **basis computation**: a replica running takeover micro-batches computes V for its FFN
@@ -44,12 +45,12 @@ for path in (BENCH, REPO):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from step_cost_model import StepCostModel  # noqa: E402
-
-from megatron_mecefo.config import MecefoConfig  # noqa: E402
-from megatron_mecefo.data_remap import GlobalBatchLayout  # noqa: E402
-from megatron_mecefo.failure_schedule import FailureSchedule  # noqa: E402
-from megatron_mecefo.takeover_policy import POLICIES, TAKEOVER, build_policy  # noqa: E402
+from megatron_mecefo.planner.step_cost_model import StepCostModel  # noqa: E402
+from megatron_mecefo.takeover.data_remap import GlobalBatchLayout  # noqa: E402
+from megatron_mecefo.takeover.failure_schedule import FailureSchedule  # noqa: E402
+from megatron_mecefo.takeover.plan import TAKEOVER  # noqa: E402
+from megatron_mecefo.takeover.policies import POLICIES, build_policy  # noqa: E402
+from megatron_mecefo.techniques.config import MecefoConfig  # noqa: E402
 
 # MeCeFO Table 2 (paper), LLaMA-7B on 32 A100s, high-frequency failures: throughput drop in %.
 PAPER_7B_HIGH_DROP = {"MeCeFO (paper)": 4.18, "Bamboo (paper)": 20.84, "Oobleck (paper)": 28.09}

@@ -303,8 +303,8 @@ def build_block(
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_mecefo.layer_specs import gpt_decoder_spec
-    from megatron_mecefo.specs import mecefo_spec
+    from megatron_mecefo.gpt.layer_specs import gpt_decoder_spec
+    from megatron_mecefo.techniques.specs import mecefo_spec
 
     on_cpu = device.type == "cpu"
     config = TransformerConfig(
@@ -333,8 +333,8 @@ def build_block(
 
 def make_states(rank: int) -> Dict[str, Any]:
     """One ``MecefoState`` per mode; all share the block and its cached V (same rank)."""
-    from megatron_mecefo.config import MecefoConfig
-    from megatron_mecefo.state import MecefoState
+    from megatron_mecefo.techniques.config import MecefoConfig
+    from megatron_mecefo.techniques.state import MecefoState
 
     return {
         mode: MecefoState(
@@ -362,7 +362,7 @@ class Runner:
         self.step = 0
 
     def _prepare(self, mode: str) -> None:
-        from megatron_mecefo.apply import apply_mecefo
+        from megatron_mecefo.techniques.apply import apply_mecefo
 
         # Re-binding walks the modules: done outside the timed region.
         state = self.states[mode]
@@ -395,7 +395,7 @@ class Runner:
 
     def saved_bytes(self, mode: str) -> int:
         """Activation bytes autograd saves in the forward (parameters and V left out)."""
-        from megatron_mecefo.activation_bytes import SavedActivationBytes
+        from megatron_mecefo.techniques.activation_bytes import SavedActivationBytes
 
         self._prepare(mode)
         with SavedActivationBytes(self.block) as saved:
@@ -485,8 +485,8 @@ def time_basis(
     block: torch.nn.Module, rank: int, device: torch.device, repeats: int = 3
 ) -> Dict[str, Any]:
     """One-off cost of a V refresh: ``compute_basis`` for every FFN weight of the block."""
-    from megatron_mecefo.config import MecefoConfig
-    from megatron_mecefo.lowrank_basis import COLUMN, ROW, compute_basis
+    from megatron_mecefo.techniques.config import MecefoConfig
+    from megatron_mecefo.techniques.lowrank_basis import COLUMN, ROW, compute_basis
 
     config = MecefoConfig(rank=rank)
     per_weight: Dict[str, float] = {}

@@ -61,6 +61,19 @@ def train_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r["type"] == "train"]
 
 
+def max_down(schedule: Any) -> int:
+    """Most replicas down at once, by a sweep over the [fail, recover) intervals."""
+    points = []
+    for e in schedule.events:
+        points += [(e.fail_iteration, 1), (e.recover_iteration, -1)]
+    points.sort()  # at one iteration, recoveries (-1) before failures (+1): [fail, recover)
+    down = most = 0
+    for _, delta in points:
+        down += delta
+        most = max(most, down)
+    return most
+
+
 @pytest.fixture(scope="session")
 def text_data(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A small Megatron indexed dataset of real text (stdlib docstrings), built once."""

@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Stop after the iteration divisible by this (after saving), as Megatron-LM.",
     )
-    from megatron_mecefo.arguments import add_arguments
+    from megatron_mecefo.megatron_lm.arguments import add_arguments
 
     add_arguments(p)  # --mecefo, --mecefo-*
     return p
@@ -341,7 +341,7 @@ def _validate_data(args: argparse.Namespace) -> None:
 
 
 def _validate_mecefo(args: argparse.Namespace) -> None:
-    from megatron_mecefo.arguments import (
+    from megatron_mecefo.megatron_lm.arguments import (
         FaultToleranceConfig,
         MecefoConfigError,
         mecefo_flags_given,
@@ -379,6 +379,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     try:
         return validate_args(args, world_size)
     except ConfigError as err:
-        from megatron_mecefo.arguments import exit_with_config_error
+        from megatron_mecefo.megatron_lm.arguments import exit_with_config_error
 
         exit_with_config_error(err)

@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as a plain script from the repo root
 
-from megatron_mecefo.failure_schedule import PAPER_SCENARIOS, FailureSchedule  # noqa: E402
-from megatron_mecefo.takeover_policy import POLICIES  # noqa: E402
+from megatron_mecefo.takeover.failure_schedule import PAPER_SCENARIOS, FailureSchedule  # noqa: E402
+from megatron_mecefo.takeover.policies import POLICIES  # noqa: E402
 
 TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
 

@@ -54,7 +54,7 @@ def _select_device(args: Any) -> "torch.device":  # noqa: F821
 
 
 def _fail(message: str) -> None:
-    from megatron_mecefo.arguments import exit_with_config_error
+    from megatron_mecefo.megatron_lm.arguments import exit_with_config_error
 
     exit_with_config_error(message)
 
@@ -177,8 +177,8 @@ class Trainer:
         from megatron.core.transformer.module import Float16Module
 
         from megatron_mecefo._optional import have_transformer_engine
-        from megatron_mecefo.layer_specs import gpt_decoder_spec
-        from megatron_mecefo.layout_invariant_init import layout_invariant_init_
+        from megatron_mecefo.gpt.layer_specs import gpt_decoder_spec
+        from megatron_mecefo.gpt.layout_invariant_init import layout_invariant_init_
 
         a, cfg = self.args, self.config
         if a.transformer_impl == "auto":
@@ -191,7 +191,7 @@ class Trainer:
         for vp_stage in range(vpp) if vpp else [None]:
             spec = gpt_decoder_spec(cfg, a.transformer_impl, vp_stage)
             if a.mecefo:
-                from megatron_mecefo.specs import mecefo_spec
+                from megatron_mecefo.techniques.specs import mecefo_spec
 
                 spec = mecefo_spec(spec, lowrank=a.mecefo_config.techniques.lowrank_ffn)
             chunk = GPTModel(
@@ -326,11 +326,11 @@ class Trainer:
         """The MeCeFO controller: schedule, policy, state and the re-weighting hooks."""
         import torch
 
-        from megatron_mecefo.apply import apply_mecefo, mha_group_parameters
-        from megatron_mecefo.controller import MecefoController
-        from megatron_mecefo.data_remap import GlobalBatchLayout
-        from megatron_mecefo.state import MecefoState
-        from megatron_mecefo.takeover_policy import build_policy
+        from megatron_mecefo.takeover.controller import MecefoController
+        from megatron_mecefo.takeover.data_remap import GlobalBatchLayout
+        from megatron_mecefo.takeover.policies import build_policy
+        from megatron_mecefo.techniques.apply import apply_mecefo, mha_group_parameters
+        from megatron_mecefo.techniques.state import MecefoState
 
         a, ft = self.args, self.args.mecefo_config
         state = MecefoState(ft.techniques)
@@ -348,7 +348,7 @@ class Trainer:
         self.config.finalize_model_grads_func = controller.wrap_finalize(
             self.config.finalize_model_grads_func
         )
-        from megatron_mecefo.topology import ReplicaTopology
+        from megatron_mecefo.takeover.topology import ReplicaTopology
 
         # Checks megatron-core's layout against the failure units the schedule names.
         self._print(f"> MeCeFO failure units: {ReplicaTopology.from_parallel_state().describe()}")

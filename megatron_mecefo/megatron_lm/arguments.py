@@ -1,0 +1,338 @@
+"""``--mecefo`` and the ``--mecefo-*`` flags, their config dataclass and start-up checks.
+
+``add_arguments(parser)`` adds the flags to any argparse parser (Megatron-LM's
+``extra_args_provider`` or the example trainer's); :meth:`FaultToleranceConfig.from_args`
+turns them into a config, and :meth:`FaultToleranceConfig.validate` checks them against the
+job, raising :class:`MecefoConfigError` with a message that names the flag, the value and the
+fix, before any collective runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, NoReturn, Optional
+
+from megatron_mecefo.techniques.config import BASIS_METHODS, MecefoConfig
+
+POLICY_NAMES = ("neighbor", "spread", "exact", "drop")
+SCHEDULES = ("none", "scripted", "low", "mid", "high", "poisson", "replay")
+
+
+class MecefoConfigError(ValueError):
+    """A bad ``--mecefo-*`` flag (combination); the message names the flag and the fix."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the MeCeFO flags to ``parser`` (returns it, as Megatron's extra-args providers do)."""
+    g = parser.add_argument_group("MeCeFO fault tolerance (megatron_mecefo)")
+    g.add_argument(
+        "--mecefo",
+        action="store_true",
+        help="Train through data-parallel replica failures with MeCeFO (arXiv 2510.16415).",
+    )
+    g.add_argument(
+        "--mecefo-policy",
+        choices=POLICY_NAMES,
+        default="neighbor",
+        help="Who takes over a failed replica's micro-batches: neighbor (the paper: the next "
+        "alive replica, all its work in takeover mode), spread (dealt over all alive "
+        "replicas, only absorbed ones in takeover mode), exact (neighbour runs both exactly), "
+        "drop (skip the failed replica's samples).",
+    )
+    g.add_argument("--mecefo-rank", type=int, default=128, help="r of the low-rank FFN wgrad.")
+    g.add_argument(
+        "--mecefo-basis-interval",
+        type=int,
+        default=200,
+        help="tau: iterations between refreshes of the low-rank basis V.",
+    )
+    g.add_argument("--mecefo-basis-method", choices=BASIS_METHODS, default="eigh")
+    for name, what in (
+        ("skip-attention", "no backward through attention in takeover mode"),
+        ("recompute-ffn", "store only the FFN input in takeover mode"),
+        ("lowrank-ffn", "low-rank FFN weight gradients in takeover mode"),
+    ):
+        g.add_argument(
+            f"--mecefo-{name}",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help=f"Technique: {what} (default on).",
+        )
+    g.add_argument(
+        "--mecefo-failure-schedule",
+        choices=SCHEDULES,
+        default=None,
+        help="Simulated failures: scripted (--mecefo-fail), the paper's low/mid/high "
+        "scenarios, poisson (--mecefo-mtbf-hours/--mecefo-mttr-hours), replay "
+        "(--mecefo-failure-trace). Default: scripted if --mecefo-fail is given, else none.",
+    )
+    g.add_argument(
+        "--mecefo-fail",
+        action="append",
+        default=[],
+        metavar="REPLICA:FAIL[:RECOVER]",
+        help="Replica REPLICA (data-parallel index) is down from iteration FAIL until "
+        "RECOVER (exclusive; omitted: until the end). Repeatable.",
+    )
+    g.add_argument(
+        "--mecefo-nominal-step-time",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="Failure-free seconds per iteration, to map the time-based schedules "
+        "(low/mid/high, poisson, traces in seconds) to iterations.",
+    )
+    g.add_argument("--mecefo-mtbf-hours", type=float, default=None)
+    g.add_argument("--mecefo-mttr-hours", type=float, default=None)
+    g.add_argument("--mecefo-failure-trace", default=None, metavar="JSON")
+    g.add_argument(
+        "--mecefo-seed",
+        type=int,
+        default=None,
+        help="Seed of the failure schedule and the basis (default: --seed).",
+    )
+    g.add_argument(
+        "--mecefo-grad-error-interval",
+        type=int,
+        default=0,
+        metavar="K",
+        help="Every K degraded iterations, also compute the failure-free gradient of the same "
+        "batch and log ||g_hat - g|| / ||g||. Costs one extra forward-backward. 0: off.",
+    )
+    return parser
+
+
+@dataclass
+class FaultToleranceConfig:
+    """The ``--mecefo-*`` flags: policy, failure schedule and takeover techniques."""
+
+    enabled: bool = False
+    """``--mecefo``: run training through the MeCeFO controller."""
+
+    policy: str = "neighbor"
+    """Takeover policy name (``megatron_mecefo.takeover.policies.POLICIES``)."""
+
+    techniques: MecefoConfig = field(default_factory=MecefoConfig)
+    """What a takeover micro-batch does (skip-attention, FFN recompute, low-rank wgrad)."""
+
+    failure_schedule: str = "none"
+    """Where failures come from: none, scripted, low, mid, high, poisson or replay."""
+
+    fail: List[str] = field(default_factory=list)
+    """Scripted events, ``REPLICA:FAIL[:RECOVER]`` in logged (1-based) iterations."""
+
+    nominal_step_time_s: Optional[float] = None
+    """Failure-free seconds per iteration; maps time-based schedules to iterations."""
+
+    mtbf_hours: Optional[float] = None
+    """Poisson schedule: mean time between failures of one replica."""
+
+    mttr_hours: Optional[float] = None
+    """Poisson schedule: mean time to repair a failed replica."""
+
+    failure_trace: Optional[str] = None
+    """Replay schedule: path of a JSON trace."""
+
+    seed: int = 1234
+    """Seed of every random choice (failure times, victims, randomized basis)."""
+
+    grad_error_interval: int = 0
+    """Every K-th degraded iteration, log the gradient's error against the failure-free one."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> FaultToleranceConfig:
+        """The config of parsed flags (``args.seed`` is the default seed)."""
+        seed = args.mecefo_seed if args.mecefo_seed is not None else getattr(args, "seed", 1234)
+        schedule = args.mecefo_failure_schedule
+        if schedule is None:
+            schedule = "scripted" if args.mecefo_fail else "none"
+        for flag, value in (
+            ("--mecefo-rank", args.mecefo_rank),
+            ("--mecefo-basis-interval", args.mecefo_basis_interval),
+        ):
+            if value < 1:
+                raise MecefoConfigError(f"{flag}={value}: must be a positive integer")
+        return cls(
+            enabled=bool(args.mecefo),
+            policy=args.mecefo_policy,
+            techniques=MecefoConfig(
+                skip_attention=args.mecefo_skip_attention,
+                recompute_ffn=args.mecefo_recompute_ffn,
+                lowrank_ffn=args.mecefo_lowrank_ffn,
+                rank=args.mecefo_rank,
+                basis_interval=args.mecefo_basis_interval,
+                basis_method=args.mecefo_basis_method,
+                seed=seed,
+            ),
+            failure_schedule=schedule,
+            fail=list(args.mecefo_fail),
+            nominal_step_time_s=args.mecefo_nominal_step_time,
+            mtbf_hours=args.mecefo_mtbf_hours,
+            mttr_hours=args.mecefo_mttr_hours,
+            failure_trace=args.mecefo_failure_trace,
+            seed=seed,
+            grad_error_interval=args.mecefo_grad_error_interval,
+        )
+
+    def validate(
+        self,
+        *,
+        data_parallel_size: int,
+        hidden_size: int,
+        train_iters: int,
+        virtual_pipeline: bool = False,
+        calculate_per_token_loss: bool = False,
+        full_recompute: bool = False,
+        distributed_optimizer: bool = False,
+        mecefo_flags_given: Optional[str] = None,
+    ) -> None:
+        """Check the flags against the job; raise :class:`MecefoConfigError` on the first
+        problem. ``mecefo_flags_given``: a ``--mecefo-*`` flag set explicitly, if any."""
+        if not self.enabled:
+            if mecefo_flags_given:
+                raise MecefoConfigError(
+                    f"{mecefo_flags_given} was given without --mecefo, so it would be ignored; "
+                    "add --mecefo or drop it"
+                )
+            return
+        from megatron_mecefo.takeover.policies import POLICIES
+
+        policy = POLICIES.get(self.policy)
+        if policy is None:
+            raise MecefoConfigError(
+                f"--mecefo-policy={self.policy}: unknown; use one of {sorted(POLICIES)}"
+            )
+        if data_parallel_size < policy.min_replicas:
+            raise MecefoConfigError(
+                f"--mecefo-policy={self.policy} needs at least {policy.min_replicas} data-"
+                f"parallel replicas to hand a failed replica's work to, but the data-parallel "
+                f"size is {data_parallel_size}; launch more ranks or lower the TP/PP sizes"
+            )
+        t = self.techniques
+        if t.lowrank_ffn and t.rank > hidden_size:
+            raise MecefoConfigError(
+                f"--mecefo-rank={t.rank} exceeds --hidden-size={hidden_size}; use a rank of at "
+                f"most {hidden_size} (r = hidden size already makes fc1's gradient exact), or "
+                "--no-mecefo-lowrank-ffn"
+            )
+        if self.grad_error_interval < 0:
+            raise MecefoConfigError(
+                f"--mecefo-grad-error-interval={self.grad_error_interval}: must be >= 0"
+            )
+        if self.grad_error_interval and distributed_optimizer:
+            raise MecefoConfigError(
+                f"--mecefo-grad-error-interval={self.grad_error_interval} needs the full "
+                "gradient on every rank, which the "
+                "distributed optimizer's reduce-scatter does not leave; drop one of the two "
+                "flags (--use-distributed-optimizer)"
+            )
+        if self.policy in ("neighbor", "spread") and t.skip_attention:
+            if calculate_per_token_loss:
+                raise MecefoConfigError(
+                    f"--mecefo-policy={self.policy} with --calculate-per-token-loss is not "
+                    "supported yet (the MHA re-weighting is per micro-batch); use the mean "
+                    "loss, or --mecefo-policy exact/drop"
+                )
+        if self.policy in ("neighbor", "spread") and t.any_technique and full_recompute:
+            raise MecefoConfigError(
+                f"--mecefo-policy={self.policy} mixes exact and takeover micro-batches, which "
+                "--recompute-granularity=full cannot do; use selective recompute or none"
+            )
+        if virtual_pipeline and self.policy == "spread":
+            raise MecefoConfigError(
+                "--mecefo-policy=spread gives replicas different micro-batch counts, which the "
+                "interleaved schedule (--num-layers-per-virtual-pipeline-stage) cannot run; use "
+                "--mecefo-policy neighbor/exact/drop or no virtual pipeline"
+            )
+        self.build_schedule(data_parallel_size, train_iters)  # raises on a bad schedule
+
+    def build_schedule(self, data_parallel_size: int, train_iters: int) -> Any:
+        """The :class:`~megatron_mecefo.takeover.failure_schedule.FailureSchedule` of the flags."""
+        from megatron_mecefo.takeover.failure_schedule import FailureSchedule, ScheduleError
+
+        kind = self.failure_schedule
+        if self.fail and kind != "scripted":
+            raise MecefoConfigError(
+                f"--mecefo-fail is only read by --mecefo-failure-schedule=scripted, not {kind}; "
+                "drop one of them"
+            )
+        needs_time = kind in ("low", "mid", "high", "poisson")
+        if needs_time and not self.nominal_step_time_s:
+            raise MecefoConfigError(
+                f"--mecefo-failure-schedule={kind} is in hours; give "
+                "--mecefo-nominal-step-time SECONDS (the failure-free time of one iteration) to "
+                "map it to iterations"
+            )
+        if self.nominal_step_time_s is not None and self.nominal_step_time_s <= 0:
+            raise MecefoConfigError(
+                f"--mecefo-nominal-step-time={self.nominal_step_time_s}: must be positive"
+            )
+        try:
+            if kind == "none":
+                return FailureSchedule.none(data_parallel_size)
+            if kind == "scripted":
+                if not self.fail:
+                    raise MecefoConfigError(
+                        "--mecefo-failure-schedule=scripted needs at least one --mecefo-fail "
+                        "REPLICA:FAIL[:RECOVER], e.g. --mecefo-fail 1:30:60"
+                    )
+                return FailureSchedule.scripted(self.fail, data_parallel_size)
+            if kind in ("low", "mid", "high"):
+                return FailureSchedule.paper(
+                    kind, data_parallel_size, train_iters, self.nominal_step_time_s, self.seed
+                )
+            if kind == "poisson":
+                if not self.mtbf_hours or not self.mttr_hours:
+                    raise MecefoConfigError(
+                        "--mecefo-failure-schedule=poisson needs --mecefo-mtbf-hours and "
+                        "--mecefo-mttr-hours (both positive)"
+                    )
+                return FailureSchedule.poisson(
+                    data_parallel_size,
+                    train_iters,
+                    self.nominal_step_time_s,
+                    self.mtbf_hours,
+                    self.mttr_hours,
+                    self.seed,
+                )
+            if not self.failure_trace:
+                raise MecefoConfigError(
+                    "--mecefo-failure-schedule=replay needs --mecefo-failure-trace JSON"
+                )
+            return FailureSchedule.replay(
+                self.failure_trace, data_parallel_size, self.nominal_step_time_s
+            )
+        except ScheduleError as err:
+            flag = {
+                "scripted": "--mecefo-fail",
+                "replay": "--mecefo-failure-trace",
+            }.get(kind, "--mecefo-failure-schedule")
+            raise MecefoConfigError(f"{flag}: {err}") from None
+
+
+def exit_with_config_error(message: object, prog: str = "pretrain_gpt.py") -> NoReturn:
+    """Print ``prog: error: message`` on rank 0 only and exit 2 on every rank.
+
+    Every rank checks the same flags, so all of them stop here and none waits in a
+    collective. The other ranks wait a moment first: when one rank exits, torchrun stops the
+    rest, and rank 0 must have printed by then.
+    """
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(2.0)
+    sys.exit(2)
+
+
+def mecefo_flags_given(args: Any, parser: argparse.ArgumentParser) -> Optional[str]:
+    """The first ``--mecefo-*`` flag (with its value) that differs from its default."""
+    for action in parser._actions:  # noqa: SLF001 (argparse has no public action list)
+        dest = action.dest
+        value = getattr(args, dest, None)
+        if dest.startswith("mecefo_") and value != action.default:
+            return f"{action.option_strings[0]}={value}"
+    return None

@@ -1,0 +1,312 @@
+"""MeCeFO in Megatron-LM's own training loop (``pretrain_gpt.py``), through ``patches/``.
+
+The patch for each Megatron-LM tag adds a few lines to ``pretrain_gpt.py`` and nothing to
+``megatron/``; everything else happens here:
+
+* ``extra_args_provider`` adds ``--mecefo`` and the ``--mecefo-*`` flags;
+* the layer spec becomes the MeCeFO spec: through ``wrap_builder(gpt_builder)`` up to
+  core_v0.17 (``pretrain()`` builds the model through ``model_provider``), and through the
+  model config's ``transformer_layer_spec`` and ``post_wrap_hooks`` from core_v0.19 on. A
+  ``--spec`` given by the user is kept, and must be a MeCeFO spec;
+* three names in ``megatron.training.training`` are wrapped, only with ``--mecefo``:
+  ``get_forward_backward_func`` (the replica runs its planned micro-batches),
+  ``finalize_model_grads`` (the MHA-group re-weighting after the sync; ``train()`` installs
+  it as ``config.finalize_model_grads_func``) and ``build_pretraining_data_loader`` (to read
+  a failed replica's samples from the training dataset).
+
+Without ``--mecefo`` nothing is wrapped and Megatron-LM runs exactly as unpatched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+from typing import Any, Callable, List, Optional
+
+from megatron_mecefo.megatron_lm.arguments import (
+    FaultToleranceConfig,
+    MecefoConfigError,
+    add_arguments,
+    exit_with_config_error,
+)
+
+_TRAINING = "megatron.training.training"
+
+
+def extra_args_provider(other: Optional[Callable] = None) -> Callable:
+    """An ``extra_args_provider`` adding the MeCeFO flags after ``other``'s (e.g. modelopt)."""
+
+    def provider(parser: Any) -> Any:
+        if other is not None:
+            parser = other(parser)
+        return add_arguments(parser)
+
+    return provider
+
+
+class MegatronLMIntegration:
+    """The per-process MeCeFO wiring of one Megatron-LM run; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the model, the controller and the dataset (for an in-process restart)."""
+        self.config: Optional[FaultToleranceConfig] = None
+        self.state: Any = None
+        self.chunks: List[Any] = []
+        self.controller: Any = None
+        self.train_dataset: Any = None
+        self._hooks_installed = False
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self, args: Any) -> bool:
+        """Validate the flags once args exist; returns whether ``--mecefo`` is on."""
+        if self.config is not None:
+            return self.config.enabled
+        try:
+            self.config = _validated_config(args)
+        except MecefoConfigError as err:
+            exit_with_config_error(err)
+        if self.config.enabled:
+            from megatron_mecefo.techniques.state import MecefoState
+
+            self.state = MecefoState(self.config.techniques)
+            self._install_training_hooks()
+        return self.config.enabled
+
+    def wrap_builder(self, gpt_builder: Callable) -> Callable:
+        """Megatron-LM <= core_v0.17: ``gpt_builder`` building the MeCeFO spec with --mecefo."""
+
+        @functools.wraps(gpt_builder)
+        def builder(args: Any, pre_process: bool, post_process: bool, *a: Any, **kw: Any) -> Any:
+            if not self._setup(args):
+                return gpt_builder(args, pre_process, post_process, *a, **kw)
+            namespace = gpt_builder.__globals__
+            original = namespace.get("_get_transformer_layer_spec")
+            if original is not None and args.spec is None:
+                from megatron_mecefo.techniques.specs import mecefo_spec
+
+                lowrank = self.config.techniques.lowrank_ffn
+                namespace["_get_transformer_layer_spec"] = lambda *s, **k: mecefo_spec(
+                    original(*s, **k), lowrank=lowrank
+                )
+            try:
+                model = gpt_builder(args, pre_process, post_process, *a, **kw)
+            finally:
+                if original is not None:
+                    namespace["_get_transformer_layer_spec"] = original
+            self._bind([model])
+            return model
+
+        return builder
+
+    def configure_model(self, args: Any, model_cfg: Any) -> None:
+        """Megatron-LM >= core_v0.19: set the spec and the post-wrap hook on ``model_cfg``."""
+        if not self._setup(args):
+            return
+        if getattr(args, "spec", None) is None:
+            from megatron_mecefo.techniques.specs import mecefo_layer_spec
+
+            model_cfg.transformer_layer_spec = mecefo_layer_spec
+        model_cfg.post_wrap_hooks.append(self._post_wrap)
+
+    def _post_wrap(self, model: List[Any]) -> List[Any]:
+        self._bind(model)
+        return model
+
+    def _bind(self, chunks: List[Any]) -> None:
+        from megatron_mecefo.techniques.apply import apply_mecefo
+
+        try:
+            apply_mecefo(chunks, self.state)
+        except ValueError as err:
+            exit_with_config_error(
+                f"--mecefo: {err} (with --spec, pass a MeCeFO spec such as "
+                "megatron_mecefo.techniques.specs mecefo_layer_spec)"
+            )
+        self.chunks.extend(chunks)
+
+    def _install_training_hooks(self) -> None:
+        if self._hooks_installed:
+            return
+        import importlib
+
+        training = importlib.import_module(_TRAINING)
+        get_fbf = training.get_forward_backward_func
+        finalize = training.finalize_model_grads
+        build_loader = training.build_pretraining_data_loader
+
+        @functools.wraps(get_fbf)
+        def get_forward_backward_func(*a: Any, **kw: Any) -> Callable:
+            return self._forward_backward(get_fbf(*a, **kw))
+
+        @functools.wraps(build_loader)
+        def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
+            if self.train_dataset is None and dataset is not None:
+                self.train_dataset = dataset  # the first call builds the training loader
+            return build_loader(dataset, consumed_samples)
+
+        self._finalize = self._wrap_finalize_lazily(finalize)
+        training.get_forward_backward_func = get_forward_backward_func
+        training.finalize_model_grads = self._finalize
+        training.build_pretraining_data_loader = build_pretraining_data_loader
+        self._hooks_installed = True
+
+    def _wrap_finalize_lazily(self, finalize: Callable) -> Callable:
+        @functools.wraps(finalize)
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            if self.controller is None:
+                return finalize(*a, **kw)
+            return self.controller.wrap_finalize(finalize)(*a, **kw)
+
+        return wrapped
+
+    # ------------------------------------------------------------------ per iteration
+    def _build_controller(self) -> Any:
+        import torch
+        from megatron.core import parallel_state as ps
+        from megatron.training import get_args
+
+        from megatron_mecefo.takeover.controller import MecefoController
+        from megatron_mecefo.takeover.data_remap import GlobalBatchLayout
+        from megatron_mecefo.takeover.policies import build_policy
+        from megatron_mecefo.techniques.apply import mha_group_parameters
+
+        args = get_args()
+        ft = self.config
+        dp = ps.get_data_parallel_world_size()
+        self.controller = MecefoController(
+            schedule=ft.build_schedule(dp, _train_iters(args)),
+            policy=build_policy(ft.policy, ft.techniques.skip_attention),
+            state=self.state,
+            replica=ps.get_data_parallel_rank(),
+            layout=GlobalBatchLayout(args.global_batch_size, args.micro_batch_size, dp),
+            mha_parameters=mha_group_parameters(self.chunks),
+            calculate_per_token_loss=args.calculate_per_token_loss,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+        )
+        self._device = next(self.chunks[0].parameters()).device
+        self._collate = torch.utils.data.default_collate
+        from megatron_mecefo.takeover.topology import ORDERS, ReplicaTopology
+
+        order = ORDERS[1] if getattr(args, "use_tp_pp_dp_mapping", False) else ORDERS[0]
+        units = ReplicaTopology.from_parallel_state(order).describe()
+        if torch.distributed.get_rank() == 0:
+            print(
+                f"> MeCeFO: policy {ft.policy}, {self.controller.schedule.description}; "
+                f"failure units: {units}",
+                flush=True,
+            )
+            atexit.register(self._summary)
+        return self.controller
+
+    def _fetch(self, indices: List[int]) -> Any:
+        if self.train_dataset is None:
+            return None  # a rank that reads no data (TP rank > 0, middle pipeline stage)
+        return self._collate([self.train_dataset[i] for i in indices])
+
+    def _forward_backward(self, inner: Callable) -> Callable:
+        import torch
+        from megatron.core import parallel_state as ps
+
+        def run(**kw: Any) -> Any:
+            if kw.get("forward_only", False):
+                return inner(**kw)
+            from megatron.training import get_args
+
+            ctrl = self.controller or self._build_controller()
+            args = get_args()
+            ctrl.begin_iteration(args.curr_iteration + 1, args.consumed_train_samples)
+            self._log(ctrl)
+            wrapped = ctrl.wrap_forward_backward(
+                inner,
+                fetch=self._fetch,
+                finalize=self._finalize,
+                zero_report=lambda: {"lm loss": torch.zeros(2, device=self._device)},
+                is_last_stage=lambda: ps.is_pipeline_last_stage(ignore_virtual=True),
+            )
+            return wrapped(**kw)
+
+        return run
+
+    def _log(self, ctrl: Any) -> None:
+        import torch
+
+        lines = ctrl.announcements()  # every rank: it records what was announced
+        if torch.distributed.get_rank() == 0:
+            for line in lines:
+                print(line, flush=True)
+
+    def _summary(self) -> None:
+        c = self.controller
+        print(
+            f"> MeCeFO summary: {c.degraded_iterations} degraded iterations "
+            f"({c.fallback_iterations} with a fallback), samples processed "
+            f"{c.samples_processed} / skipped {c.samples_skipped}",
+            flush=True,
+        )
+
+
+def install(args: Any = None, model_cfg: Any = None) -> MegatronLMIntegration:
+    """Wire MeCeFO into Megatron-LM's ``pretrain_gpt.py`` (see ``patches/``).
+
+    Megatron-LM <= core_v0.17 (flags parsed inside ``pretrain``): call it with no arguments
+    and pass ``integration.wrap_builder(gpt_builder)`` and ``extra_args_provider(...)`` to
+    ``pretrain``. core_v0.19 and later: call it with the parsed ``args`` and the
+    ``GPTModelConfig`` before ``pretrain(full_config, ...)``.
+    """
+    integration = MegatronLMIntegration()
+    if args is not None and model_cfg is not None:
+        integration.configure_model(args, model_cfg)
+    return integration
+
+
+def _train_iters(args: Any) -> int:
+    if args.train_iters:
+        return int(args.train_iters)
+    return int(args.train_samples) // int(args.global_batch_size)
+
+
+def _validated_config(args: Any) -> FaultToleranceConfig:
+    import argparse
+
+    from megatron_mecefo.megatron_lm.arguments import mecefo_flags_given
+
+    ft = FaultToleranceConfig.from_args(args)
+    if not ft.enabled:
+        given = mecefo_flags_given(args, add_arguments(argparse.ArgumentParser()))
+        ft.validate(data_parallel_size=0, hidden_size=0, train_iters=0, mecefo_flags_given=given)
+        return ft
+    if getattr(args, "rampup_batch_size", None):
+        raise MecefoConfigError(
+            "--mecefo with --rampup-batch-size: the global batch must be fixed; drop one"
+        )
+    if getattr(args, "dataloader_type", "single") not in (None, "single"):
+        raise MecefoConfigError(
+            f"--mecefo reads a failed replica's samples in Megatron's 'single' sampler order; "
+            f"--dataloader-type={args.dataloader_type} is not supported"
+        )
+    if ft.grad_error_interval:
+        raise MecefoConfigError(
+            f"--mecefo-grad-error-interval={ft.grad_error_interval} is only available in the "
+            "plugin's example trainer (examples/pretrain_gpt); drop it here"
+        )
+    if getattr(args, "num_experts", None):
+        raise MecefoConfigError("--mecefo does not support MoE models (--num-experts)")
+    ft.validate(
+        data_parallel_size=args.data_parallel_size,
+        hidden_size=args.hidden_size,
+        train_iters=_train_iters(args),
+        virtual_pipeline=getattr(args, "virtual_pipeline_model_parallel_size", None) is not None,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        full_recompute=getattr(args, "recompute_granularity", None) == "full",
+    )
+    schedule = ft.build_schedule(args.data_parallel_size, _train_iters(args))
+    for e in schedule.events:
+        if len(schedule.failed_at(e.fail_iteration)) == args.data_parallel_size:
+            raise MecefoConfigError(
+                f"the failure schedule takes every replica down at iteration {e.fail_iteration}; "
+                "Megatron-LM's train_step cannot skip an update, so keep one replica up"
+            )
+    return ft
