@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Optional, Sequence
 
 
@@ -16,9 +17,18 @@ class ConfigError(ValueError):
     """A bad flag (combination); the message names the flag, the value and the fix."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line from rank 0 (no usage dump, not once per rank)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        from megatron_mecefo.megatron_lm.arguments import exit_with_config_error
+
+        exit_with_config_error(f"{message} (--help lists the flags)", prog=self.prog)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's parser. Defaults describe a small LLaMA-style GPT that trains on CPU."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pretrain_gpt.py",
         description="Compact Megatron-Core GPT pretraining (CPU/gloo or GPU/nccl).",
         allow_abbrev=False,
@@ -286,7 +296,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
     if args.sequence_parallel and tp == 1:
         # Megatron-LM drops SP at TP=1 too; say so rather than ignore the flag silently.
-        print("WARNING: --sequence-parallel has no effect with --tensor-model-parallel-size=1")
+        warn("--sequence-parallel has no effect with --tensor-model-parallel-size=1")
         args.sequence_parallel = False
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are mutually exclusive; pick one")
@@ -349,7 +359,7 @@ def _validate_mecefo(args: argparse.Namespace) -> None:
 
     try:
         args.mecefo_config = ft = FaultToleranceConfig.from_args(args)
-        ft.validate(
+        warnings = ft.validate(
             data_parallel_size=args.data_parallel_size,
             hidden_size=args.hidden_size,
             train_iters=args.train_iters,
@@ -358,9 +368,19 @@ def _validate_mecefo(args: argparse.Namespace) -> None:
             full_recompute=args.recompute_granularity == "full",
             distributed_optimizer=args.use_distributed_optimizer,
             mecefo_flags_given=mecefo_flags_given(args, build_parser()),
+            ffn_hidden_size=args.ffn_hidden_size,
+            gated_linear_unit=args.swiglu,
         )
     except MecefoConfigError as err:
         raise ConfigError(str(err)) from None
+    for line in warnings:
+        warn(line)
+
+
+def warn(message: str) -> None:
+    """Print ``WARNING: message`` once, from rank 0 (every rank validates the same flags)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"WARNING: {message}", flush=True)
 
 
 def _validate_checkpointing(args: argparse.Namespace) -> None:
@@ -374,7 +394,9 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse and validate; on a bad config print one line (rank 0 only) and exit 2."""
-    args = build_parser().parse_args(argv)
+    from megatron_mecefo.megatron_lm.arguments import normalize_argv
+
+    args = build_parser().parse_args(normalize_argv(list(sys.argv[1:] if argv is None else argv)))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         return validate_args(args, world_size)

@@ -76,10 +76,16 @@ class Trainer:
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         else:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        from megatron_mecefo.runtime.timeout import pg_timeout_minutes
+
+        try:
+            self.timeout_min = pg_timeout_minutes()
+        except ValueError as err:
+            _fail(str(err))
         if not dist.is_initialized():
             dist.init_process_group(
                 backend="gloo" if device.type == "cpu" else "nccl",
-                timeout=timedelta(minutes=int(os.environ.get("MECEFO_PG_TIMEOUT_MIN", "10"))),
+                timeout=timedelta(minutes=self.timeout_min),
             )
         self.rank = dist.get_rank()
         if device.type == "cpu":
@@ -119,6 +125,9 @@ class Trainer:
             tensor_model_parallel_size=a.tensor_model_parallel_size,
             pipeline_model_parallel_size=a.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
+            # Every DP/TP/PP/CP group gets the same timeout as the default group; megatron-core
+            # would give them its own 30 minutes.
+            distributed_timeout_minutes=self.timeout_min,
         )
         tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
 
@@ -437,12 +446,14 @@ class Trainer:
             # would count as error on every iteration whose norm exceeds --clip-grad.
             mecefo["grad_rel_error"] = self._grad_rel_error(grad_error)
         cpu2 = time.process_time()
-        if mecefo.get("no_update"):
+        no_update = bool(mecefo.get("no_update"))
+        if no_update:
             ok, grad_norm = False, None  # every replica down: no update, a skipped iteration
         else:
             ok, grad_norm, _ = self.optimizer.step()
         cpu = (cpu1 - cpu0, time.process_time() - cpu2)
-        self.scheduler.step(increment=1)
+        if ok:  # as Megatron-LM: a skipped iteration does not advance the LR schedule
+            self.scheduler.step(increment=1)
         if self.device.type == "cuda":
             import torch
 
@@ -458,8 +469,9 @@ class Trainer:
             "type": "train",
             "iteration": self.iteration,
             "consumed_samples": self.consumed_samples,
-            "loss": loss,
-            "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
+            # No update (every replica down): nothing was computed, so no loss (null).
+            "loss": None if no_update else loss,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
             "skipped": not ok,
             "step_time_s": dt,
             "tokens": tokens,
@@ -675,10 +687,15 @@ class Trainer:
         a = self.args
         last = window[-1]
 
-        def mean(key: str) -> float:
+        def mean(key: str) -> Optional[float]:
             # Iterations without an update (every replica down) have no loss: leave them out.
-            values = [r[key] for r in window if not math.isnan(r[key])]
-            return sum(values) / len(values) if values else float("nan")
+            values = [r[key] for r in window if r[key] is not None and not math.isnan(r[key])]
+            return sum(values) / len(values) if values else None
+
+        loss, grad_norm = mean("loss"), mean("grad_norm")
+        # As Megatron-LM: a window of skipped iterations only shows the skipped count.
+        loss_text = "" if loss is None else f" lm loss: {loss:.6E} |"
+        norm_text = "" if grad_norm is None else f" grad norm: {grad_norm:.3f} |"
 
         tokens_per_s = sum(r["tokens"] for r in window) / sum(r["step_time_s"] for r in window)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -688,8 +705,7 @@ class Trainer:
             f" elapsed time per iteration (ms): {1000 * mean('step_time_s'):.1f} |"
             f" learning rate: {last['lr']:.6E} |"
             f" global batch size: {a.global_batch_size:>5d} |"
-            f" lm loss: {mean('loss'):.6E} |"
-            f" grad norm: {mean('grad_norm'):.3f} |"
+            f"{loss_text}{norm_text}"
             f" tokens/s: {tokens_per_s:.0f} |"
             f" number of skipped iterations: {sum(r['skipped'] for r in window):>3d} |"
             + self._mecefo_window(window)
@@ -785,10 +801,7 @@ class Trainer:
                     f"{self.history[0]['iteration']} -> {self.history[-1]['iteration']}"
                     f" ({self.consumed_samples} samples consumed)",
                 ),
-                (
-                    "lm loss first -> last",
-                    f"{self.history[0]['loss']:.4f} -> {self.history[-1]['loss']:.4f}",
-                ),
+                ("lm loss first -> last", _first_last_loss(self.history)),
                 ("mean step time", f"{step_s:.3f} s (iterations after the first)"),
                 ("throughput", f"{throughput:,.0f} tokens/s (processed tokens)"),
             ]
@@ -816,6 +829,12 @@ class Trainer:
             self.tb.close()
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _first_last_loss(history: list[dict[str, Any]]) -> str:
+    """First and last loss of the iterations that computed one (not the skipped ones)."""
+    losses = [r["loss"] for r in history if r["loss"] is not None]
+    return f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "none (no iteration updated)"
 
 
 def _loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict[str, Any]]:

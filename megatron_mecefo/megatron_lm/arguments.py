@@ -20,6 +20,9 @@ from megatron_mecefo.techniques.config import BASIS_METHODS, MecefoConfig
 
 POLICY_NAMES = ("neighbor", "spread", "exact", "drop")
 SCHEDULES = ("none", "scripted", "low", "mid", "high", "poisson", "replay")
+MAX_NOMINAL_STEP_TIME_S = 3600.0
+"""Largest ``--mecefo-nominal-step-time``: an iteration longer than an hour is a unit mistake
+(the paper's scenarios fail a replica every 0.5-2 h)."""
 
 
 class MecefoConfigError(ValueError):
@@ -189,16 +192,24 @@ class FaultToleranceConfig:
         full_recompute: bool = False,
         distributed_optimizer: bool = False,
         mecefo_flags_given: Optional[str] = None,
-    ) -> None:
+        ffn_hidden_size: Optional[int] = None,
+        gated_linear_unit: bool = False,
+    ) -> List[str]:
         """Check the flags against the job; raise :class:`MecefoConfigError` on the first
-        problem. ``mecefo_flags_given``: a ``--mecefo-*`` flag set explicitly, if any."""
+        problem. ``mecefo_flags_given``: a ``--mecefo-*`` flag set explicitly, if any.
+
+        Returns:
+            Warnings (one line each) for flags that are valid but partly without effect;
+            the caller prints them once, on rank 0.
+        """
+        warnings: List[str] = []
         if not self.enabled:
             if mecefo_flags_given:
                 raise MecefoConfigError(
                     f"{mecefo_flags_given} was given without --mecefo, so it would be ignored; "
                     "add --mecefo or drop it"
                 )
-            return
+            return warnings
         from megatron_mecefo.takeover.policies import POLICIES
 
         policy = POLICIES.get(self.policy)
@@ -219,6 +230,19 @@ class FaultToleranceConfig:
                 f"most {hidden_size} (r = hidden size already makes fc1's gradient exact), or "
                 "--no-mecefo-lowrank-ffn"
             )
+        if t.lowrank_ffn and ffn_hidden_size:
+            # V has min(r, out, in) columns per weight; once r reaches min(out, in) of every
+            # FFN weight, no weight gets a rank-limited gradient.
+            fc1 = (ffn_hidden_size * (2 if gated_linear_unit else 1), hidden_size)
+            fc2 = (hidden_size, ffn_hidden_size)
+            full = max(min(fc1), min(fc2))
+            if t.rank >= full:
+                warnings.append(
+                    f"--mecefo-rank={t.rank} >= min(in, out) of every FFN weight (fc1 "
+                    f"{fc1[0]}x{fc1[1]}, fc2 {fc2[0]}x{fc2[1]}), so the low-rank FFN weight "
+                    f"gradient is never rank-limited and saves nothing; use a rank below {full} "
+                    "(e.g. 32), or --no-mecefo-lowrank-ffn"
+                )
         if self.grad_error_interval < 0:
             raise MecefoConfigError(
                 f"--mecefo-grad-error-interval={self.grad_error_interval}: must be >= 0"
@@ -248,7 +272,18 @@ class FaultToleranceConfig:
                 "interleaved schedule (--num-layers-per-virtual-pipeline-stage) cannot run; use "
                 "--mecefo-policy neighbor/exact/drop or no virtual pipeline"
             )
-        self.build_schedule(data_parallel_size, train_iters)  # raises on a bad schedule
+        schedule = self.build_schedule(data_parallel_size, train_iters)  # raises if bad
+        late = [e for e in schedule.events if e.fail_iteration > train_iters]
+        if late:
+            named = ", ".join(
+                f"replica {e.replica} at iteration {e.fail_iteration}" for e in late[:5]
+            )
+            more = f" and {len(late) - 5} more" if len(late) > 5 else ""
+            warnings.append(
+                f"{len(late)} failure event(s) start after the last iteration "
+                f"(--train-iters={train_iters}) and never happen: {named}{more}"
+            )
+        return warnings
 
     def build_schedule(self, data_parallel_size: int, train_iters: int) -> Any:
         """The :class:`~megatron_mecefo.takeover.failure_schedule.FailureSchedule` of the flags."""
@@ -260,6 +295,21 @@ class FaultToleranceConfig:
                 f"--mecefo-fail is only read by --mecefo-failure-schedule=scripted, not {kind}; "
                 "drop one of them"
             )
+        if self.failure_trace and kind != "replay":
+            raise MecefoConfigError(
+                f"--mecefo-failure-trace={self.failure_trace} is only read by "
+                f"--mecefo-failure-schedule=replay, not {kind}; add "
+                "--mecefo-failure-schedule replay or drop the trace"
+            )
+        for flag, value in (
+            ("--mecefo-mtbf-hours", self.mtbf_hours),
+            ("--mecefo-mttr-hours", self.mttr_hours),
+        ):
+            if value is not None and kind != "poisson":
+                raise MecefoConfigError(
+                    f"{flag}={value} is only read by --mecefo-failure-schedule=poisson, not "
+                    f"{kind}; add --mecefo-failure-schedule poisson or drop {flag}"
+                )
         needs_time = kind in ("low", "mid", "high", "poisson")
         if needs_time and not self.nominal_step_time_s:
             raise MecefoConfigError(
@@ -267,9 +317,11 @@ class FaultToleranceConfig:
                 "--mecefo-nominal-step-time SECONDS (the failure-free time of one iteration) to "
                 "map it to iterations"
             )
-        if self.nominal_step_time_s is not None and self.nominal_step_time_s <= 0:
+        step = self.nominal_step_time_s
+        if step is not None and not 0 < step <= MAX_NOMINAL_STEP_TIME_S:
             raise MecefoConfigError(
-                f"--mecefo-nominal-step-time={self.nominal_step_time_s}: must be positive"
+                f"--mecefo-nominal-step-time={step}: give the failure-free seconds of one "
+                f"iteration, above 0 and at most {MAX_NOMINAL_STEP_TIME_S:g} (one hour)"
             )
         try:
             if kind == "none":
@@ -326,6 +378,28 @@ def exit_with_config_error(message: object, prog: str = "pretrain_gpt.py") -> No
     else:
         time.sleep(2.0)
     sys.exit(2)
+
+
+VALUE_FLAGS = ("--mecefo-fail",)
+"""Flags whose value may start with ``-`` (``--mecefo-fail -1:5:10``), which argparse would
+otherwise read as an option (and fail with "expected one argument")."""
+
+
+def normalize_argv(argv: List[str]) -> List[str]:
+    """``argv`` with ``--mecefo-fail -1:5:10`` joined into ``--mecefo-fail=-1:5:10``, so a
+    negative replica reaches the schedule check, which names it, instead of argparse."""
+    out: List[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if arg in VALUE_FLAGS and nxt is not None and nxt[:1] == "-" and nxt[1:2].isdigit():
+            out.append(f"{arg}={nxt}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
 
 
 def mecefo_flags_given(args: Any, parser: argparse.ArgumentParser) -> Optional[str]:

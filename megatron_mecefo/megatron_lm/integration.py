@@ -19,8 +19,11 @@ Without ``--mecefo`` nothing is wrapped and Megatron-LM runs exactly as unpatche
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import functools
+import os
+import sys
 from typing import Any, Callable, List, Optional
 
 from megatron_mecefo.megatron_lm.arguments import (
@@ -28,20 +31,98 @@ from megatron_mecefo.megatron_lm.arguments import (
     MecefoConfigError,
     add_arguments,
     exit_with_config_error,
+    mecefo_flags_given,
+    normalize_argv,
 )
 
 _TRAINING = "megatron.training.training"
 
 
 def extra_args_provider(other: Optional[Callable] = None) -> Callable:
-    """An ``extra_args_provider`` adding the MeCeFO flags after ``other``'s (e.g. modelopt)."""
+    """An ``extra_args_provider`` adding the MeCeFO flags after ``other``'s (e.g. modelopt).
+
+    It also makes the plugin's flag checks run as soon as Megatron-LM has parsed the command
+    line, before it initialises anything (:func:`check_parsed_args`), reads
+    ``--mecefo-fail -1:5:10`` as a value rather than an option, and lets
+    ``MECEFO_PG_TIMEOUT_MIN`` set ``--distributed-timeout-minutes`` when that is not given.
+    """
 
     def provider(parser: Any) -> Any:
         if other is not None:
             parser = other(parser)
-        return add_arguments(parser)
+        parser = add_arguments(parser)
+        sys.argv[:] = normalize_argv(sys.argv)
+        _check_after_parsing(parser)
+        return parser
 
     return provider
+
+
+def _check_after_parsing(parser: Any) -> None:
+    """Run :func:`check_parsed_args` on what ``parser`` parses (``parse_args`` goes through
+    ``parse_known_args``), once."""
+    original = parser.parse_known_args
+    done: List[bool] = []
+
+    def parse_known_args(*a: Any, **kw: Any) -> Any:
+        result = original(*a, **kw)
+        if not done:
+            done.append(True)
+            check_parsed_args(result[0])
+        return result
+
+    parser.parse_known_args = parse_known_args
+
+
+def check_parsed_args(args: Any) -> None:
+    """The plugin's start-up checks on freshly parsed Megatron-LM flags, before Megatron's
+    own ``validate_args`` and before any process group exists: a bad ``--mecefo-*`` flag
+    stops every rank within seconds instead of after Megatron's initialisation.
+
+    The derived values the checks need are computed here as ``validate_args`` will:
+    the data-parallel size from ``WORLD_SIZE`` and the TP/PP/CP sizes, the default global
+    batch size. Anything Megatron-LM itself rejects is left to it.
+    """
+    timeout = os.environ.get("MECEFO_PG_TIMEOUT_MIN")
+    if timeout and "--distributed-timeout-minutes" not in " ".join(sys.argv):
+        # Megatron-LM passes this to init_process_group and to every group of
+        # initialize_model_parallel (DP, TP, PP, CP, embedding, ...).
+        from megatron_mecefo.runtime.timeout import timeout_minutes
+
+        try:
+            args.distributed_timeout_minutes = timeout_minutes(timeout)
+        except ValueError as err:
+            exit_with_config_error(err)
+    if not getattr(args, "mecefo", False):
+        given = mecefo_flags_given(args, add_arguments(argparse.ArgumentParser()))
+        if given:
+            exit_with_config_error(
+                f"{given} was given without --mecefo, so it would be ignored; add --mecefo "
+                "or drop it"
+            )
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model = 1
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+    ):
+        model *= int(getattr(args, name, None) or 1)
+    if world % model:
+        return  # Megatron-LM's validate_args says so
+    ns = argparse.Namespace(**vars(args))
+    ns.data_parallel_size = world // model
+    if getattr(ns, "global_batch_size", None) is None:
+        ns.global_batch_size = ns.micro_batch_size * ns.data_parallel_size
+    if getattr(ns, "num_layers_per_virtual_pipeline_stage", None):
+        ns.virtual_pipeline_model_parallel_size = ns.num_layers_per_virtual_pipeline_stage
+    if not getattr(ns, "train_iters", None) and not getattr(ns, "train_samples", None):
+        return
+    try:
+        _validated_config(ns)
+    except MecefoConfigError as err:
+        exit_with_config_error(err)
 
 
 class MegatronLMIntegration:
@@ -57,6 +138,10 @@ class MegatronLMIntegration:
         self.chunks: List[Any] = []
         self.controller: Any = None
         self.train_dataset: Any = None
+        self.loader_offset = 0
+        """``args.consumed_train_samples`` minus the sample offset the training data loader
+        was built at: nonzero in a later phase of ``--phase-transition-iterations``, where
+        Megatron-LM builds it at ``consumed_train_samples_in_current_phase``."""
         self._hooks_installed = False
 
     # ------------------------------------------------------------------ set-up
@@ -64,10 +149,14 @@ class MegatronLMIntegration:
         """Validate the flags once args exist; returns whether ``--mecefo`` is on."""
         if self.config is not None:
             return self.config.enabled
+        warnings: List[str] = []
         try:
-            self.config = _validated_config(args)
+            self.config = _validated_config(args, warnings)
         except MecefoConfigError as err:
             exit_with_config_error(err)
+        if int(os.environ.get("RANK", "0")) == 0:
+            for line in warnings:
+                print(f"WARNING: MeCeFO: {line}", flush=True)
         if self.config.enabled:
             from megatron_mecefo.techniques.state import MecefoState
 
@@ -144,7 +233,13 @@ class MegatronLMIntegration:
         @functools.wraps(build_loader)
         def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
             if self.train_dataset is None and dataset is not None:
-                self.train_dataset = dataset  # the first call builds the training loader
+                # The first call builds the training loader, at Megatron's phase-local offset.
+                from megatron.training import get_args
+
+                self.train_dataset = dataset
+                self.loader_offset = int(get_args().consumed_train_samples) - int(
+                    consumed_samples or 0
+                )
             return build_loader(dataset, consumed_samples)
 
         self._finalize = self._wrap_finalize_lazily(finalize)
@@ -160,7 +255,21 @@ class MegatronLMIntegration:
                 return finalize(*a, **kw)
             return self.controller.wrap_finalize(finalize)(*a, **kw)
 
+        wrapped.mecefo_wrapped = True  # type: ignore[attr-defined]
         return wrapped
+
+    def finalize_hook(self, config: Any) -> Optional[Callable]:
+        """The model config's ``finalize_model_grads_func``, with the MHA re-weighting.
+
+        Megatron-LM up to core_v0.17 always installs ``finalize_model_grads`` (wrapped here
+        by name). From core_v0.19, ``train()`` keeps a hook a model builder already set, so
+        the name-level wrap never runs; such a hook is wrapped here, in place, on the first
+        training step, so the re-weighting is never skipped silently.
+        """
+        hook = getattr(config, "finalize_model_grads_func", None)
+        if hook is not None and not getattr(hook, "mecefo_wrapped", False):
+            hook = config.finalize_model_grads_func = self._wrap_finalize_lazily(hook)
+        return hook
 
     # ------------------------------------------------------------------ per iteration
     def _build_controller(self) -> Any:
@@ -217,12 +326,18 @@ class MegatronLMIntegration:
 
             ctrl = self.controller or self._build_controller()
             args = get_args()
-            ctrl.begin_iteration(args.curr_iteration + 1, args.consumed_train_samples)
+            from megatron.core.utils import get_model_config
+
+            model = kw["model"]
+            finalize = self.finalize_hook(get_model_config(model[0] if isinstance(model, list) else model))
+            # The sampler's offset, not the run's: they differ after a phase transition.
+            consumed = args.consumed_train_samples - self.loader_offset
+            ctrl.begin_iteration(args.curr_iteration + 1, consumed)
             self._log(ctrl)
             wrapped = ctrl.wrap_forward_backward(
                 inner,
                 fetch=self._fetch,
-                finalize=self._finalize,
+                finalize=finalize,
                 zero_report=lambda: {"lm loss": torch.zeros(2, device=self._device)},
                 is_last_stage=lambda: ps.is_pipeline_last_stage(ignore_virtual=True),
             )
@@ -268,11 +383,8 @@ def _train_iters(args: Any) -> int:
     return int(args.train_samples) // int(args.global_batch_size)
 
 
-def _validated_config(args: Any) -> FaultToleranceConfig:
-    import argparse
-
-    from megatron_mecefo.megatron_lm.arguments import mecefo_flags_given
-
+def _validated_config(args: Any, warnings: Optional[List[str]] = None) -> FaultToleranceConfig:
+    """The checked config of Megatron-LM's ``args``; warnings are appended to ``warnings``."""
     ft = FaultToleranceConfig.from_args(args)
     if not ft.enabled:
         given = mecefo_flags_given(args, add_arguments(argparse.ArgumentParser()))
@@ -294,13 +406,41 @@ def _validated_config(args: Any) -> FaultToleranceConfig:
         )
     if getattr(args, "num_experts", None):
         raise MecefoConfigError("--mecefo does not support MoE models (--num-experts)")
-    ft.validate(
+    # core_v0.19 flags (absent before: getattr defaults).
+    if getattr(args, "step_batch_size_schedule", None):
+        raise MecefoConfigError(
+            f"--mecefo with --step-batch-size-schedule={args.step_batch_size_schedule}: the "
+            "global batch must be fixed, since the takeover plan splits it over the replicas; "
+            "drop one"
+        )
+    if getattr(args, "hybrid_context_parallel", False):
+        raise MecefoConfigError(
+            "--mecefo with --hybrid-context-parallel: its data loader batches samples with an "
+            "identity collate_fn, which absorbed micro-batches (read by index and collated "
+            "with default_collate) cannot reproduce; drop one"
+        )
+    for flag, dest in (
+        ("--tensor-parallel-num-weight-shards", "tensor_parallel_num_weight_shards"),
+        ("--gtp-weight-remat-size", "gtp_weight_remat_size"),
+    ):
+        shards = getattr(args, dest, None)
+        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        limit = tp if dest == "tensor_parallel_num_weight_shards" else 1
+        if ft.techniques.lowrank_ffn and shards is not None and int(shards) > limit:
+            raise MecefoConfigError(
+                f"--mecefo with {flag}={shards}: GTP weight re-materialisation shards the FFN "
+                "weights beyond TP, and the low-rank FFN weight gradient needs each TP rank's "
+                "whole weight shard; drop it, or pass --no-mecefo-lowrank-ffn"
+            )
+    found = ft.validate(
         data_parallel_size=args.data_parallel_size,
         hidden_size=args.hidden_size,
         train_iters=_train_iters(args),
         virtual_pipeline=getattr(args, "virtual_pipeline_model_parallel_size", None) is not None,
         calculate_per_token_loss=args.calculate_per_token_loss,
         full_recompute=getattr(args, "recompute_granularity", None) == "full",
+        ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
+        gated_linear_unit=bool(getattr(args, "swiglu", False)),
     )
     schedule = ft.build_schedule(args.data_parallel_size, _train_iters(args))
     for e in schedule.events:
@@ -309,4 +449,6 @@ def _validated_config(args: Any) -> FaultToleranceConfig:
                 f"the failure schedule takes every replica down at iteration {e.fail_iteration}; "
                 "Megatron-LM's train_step cannot skip an update, so keep one replica up"
             )
+    if warnings is not None:
+        warnings.extend(found)
     return ft

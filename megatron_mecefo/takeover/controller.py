@@ -29,6 +29,11 @@ from megatron_mecefo.takeover.policies import TakeoverPolicy
 from megatron_mecefo.techniques.state import MecefoState, MicrobatchMode
 
 
+FINALIZE_KEYWORDS = ("pg_collection", "force_all_reduce")
+"""Keywords of a ``forward_backward_func`` call that its schedule hands on to
+``config.finalize_model_grads_func``; the no-compute path passes them on the same way."""
+
+
 class MecefoController:
     """Per-process MeCeFO training state: schedule, policy, the current plan and counters.
 
@@ -76,6 +81,7 @@ class MecefoController:
         self.consumed_samples = 0
         self._counts: Dict[str, int] = {}
         self._announced: tuple = ((), ())  # (failed, notes) of the last plan announced
+        self._sampler_checked: Optional[frozenset] = None  # failed set of the last check
         self.degraded_iterations = 0
         self.fallback_iterations = 0
         self.samples_processed = 0
@@ -154,6 +160,7 @@ class MecefoController:
 
         def one(it: Any) -> ReplicaMicrobatches:
             own = draw_own(it, self.layout.microbatches)
+            self.check_sampler(own, fetch)
             # A failed replica that must still fire its hooks runs its first own micro-batch.
             planned = list(work) or [MicrobatchWork(self.replica, 0, MicrobatchMode.EXACT)]
             return ReplicaMicrobatches(planned, own, fetch, samples, self.replica)
@@ -161,6 +168,38 @@ class MecefoController:
         if isinstance(data_iterator, list):
             return [one(it) for it in data_iterator]
         return one(data_iterator)
+
+    def check_sampler(self, own: Sequence[Any], fetch: Optional[Callable[[List[int]], Any]]) -> None:
+        """Check, once per change of the failed set, that the sample indices the plan reads
+        by index are the ones this replica's own data loader produced.
+
+        Absorbed micro-batches are read as ``layout.samples(consumed_samples, failed, i)``;
+        that is right only if ``consumed_samples`` is the offset the loaders were built at.
+        Every replica, the failed ones included, reads its own first micro-batch by index
+        and compares it with the one its sampler gave. Every replica computes the same
+        offset, so a wrong one stops every data-reading rank here, before any gradient.
+
+        Raises:
+            SampleOffsetError: If the two differ.
+        """
+        plan = self._require_plan()
+        if not plan.degraded or fetch is None or not own or own[0] is None:
+            return
+        if self._sampler_checked == plan.failed:
+            return
+        indices = self.layout.samples(self.consumed_samples, self.replica, 0)
+        if not _same_batch(own[0], fetch(indices)):
+            raise SampleOffsetError(
+                f"MeCeFO: iteration {plan.iteration}: replica {self.replica}'s first "
+                f"micro-batch from its own data loader is not samples {indices}, which the "
+                f"takeover plan computes from consumed samples {self.consumed_samples}; "
+                "absorbed micro-batches would be read from the wrong samples, so the run "
+                "stops here. The data loader was built at a different sample offset than the "
+                "one passed to begin_iteration (e.g. Megatron-LM's "
+                "consumed_train_samples_in_current_phase with --phase-transition-iterations); "
+                "pass the loader's offset"
+            )
+        self._sampler_checked = plan.failed
 
     # ------------------------------------------------------------------ wrappers
     def loss_weight(self) -> float:
@@ -250,14 +289,20 @@ class MecefoController:
                 and zero_report is not None
             ):
                 draw = data_iterator if isinstance(data_iterator, list) else [data_iterator]
-                for it in draw:  # keep the data position aligned
-                    draw_own(it, self.layout.microbatches)
+                for i, it in enumerate(draw):  # keep the data position aligned
+                    own = draw_own(it, self.layout.microbatches)
+                    if i == 0 and not plan.no_update:
+                        self.check_sampler(own, fetch)
                 if plan.no_update:
                     return []
                 num_tokens = None
                 if self.calculate_per_token_loss:
                     num_tokens = torch.zeros([], dtype=torch.int, device=_device_of(chunks))
-                finalize(chunks, num_tokens)
+                # The same keywords the schedule would pass (megatron-core >= 0.16:
+                # pg_collection, force_all_reduce): a failed replica must run the same
+                # reduction (all-reduce vs reduce-scatter) over the same groups as the others.
+                passed = {k: kw[k] for k in FINALIZE_KEYWORDS if k in kw}
+                finalize(chunks, num_tokens, **passed)
                 last = is_last_stage() if is_last_stage is not None else True
                 return [zero_report()] if last else []
             iterator = self.microbatches(data_iterator, fetch)
@@ -271,6 +316,33 @@ class MecefoController:
             )
 
         return run
+
+
+class SampleOffsetError(RuntimeError):
+    """The plan's sample indices do not match what the replica's own data loader reads."""
+
+
+def _same_batch(a: Any, b: Any) -> bool:
+    """Whether two collated micro-batches (dicts / sequences of tensors) are equal."""
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(_same_batch(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and torch.equal(a.cpu(), b.to(a.dtype).cpu())
+        )
+    if isinstance(a, (list, tuple)):
+        return (
+            isinstance(b, (list, tuple))
+            and len(a) == len(b)
+            and all(_same_batch(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return a == b
 
 
 def _device_of(chunks: Sequence[torch.nn.Module]) -> torch.device:

@@ -164,19 +164,26 @@ class FailureSchedule:
         a failure that would take the last replica down is dropped (the job would stop and
         restart from a checkpoint, which is outside what a policy can serve).
         """
+        if not fail_every_iters > 0 or not recover_after_iters >= 0:
+            raise ScheduleError(
+                f"periodic schedule: failure interval {fail_every_iters} and recovery time "
+                f"{recover_after_iters} iterations must be positive"
+            )
         rng = random.Random(seed)
         events: List[FailureEvent] = []
-        k = 1
-        while True:
+        recover_at: Dict[int, int] = {}  # replica -> recovery iteration of its last failure
+        # One draw per failure: the loop runs ceil(train_iters / fail_every_iters) times and
+        # each pass costs O(num_replicas), never O(events).
+        for k in range(1, int(train_iters / fail_every_iters) + 2):
             fail = max(1, _ceil(k * fail_every_iters))
             if fail > train_iters:
                 break
             recover = max(fail + 1, _ceil(k * fail_every_iters + recover_after_iters))
-            down = {e.replica for e in events if e.covers(fail)}
-            up = [r for r in range(num_replicas) if r not in down]
+            up = [r for r in range(num_replicas) if recover_at.get(r, 0) <= fail]
             if len(up) > 1:
-                events.append(FailureEvent(fail, recover, rng.choice(up)))
-            k += 1
+                victim = rng.choice(up)
+                events.append(FailureEvent(fail, recover, victim))
+                recover_at[victim] = recover
         return cls(events, num_replicas, description)
 
     @classmethod
@@ -232,12 +239,20 @@ class FailureSchedule:
         """
         if mtbf_hours <= 0 or mttr_hours <= 0:
             raise ScheduleError("Poisson schedule: MTBF and MTTR must be positive")
+        if mtbf_hours * 3600.0 < step_time_s:
+            # More than one failure per replica and iteration: not a failure model, and the
+            # number of events to draw would grow without bound.
+            raise ScheduleError(
+                f"Poisson schedule: an MTBF of {mtbf_hours:g} h is shorter than one iteration "
+                f"({step_time_s:g} s); use an MTBF of at least {step_time_s / 3600.0:g} h"
+            )
         rng = random.Random(seed)
         horizon = train_iters * step_time_s
         to_iter = lambda t: max(1, _ceil(t / step_time_s))  # noqa: E731
         # Competing exponential clocks: the next event is either a failure of one of the up
         # replicas or the repair of one of the down ones.
         t, down, events = 0.0, {}, []  # down: replica -> repair time
+        last_recover: Dict[int, int] = {}  # replica -> recovery iteration of its last event
         while True:
             up = [r for r in range(num_replicas) if r not in down]
             rate = len(up) / (mtbf_hours * 3600.0)
@@ -254,9 +269,10 @@ class FailureSchedule:
             if len(up) > 1:
                 repair = t + rng.expovariate(1.0 / (mttr_hours * 3600.0))
                 fail_i, rec_i = to_iter(t), to_iter(repair)
-                if any(e.replica == victim and e.recover_iteration > fail_i for e in events):
+                if last_recover.get(victim, 0) > fail_i:
                     continue  # repaired and failed again inside one iteration: keep the first
                 rec_i = max(rec_i, fail_i + 1)
+                last_recover[victim] = rec_i
                 # Down at least through iteration rec_i - 1, which ends at (rec_i - 1) * step:
                 # a repair inside its own failure's iteration still costs that iteration.
                 down[victim] = max(repair, (rec_i - 1) * step_time_s)

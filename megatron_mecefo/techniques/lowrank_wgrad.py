@@ -151,6 +151,14 @@ class _LowRankMixin:
             )
         if kwargs.get("grad_output_buffer") is not None:
             raise RuntimeError("low-rank FFN weight gradients do not support deferred wgrad")
+        if (kwargs.get("gtp_remat_size") or 1) > 1:
+            # megatron-core >= 0.19: a GTP-sharded weight is re-materialised inside the
+            # stock autograd Function; the low-rank one would see a partial weight.
+            raise RuntimeError(
+                f"low-rank FFN weight gradients do not support GTP weight re-materialisation "
+                f"(gtp_remat_size={kwargs['gtp_remat_size']}); drop "
+                "--tensor-parallel-num-weight-shards or pass --no-mecefo-lowrank-ffn"
+            )
         basis = self.refresh_basis_if_stale()
         return LowRankWgradLinear.apply(
             input,
