@@ -383,7 +383,42 @@ def warn(message: str) -> None:
         print(f"WARNING: {message}", flush=True)
 
 
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_to_load(load_dir: str) -> Optional[str]:
+    """The ``iter_*`` folder ``<load_dir>/latest_checkpointed_iteration.txt`` names, checked
+    for existence; None when there is no tracker (training starts from scratch).
+
+    Raises:
+        ConfigError: On a tracker that is not an iteration number, or that names a folder
+            that does not exist; the message names the file and the fix.
+    """
+    tracker = os.path.join(load_dir, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker, errors="replace") as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ConfigError(
+            f"--load {load_dir}: {tracker} holds {text[:40]!r}, not an iteration number; write "
+            "the iteration of an existing iter_NNNNNNN folder into it, or delete it to train "
+            "from scratch"
+        )
+    ckpt_dir = os.path.join(load_dir, f"iter_{int(text):07d}")
+    if not os.path.isdir(ckpt_dir):
+        present = sorted(d for d in os.listdir(load_dir) if d.startswith("iter_"))
+        raise ConfigError(
+            f"--load {load_dir}: {tracker} names iteration {int(text)}, but {ckpt_dir} does not "
+            f"exist (present: {', '.join(present) or 'none'}); point the tracker at one of "
+            "them, or delete it to train from scratch"
+        )
+    return ckpt_dir
+
+
 def _validate_checkpointing(args: argparse.Namespace) -> None:
+    if args.load:
+        checkpoint_to_load(args.load)
     if args.save_interval is not None and not args.save:
         raise ConfigError(
             f"--save-interval={args.save_interval} needs --save DIR to say where to save"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = "latest_checkpointed_iteration.txt"  # also arguments.TRACKER (checked pre-torch)
 
 
 def _sharded_state(
@@ -148,12 +148,49 @@ def save_checkpoint(
 
 
 def latest_iteration(load_dir: str) -> Optional[int]:
-    """The iteration named by the tracker file, or None when there is no checkpoint."""
-    tracker = os.path.join(load_dir, TRACKER)
-    if not os.path.isfile(tracker):
-        return None
-    with open(tracker) as f:
-        return int(f.read().strip())
+    """The iteration named by the tracker file, or None when there is no checkpoint.
+
+    Raises:
+        ConfigError: On a garbage tracker or one naming a missing folder.
+    """
+    from arguments import checkpoint_to_load
+
+    ckpt_dir = checkpoint_to_load(load_dir)
+    return None if ckpt_dir is None else int(os.path.basename(ckpt_dir)[len("iter_") :])
+
+
+def check_checkpoint_files(ckpt_dir: str) -> None:
+    """Metadata checks of a torch_dist checkpoint before loading it: the ``.metadata`` file
+    reads, and every shard file is as long as the metadata says (a truncated shard otherwise
+    fails deep in the load with a bare ``EOFError`` or unpickling error).
+
+    Raises:
+        ConfigError: Naming the damaged file and the fix.
+    """
+    from arguments import ConfigError
+    from torch.distributed.checkpoint import FileSystemReader
+
+    fix = "; the checkpoint is damaged: load an earlier iter_ folder or train from scratch"
+    meta = os.path.join(ckpt_dir, ".metadata")
+    if not os.path.isfile(meta):
+        raise ConfigError(f"{ckpt_dir}: no .metadata file, so not a torch_dist checkpoint{fix}")
+    try:
+        metadata = FileSystemReader(ckpt_dir).read_metadata()
+    except Exception as err:  # noqa: BLE001 (any unpickling error means a damaged file)
+        raise ConfigError(f"{meta}: cannot be read ({type(err).__name__}: {err}){fix}") from None
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for name, end in sorted(need.items()):
+        path = os.path.join(ckpt_dir, name)
+        have = os.path.getsize(path) if os.path.isfile(path) else -1
+        if have < end:
+            state = "missing" if have < 0 else f"{have} bytes"
+            raise ConfigError(
+                f"checkpoint shard {path} is {state}, but {meta} needs {end} bytes: it is "
+                f"truncated{fix}"
+            )
 
 
 def load_checkpoint(
@@ -171,6 +208,7 @@ def load_checkpoint(
             print(f"WARNING: no checkpoint in --load {load_dir}; training from scratch", flush=True)
         return 0, 0
     ckpt_dir = os.path.join(load_dir, f"iter_{iteration:07d}")
+    check_checkpoint_files(ckpt_dir)
     template = _sharded_state(model_chunks, optimizer, load_optimizer, True, dist_optimizer)
     state = dist_checkpointing.load(template, ckpt_dir)
     if len(model_chunks) == 1:

@@ -635,17 +635,22 @@ class Trainer:
         self._print(f"saved checkpoint at iteration {self.iteration} to {path}")
 
     def _load(self) -> None:
+        from arguments import ConfigError
         from checkpointing import load_checkpoint
 
         a = self.args
-        self.iteration, self.consumed_samples = load_checkpoint(
-            a.load,
-            self.model_chunks,
-            self.optimizer,
-            self.scheduler,
-            load_optimizer=not a.no_load_optim,
-            dist_optimizer=a.use_distributed_optimizer,
-        )
+        try:
+            loaded = load_checkpoint(
+                a.load,
+                self.model_chunks,
+                self.optimizer,
+                self.scheduler,
+                load_optimizer=not a.no_load_optim,
+                dist_optimizer=a.use_distributed_optimizer,
+            )
+        except ConfigError as err:  # every rank checks the same files: all stop here
+            _fail(str(err))
+        self.iteration, self.consumed_samples = loaded
         if self.iteration:
             self._print(
                 f"loaded checkpoint from {a.load} at iteration {self.iteration} "

@@ -7,7 +7,66 @@ fails in well under a second); the dataset builder uses the same functions.
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Sequence
+
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+"""Magic bytes of a Megatron ``.idx`` file (megatron.core.datasets.indexed_dataset)."""
+
+DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
+"""Byte size of each ``.idx`` dtype code (uint8, int8, int16, int32, int64, float64, float32,
+uint16)."""
+
+
+class DatasetFileError(ValueError):
+    """A damaged ``.bin``/``.idx`` pair; the message names the file and the fix."""
+
+
+def check_indexed_dataset_files(prefix: str) -> None:
+    """Cheap consistency checks of ``<prefix>.idx`` and ``<prefix>.bin``, reading ~50 bytes.
+
+    The header (magic, version, dtype code, counts) must be Megatron's, the ``.idx`` size must
+    match its counts, and the ``.bin`` must be long enough for its last sequence. Otherwise
+    megatron-core fails later with a bare ``EOFError``, ``bad header`` or ``offset must be
+    non-negative`` that does not say which file is damaged.
+
+    Raises:
+        DatasetFileError: Naming the damaged file and what to do.
+    """
+    idx, binf = prefix + ".idx", prefix + ".bin"
+    fix = (
+        "; the file is damaged or not a Megatron indexed dataset: rebuild it (the default "
+        "corpus: examples/pretrain_gpt/prepare_data.py --force)"
+    )
+    size = os.path.getsize(idx)
+    if size < 34:
+        raise DatasetFileError(f"{idx}: {size} bytes, shorter than the 34-byte header{fix}")
+    with open(idx, "rb") as f:
+        head = f.read(34)
+        if head[:9] != INDEX_HEADER:
+            raise DatasetFileError(f"{idx}: bad header {head[:9]!r}{fix}")
+        version, code, sequences, documents = struct.unpack("<QBQQ", head[9:34])
+        if version != 1 or code not in DTYPE_SIZES:
+            raise DatasetFileError(f"{idx}: version {version}, dtype code {code}{fix}")
+        expected = 34 + 12 * sequences + 8 * documents
+        if size not in (expected, expected + sequences):  # + sequence modes (multimodal)
+            raise DatasetFileError(
+                f"{idx}: {size} bytes, but its header ({sequences} sequences, {documents} "
+                f"documents) needs {expected}{fix}"
+            )
+        if sequences == 0:
+            return
+        f.seek(34 + 4 * (sequences - 1))
+        (length,) = struct.unpack("<i", f.read(4))
+        f.seek(34 + 4 * sequences + 8 * (sequences - 1))
+        (pointer,) = struct.unpack("<q", f.read(8))
+    need = pointer + length * DTYPE_SIZES[code]
+    have = os.path.getsize(binf)
+    if length < 0 or pointer < 0 or have < need:
+        raise DatasetFileError(
+            f"{binf}: {have} bytes, but {idx} places its last sequence at bytes "
+            f"{pointer}..{need}; the .bin is truncated or belongs to another .idx{fix}"
+        )
 
 
 def check_data_prefix(prefix: str) -> None:
@@ -19,9 +78,11 @@ def check_data_prefix(prefix: str) -> None:
     Raises:
         FileNotFoundError: Naming every missing file (and hinting when ``prefix`` itself
             carries a ``.bin``/``.idx`` extension).
+        DatasetFileError: If the pair fails :func:`check_indexed_dataset_files`.
     """
     missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
     if not missing:
+        check_indexed_dataset_files(prefix)
         return
     msg = f"indexed dataset {prefix!r} is incomplete: missing {', '.join(missing)}"
     if prefix.endswith((".bin", ".idx")):

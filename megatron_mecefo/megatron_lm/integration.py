@@ -329,7 +329,9 @@ class MegatronLMIntegration:
             from megatron.core.utils import get_model_config
 
             model = kw["model"]
-            finalize = self.finalize_hook(get_model_config(model[0] if isinstance(model, list) else model))
+            finalize = self.finalize_hook(
+                get_model_config(model[0] if isinstance(model, list) else model)
+            )
             # The sampler's offset, not the run's: they differ after a phase transition.
             consumed = args.consumed_train_samples - self.loader_offset
             ctrl.begin_iteration(args.curr_iteration + 1, consumed)

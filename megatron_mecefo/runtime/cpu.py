@@ -11,8 +11,8 @@ refuses to start when CUDA is available, so it can never change a GPU run.
 
 Each patch belongs to one *layer*; :data:`PATCHED_CALL_SITES` lists every megatron-core call
 site a layer serves, with the reason. ``CpuRuntime(record=True)`` records the sites it actually
-intercepts, and ``tests/runtime/test_cpu_runtime.py`` checks that the list is complete for the features
-the plugin supports, so the list cannot silently go stale on a megatron-core upgrade.
+intercepts, and ``tests/runtime/test_cpu_runtime.py`` checks that the list is complete for the
+features the plugin supports, so the list cannot silently go stale on a megatron-core upgrade.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from megatron_mecefo.takeover.plan import MicrobatchWork, StepPlan
 from megatron_mecefo.takeover.policies import TakeoverPolicy
 from megatron_mecefo.techniques.state import MecefoState, MicrobatchMode
 
-
 FINALIZE_KEYWORDS = ("pg_collection", "force_all_reduce")
 """Keywords of a ``forward_backward_func`` call that its schedule hands on to
 ``config.finalize_model_grads_func``; the no-compute path passes them on the same way."""
@@ -169,7 +168,9 @@ class MecefoController:
             return [one(it) for it in data_iterator]
         return one(data_iterator)
 
-    def check_sampler(self, own: Sequence[Any], fetch: Optional[Callable[[List[int]], Any]]) -> None:
+    def check_sampler(
+        self, own: Sequence[Any], fetch: Optional[Callable[[List[int]], Any]]
+    ) -> None:
         """Check, once per change of the failed set, that the sample indices the plan reads
         by index are the ones this replica's own data loader produced.
 
@@ -326,9 +327,7 @@ def _same_batch(a: Any, b: Any) -> bool:
     """Whether two collated micro-batches (dicts / sequences of tensors) are equal."""
     if isinstance(a, dict):
         return (
-            isinstance(b, dict)
-            and a.keys() == b.keys()
-            and all(_same_batch(a[k], b[k]) for k in a)
+            isinstance(b, dict) and a.keys() == b.keys() and all(_same_batch(a[k], b[k]) for k in a)
         )
     if isinstance(a, torch.Tensor):
         return (

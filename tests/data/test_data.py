@@ -497,3 +497,43 @@ def test_build_gpt_datasets_on_every_gloo_rank(small: dict, tmp_path: Path) -> N
     assert r0["len"] == r1["len"] and r0["sample3"] == r1["sample3"]
     assert r0["batch"] != r1["batch"]  # each rank reads its own micro-batch
     assert any(name.endswith("shuffle_index.npy") for name in os.listdir(cache))
+
+
+# ----------------------------------------------------------------------------- damaged files
+
+
+@pytest.mark.parametrize(
+    "damage,names,text",
+    [
+        ("truncate_bin", ".bin", "truncated"),
+        ("empty_idx", ".idx", "shorter than the 34-byte header"),
+        ("random_idx", ".idx", "bad header"),
+        ("truncate_idx", ".idx", "needs"),
+    ],
+)
+def test_damaged_dataset_files_name_the_file(
+    tmp_path: Path, small: dict, damage: str, names: str, text: str
+) -> None:
+    """Each damage that megatron-core reports as a bare EOFError / 'bad header' / 'offset must
+    be non-negative' is caught by the start-up check, which names the file and the fix."""
+    import shutil
+
+    from megatron_mecefo.data.data_path import DatasetFileError
+
+    prefix = str(tmp_path / "copy")
+    for ext in (".bin", ".idx"):
+        shutil.copy(small["prefix"] + ext, prefix + ext)
+    bin_path, idx_path = Path(prefix + ".bin"), Path(prefix + ".idx")
+    if damage == "truncate_bin":
+        bin_path.write_bytes(bin_path.read_bytes()[: bin_path.stat().st_size // 2])
+    elif damage == "empty_idx":
+        idx_path.write_bytes(b"")
+    elif damage == "random_idx":
+        idx_path.write_bytes(np.random.default_rng(0).bytes(4096))
+    else:
+        idx_path.write_bytes(idx_path.read_bytes()[:-8])
+    with pytest.raises(DatasetFileError) as err:
+        check_data_prefix(prefix)
+    message = str(err.value)
+    assert message.startswith(prefix + names) and text in message, message
+    assert "prepare_data.py --force" in message
