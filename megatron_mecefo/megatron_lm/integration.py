@@ -61,6 +61,8 @@ def extra_args_provider(other: Optional[Callable] = None) -> Callable:
 def _check_after_parsing(parser: Any) -> None:
     """Run :func:`check_parsed_args` on what ``parser`` parses (``parse_args`` goes through
     ``parse_known_args``), once."""
+    if "--tensor-model-parallel-size" not in parser._option_string_actions:  # noqa: SLF001
+        return  # not Megatron-LM's parser
     original = parser.parse_known_args
     done: List[bool] = []
 
@@ -114,6 +116,8 @@ def check_parsed_args(args: Any) -> None:
     ns = argparse.Namespace(**vars(args))
     ns.data_parallel_size = world // model
     if getattr(ns, "global_batch_size", None) is None:
+        if getattr(ns, "micro_batch_size", None) is None:
+            return  # not Megatron-LM's parser: nothing to derive from
         ns.global_batch_size = ns.micro_batch_size * ns.data_parallel_size
     if getattr(ns, "num_layers_per_virtual_pipeline_stage", None):
         ns.virtual_pipeline_model_parallel_size = ns.num_layers_per_virtual_pipeline_stage
