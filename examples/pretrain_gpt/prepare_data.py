@@ -57,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     if stats is not None:
         print(f"rebuilding: existing files were made with max_bytes={stats.get('max_bytes')}")
     try:
-        stats = prepare_stdlib_dataset(args.output_prefix, max_bytes=args.max_bytes)
+        stats = prepare_stdlib_dataset(
+            args.output_prefix,
+            max_bytes=args.max_bytes,
+            progress=lambda line: print(line, flush=True),
+        )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -169,7 +169,10 @@ def prepared_dataset_stats(output_prefix: str) -> dict[str, Any] | None:
 
 
 def prepare_stdlib_dataset(
-    output_prefix: str, max_bytes: int = DEFAULT_MAX_BYTES, tokenizer: Any = None
+    output_prefix: str,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    tokenizer: Any = None,
+    progress: Any = None,
 ) -> dict[str, Any]:
     """Tokenize the stdlib docstrings into a Megatron indexed dataset.
 
@@ -184,6 +187,8 @@ def prepare_stdlib_dataset(
         max_bytes: Cap on the UTF-8 size of the docstring text (see :func:`iter_stdlib_docstrings`).
         tokenizer: Object with ``tokenize``, ``eod`` and ``vocab_size``; defaults to
             :class:`~megatron_mecefo.data.tokenizer.ByteTokenizer`.
+        progress: Called with a one-line status at the start and every 1,000 documents
+            (e.g. ``print``); parsing the stdlib takes tens of seconds on a loaded machine.
 
     Returns:
         Stats: ``documents``, ``tokens``, ``bytes`` (text), ``bin_bytes``, ``dtype``,
@@ -211,8 +216,18 @@ def prepare_stdlib_dataset(
 
     documents = tokens = text_bytes = 0
     builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
+    if progress is not None:
+        progress(
+            f"building {output_prefix}.bin/.idx from the docstrings of the standard library "
+            f"(up to {max_bytes / 1e6:.1f} MB of text)"
+        )
     try:
         for doc in iter_stdlib_docstrings(max_bytes):
+            if progress is not None and documents and documents % 1000 == 0:
+                progress(
+                    f"  {documents:,} documents, {tokens / 1e6:.2f} M tokens, "
+                    f"{time.perf_counter() - t_start:.0f} s"
+                )
             ids = np.asarray(list(tokenizer.tokenize(doc)) + [eod], dtype=np.int64)
             if ids.min() < 0 or ids.max() >= vocab_size:
                 raise ValueError(f"token id out of range [0, {vocab_size}) in document {documents}")

@@ -36,8 +36,11 @@ def _strict_json(line: str) -> dict:
 
 def test_every_replica_down_is_a_skipped_iteration(tmp_path: Path) -> None:
     """Item 3: no update, no LR step, counted as skipped, logged without NaN."""
-    args = SMALL + ["--train-iters", "5", "--lr-decay-style", "cosine", "--mecefo",
-                    "--mecefo-rank", "16", "--mecefo-fail", "0:2:4", "--mecefo-fail", "1:2:4"]  # fmt: skip
+    args = (
+        SMALL
+        + ["--train-iters", "5", "--lr-decay-style", "cosine", "--mecefo", "--mecefo-rank", "16"]
+        + ["--mecefo-fail=0:2:4", "--mecefo-fail=1:2:4"]
+    )
     proc, _ = run_trainer(2, args, tmp_path)
     metrics = sorted(tmp_path.glob("metrics_*.jsonl"))[-1]
     records = train_records([_strict_json(line) for line in metrics.read_text().splitlines()])
@@ -162,3 +165,18 @@ def test_damaged_checkpoint_names_the_file(tmp_path: Path, checkpoint: Path, dam
     assert len(lines) == 1, output[-4000:]
     assert expect in lines[0], lines[0]
     assert 'pretrain_gpt.py", line' not in output  # no traceback from the trainer itself
+
+
+def test_data_build_reports_progress(tmp_path: Path) -> None:
+    """Item 14: the data build used to run silently for 30-50 s on a loaded machine."""
+    prepare = TRAINER.parent / "prepare_data.py"
+    proc = subprocess.run(
+        [sys.executable, str(prepare), "--output-prefix", str(tmp_path / "d"),
+         "--max-bytes", "500000"],
+        env=child_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"building {tmp_path / 'd'}.bin/.idx"), lines
+    assert any(line.strip().startswith("1,000 documents") for line in lines), lines
+    assert lines[-1].startswith("wrote ")
