@@ -28,18 +28,25 @@ $(DATA).bin: $(VENV)/.installed
 data: $(DATA).bin
 
 # PP2 x DP4 on 8 CPU ranks over gloo, training through three simulated replica failures
-# (MeCeFO's neighbor policy; iterations 50-59 have two replicas down at once).
+# (MeCeFO's neighbor policy; iterations 50-59 have two replicas down at once). The failures
+# follow NPROC (an even number >= 4; DP = NPROC/2): replica 1 always, replica 2 from DP3,
+# replica 3 from DP4; the global batch is 2 micro-batches x 2 x DP.
+DEMO_DP = $(shell expr $(NPROC) / 2)
+DEMO_FAILS = --mecefo-fail 1:30:70 $(if $(filter-out 2,$(DEMO_DP)),--mecefo-fail 2:100:120) \
+	$(if $(filter-out 2 3,$(DEMO_DP)),--mecefo-fail 3:50:60)
 demo: data
+	@if [ $$(( $(NPROC) % 2 )) -ne 0 ] || [ $(NPROC) -lt 4 ]; then \
+	    echo "make demo: NPROC=$(NPROC): use an even number >= 4 (PP2 x DP>=2)"; exit 2; fi
 	$(TORCHRUN) --nproc_per_node=$(NPROC) --master_port=29533 examples/pretrain_gpt/pretrain_gpt.py \
 	    --pipeline-model-parallel-size 2 \
 	    --data-path $(DATA) --split 98,2,0 \
 	    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
-	    --micro-batch-size 2 --global-batch-size 16 \
+	    --micro-batch-size 2 --global-batch-size $(shell expr 4 \* $(DEMO_DP)) \
 	    --train-iters 150 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 \
 	    --log-interval 10 --eval-interval 50 --eval-iters 4 \
 	    --check-weight-hash-across-dp-replicas-interval 50 \
 	    --mecefo --mecefo-rank 32 --mecefo-grad-error-interval 10 \
-	    --mecefo-fail 1:30:70 --mecefo-fail 3:50:60 --mecefo-fail 2:100:120 \
+	    $(DEMO_FAILS) \
 	    --metrics-file results/demo/metrics.jsonl
 
 test: venv

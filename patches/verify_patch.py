@@ -98,15 +98,30 @@ def main() -> None:
     tag = a.tag or _detect_tag(checkout)
     patch = os.path.join(HERE, f"megatron-lm-{tag}.patch")
 
+    name = os.path.basename(patch)
     check = subprocess.run(
         ["git", "apply", "--check", "-v", patch], cwd=checkout, capture_output=True, text=True
     )
+    already = False
     if check.returncode != 0:
-        sys.exit(f"verify_patch: {os.path.basename(patch)} does not apply:\n{check.stderr}")
-    _say(f"git apply --check {os.path.basename(patch)} in {checkout}: OK")
+        reverse = subprocess.run(
+            ["git", "apply", "--check", "--reverse", patch],
+            cwd=checkout,
+            capture_output=True,
+            text=True,
+        )
+        if reverse.returncode != 0:
+            sys.exit(
+                f"verify_patch: {name} does not apply to {checkout}, and is not applied there "
+                f"either; check out the tag it is for ({tag}) with an unmodified "
+                f"pretrain_gpt.py:\n{check.stderr}"
+            )
+        already = True
+        _say(f"{name} is already applied in {checkout}: checking that patched script")
+    else:
+        _say(f"git apply --check {name} in {checkout}: OK")
 
     import megatron.core
-    import torch
 
     version = megatron.core.__version__
     wanted = tag.removeprefix("core_v").rsplit(".", 1)[0]  # "0.16" / "0.19"
@@ -117,10 +132,26 @@ def main() -> None:
         )
         return
 
-    work = tempfile.mkdtemp(prefix="mecefo_verify_")
-    shutil.copy(os.path.join(checkout, "pretrain_gpt.py"), work)
-    subprocess.run(["git", "apply", patch], cwd=work, check=True)
-    patched = os.path.join(work, "pretrain_gpt.py")
+    with tempfile.TemporaryDirectory(prefix="mecefo_verify_") as work:
+        _train(a, checkout, patch, work, already)
+    _say("PASSED")
+
+
+def _train(a: argparse.Namespace, checkout: str, patch: str, work: str, already: bool) -> None:
+    """Steps 2-4 in the temporary folder ``work`` (removed afterwards, also on failure)."""
+    import torch
+
+    stock_script = os.path.join(checkout, "pretrain_gpt.py")
+    os.makedirs(os.path.join(work, "patched"))
+    os.makedirs(os.path.join(work, "stock"))
+    patched = os.path.join(work, "patched", "pretrain_gpt.py")
+    shutil.copy(stock_script, patched)
+    if already:  # the checkout holds the patched script; rebuild the stock one
+        stock_script = os.path.join(work, "stock", "pretrain_gpt.py")
+        shutil.copy(patched, stock_script)
+        subprocess.run(["git", "apply", "--reverse", patch], cwd=os.path.dirname(stock_script))
+    else:
+        subprocess.run(["git", "apply", patch], cwd=os.path.dirname(patched), check=True)
     _say(f"patched copy: {patched}")
 
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -143,12 +174,11 @@ def main() -> None:
     _say(f"--mecefo with a scripted failure: OK ({len(_losses(out))} iterations logged)")
 
     if not a.no_identity_check:
-        stock = _losses(_run(launch(os.path.join(checkout, "pretrain_gpt.py")), env, a.timeout))
+        stock = _losses(_run(launch(stock_script), env, a.timeout))
         mecefo = _losses(_run(launch(patched) + MECEFO, env, a.timeout))
         if not stock or stock != mecefo:
             sys.exit(f"verify_patch: FAILED, losses differ: stock {stock}, --mecefo {mecefo}")
         _say(f"--mecefo without failures = unpatched, loss for loss: OK ({', '.join(stock)})")
-    _say("PASSED")
 
 
 if __name__ == "__main__":
