@@ -1,9 +1,10 @@
 """The Megatron-LM integration: patch files, flag provider, start-up checks, and (opt-in)
 ``patches/verify_patch.py`` against a real Megatron-LM checkout.
 
-The end-to-end test needs a Megatron-LM checkout at tag core_v0.16.1 in ``$MEGATRON_LM_DIR``
-and ``pip install -e .[megatron-lm]``; CI has neither, so it is marked slow and skipped
-without the variable (``make test-all MEGATRON_LM_DIR=...`` runs it).
+The end-to-end tests (``verify_patch.py``, and a resume into phase 2 of
+``--phase-transition-iterations`` against stock) need a Megatron-LM checkout at tag
+core_v0.16.1 in ``$MEGATRON_LM_DIR`` and ``pip install -e .[megatron-lm]``; CI has neither, so
+they are marked slow and skipped without the variable (``make test-all MEGATRON_LM_DIR=...``).
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, child_env
+from conftest import REPO, child_env, free_port
 
 from megatron_mecefo.megatron_lm.arguments import MecefoConfigError
 from megatron_mecefo.megatron_lm.integration import _validated_config, extra_args_provider
@@ -112,3 +115,87 @@ def test_verify_patch_on_a_megatron_lm_checkout() -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "verify_patch: PASSED" in proc.stdout
     assert Path(checkout, "pretrain_gpt.py").read_text().count("megatron_mecefo") == 0
+
+
+# A tiny GPT on mock data, DP2 on 2 CPU ranks, dropout off: a replica that recomputes another's
+# micro-batch draws its own dropout masks, so only a dropout-free run can equal stock exactly.
+PHASE_RUN = [
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+    "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--hidden-dropout", "0",
+    "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "16",
+    # Megatron-LM's phase bookkeeping needs --train-samples (train_iters = 6 here).
+    "--train-samples", "96", "--phase-transition-iterations", "2", "--ckpt-format", "torch",
+    "--log-interval", "1", "--lr", "1e-3", "--lr-decay-style", "constant",
+    "--eval-iters", "0", "--eval-interval", "1000",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--seed", "1234",
+]  # fmt: skip
+_ITERATION = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+).*?grad norm: ([0-9.]+)")
+
+
+def _patched_script(checkout: str, work: Path) -> Path:
+    """``pretrain_gpt.py`` of ``checkout`` with the core_v0.16.1 patch, in ``work``."""
+    script = work / "pretrain_gpt.py"
+    shutil.copy(Path(checkout, "pretrain_gpt.py"), script)
+    if "megatron_mecefo" not in script.read_text():
+        patch = PATCHES / "megatron-lm-core_v0.16.1.patch"
+        subprocess.run(["git", "apply", str(patch)], cwd=work, check=True)
+    return script
+
+
+Losses = dict[int, tuple[str, str]]
+
+
+def _megatron_lm(checkout: str, script: Path, argv: list[str], work: Path) -> tuple[Losses, str]:
+    """Train through ``run_megatron_lm_cpu.py`` on 2 ranks; {iteration: (loss, grad norm)}.
+
+    The launcher runs in its own session and is killed with its ranks if it fails or hangs.
+    """
+    log_path = work / f"log_{len(list(work.glob('log_*')))}.txt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={free_port()}", str(PATCHES / "run_megatron_lm_cpu.py"),
+           "--megatron-lm-dir", checkout, "--pretrain-script", str(script),
+           *PHASE_RUN, *argv]  # fmt: skip
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=work, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    output = log_path.read_text()
+    assert proc.returncode == 0, output[-6000:]
+    return {int(i): (loss, norm) for i, loss, norm in _ITERATION.findall(output)}, output
+
+
+@pytest.mark.slow
+def test_phase_transition_resume_exact_policy_equals_stock(tmp_path: Path) -> None:
+    """Issue 12, item 1, end to end in Megatron-LM's own loop: phase 1 stops and saves at the
+    transition (iteration 2); phase 2 resumes, where Megatron-LM builds the training loader at
+    consumed_train_samples_in_current_phase = 0 while consumed_train_samples = 32. Replica 1
+    is down for iterations 3-4 under the exact policy, so replica 0 recomputes its
+    micro-batches from the dataset by index: the losses and grad norms must equal stock's from
+    the same checkpoint. Read at consumed_train_samples (the bug), iteration 3 differed."""
+    checkout = os.environ.get("MEGATRON_LM_DIR")
+    if not checkout:
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1")
+    script = _patched_script(checkout, tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    save = ["--save", ckpt, "--save-interval", "1000"]
+    phase1, _ = _megatron_lm(checkout, script, save, tmp_path)
+    assert sorted(phase1) == [1, 2] and Path(ckpt, "iter_0000002").is_dir()
+    resume = ["--load", ckpt, "--exit-interval", "5"]
+    stock, _ = _megatron_lm(checkout, script, resume, tmp_path)
+    mecefo_flags = ["--mecefo", "--mecefo-rank", "16", "--mecefo-policy", "exact"]
+    mecefo, output = _megatron_lm(
+        checkout, script, resume + mecefo_flags + ["--mecefo-fail", "1:3:5"], tmp_path
+    )
+    assert "> MeCeFO: iteration 3: replicas [1] down; policy exact" in output, output[-4000:]
+    assert sorted(stock) == [3, 4, 5], stock
+    assert mecefo == stock
