@@ -58,6 +58,12 @@ def apply_abft(model: ModelLike, state: Optional[AbftState]) -> List[Tuple[int, 
             "the model has no ABFT-checked attention: build it with "
             "megatron_mecefo.abft.abft_spec(spec)"
         )
-    if state is not None and state.injector is not None:
-        state.injector.bind_sites(sites)
+    if state is not None:
+        if state.injector is not None:
+            state.injector.bind_sites(sites)
+        if not state.num_layers:  # the same on every rank: end_step sums fixed-size counts
+            top = torch.tensor([float(max(layer for layer, _ in sites))])
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
+            state.num_layers = int(top.item())
     return sorted(sites)

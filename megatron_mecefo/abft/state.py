@@ -28,9 +28,13 @@ class AbftUncorrectableError(RuntimeError):
 class AbftState:
     """Config, policy, injector and counters of one process; see the module docstring."""
 
-    def __init__(self, config: Optional[AbftConfig] = None, rank: int = 0) -> None:
+    def __init__(
+        self, config: Optional[AbftConfig] = None, rank: int = 0, num_layers: int = 0
+    ) -> None:
         self.config = (config if config is not None else AbftConfig()).validate()
         self.rank = rank
+        self.num_layers = num_layers
+        """Layers of the whole model (all pipeline stages); ``apply_abft`` fills it in."""
         self.policy = build_policy(self.config.policy)
         self.injector = build_injector(
             self.config.inject, self.config.seed, rank, self.config.near_inf_threshold
@@ -81,23 +85,27 @@ class AbftState:
         return forward_step
 
     def end_step(self, group: Any = None) -> Dict[str, Any]:
-        """Close the step: agree over ``group`` (default: all ranks) and update the policy.
+        """Close the step: sum the counts over ``group`` (default: all ranks), agree on
+        skipping, and update the policy.
 
-        Returns this process's step record plus ``skip`` (some rank's GEMM stayed bad: skip
-        the optimizer update everywhere) and ``detections_all_ranks``. It is a collective
-        when torch.distributed is initialised: call it on every rank.
+        Returns the step record of all ranks (see ``AbftCounters.step_record``) plus
+        ``protected`` and ``skip`` (some rank's GEMM stayed bad: skip the optimizer update
+        on every rank). It is a collective when torch.distributed is initialised: call it on
+        every rank.
         """
-        local = torch.tensor(
-            [self.counters.step_detections(), int(self.poisoned)], dtype=torch.float64
+        dense = torch.tensor(
+            self.counters.dense(max(self.num_layers, 1)) + [float(self.poisoned)],
+            dtype=torch.float64,
         )
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(local, group=group)
-        detections, poisoned = int(local[0]), int(local[1])
-        self.policy.observe(self.iteration, self.protecting, detections)
+            torch.distributed.all_reduce(dense, group=group)
+        values = dense.tolist()
+        poisoned = values.pop()
+        self.counters.close_step(values)
         record = self.counters.step_record()
-        record.update(
-            protected=self.protecting, skip=poisoned > 0, detections_all_ranks=detections
-        )
+        detections = record["corrected"] + record["recomputed"] + record["uncorrectable"]
+        self.policy.observe(self.iteration, self.protecting, detections)
+        record.update(protected=self.protecting, skip=poisoned > 0)
         return record
 
     # ------------------------------------------------------------------ for the modules
