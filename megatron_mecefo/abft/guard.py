@@ -98,6 +98,9 @@ def protect(
     cfg = state.config
     counters = state.counters
     correct = cfg.mode == "correct"
+    # After an uncorrectable GEMM the bad values flow on (the step will be skipped): later
+    # checks still run (their collectives must match the TP group's) but are not counted.
+    quiet = state.poisoned
     primary = directions[0]()
     inject_only(
         state, layer, op, primary.lines if inject_lines is None else inject_lines,
@@ -125,6 +128,8 @@ def protect(
         with torch.no_grad():
             out.copy_(recompute())
         still = set(_run(state, primary, rel, False).uncorrectable)
+    if quiet:
+        return
     for b, j, kind in pending:
         action = "uncorrectable" if (b, j) in still else "recomputed"
         counters.record(layer, op, kind, action, block=b, line=j, **where)
