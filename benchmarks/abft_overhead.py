@@ -116,8 +116,8 @@ def run_shape(shape: str, rounds: int) -> Dict[str, Any]:
 
         return step
 
-    result: Dict[str, Any] = {"shape": dict(zip(("layers", "hidden", "heads", "seq", "mbs"),
-                                                 SHAPES[shape]))}  # fmt: skip
+    names = ("layers", "hidden", "heads", "seq", "mbs")
+    result: Dict[str, Any] = {"shape": dict(zip(names, SHAPES[shape], strict=True))}
     for what, make in (("layer", layer_step), ("microbatch", model_step)):
         steps = {v: make(models[v]) for v in VARIANTS}
         for v in VARIANTS:  # warm-up (allocator, checksum weight caches)
@@ -152,9 +152,7 @@ def summary(result: Dict[str, Any]) -> str:
             f" micro-batch +{o['microbatch']['full']:.1f}% (detect "
             f"+{o['microbatch']['detect']:.1f}%)"
         )
-    return f"abft_overhead ({result['device']}, {result['threads']} thread(s)): " + "; ".join(
-        parts
-    )
+    return f"abft_overhead ({result['device']}, {result['threads']} thread(s)): " + "; ".join(parts)
 
 
 def main() -> None:

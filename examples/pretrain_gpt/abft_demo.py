@@ -61,11 +61,11 @@ def main() -> None:
     abft = run("abft", ["--mecefo-abft", *inject], out, 29542)
     bare = run("faults", inject, out, 29543)
     print(f"{'iteration':>9} | {'clean':>10} | {'abft+faults':>11} | {'faults, no abft':>15}")
-    for c, a, b in zip(clean, abft, bare):
+    for c, a, b in zip(clean, abft, bare, strict=True):
         if c["iteration"] % 10 == 0:
             print(f"{c['iteration']:>9} | {c['loss']:>10.6f} | {a['loss']:>11.6f} | "
                   f"{b['loss']:>15.6f}")  # fmt: skip
-    diff = max(abs(c["loss"] - a["loss"]) for c, a in zip(clean, abft))
+    diff = max(abs(c["loss"] - a["loss"]) for c, a in zip(clean, abft, strict=True))
     corrected = sum(r["abft"]["corrected"] + r["abft"]["recomputed"] for r in abft)
     nan_at = next((r["iteration"] for r in bare if math.isnan(r["loss"])), None)
     print(

@@ -54,7 +54,10 @@ class CheckOutcome:
 
 
 def flag_lines(
-    expected: torch.Tensor, actual: torch.Tensor, bound: Optional[torch.Tensor], abs_thr: float,
+    expected: torch.Tensor,
+    actual: torch.Tensor,
+    bound: Optional[torch.Tensor],
+    abs_thr: float,
     rel_thr: float,
 ) -> torch.Tensor:
     """Boolean ``[B, m]``: lines whose first checksums differ beyond the threshold."""

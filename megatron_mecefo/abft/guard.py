@@ -118,7 +118,7 @@ def protect(
     for d, f in fixes:
         index = d.index(f.block, f.position, f.line)
         counters.record(layer, op, f.kind, "corrected", index=index, **where)
-    pending = [(b, j, k) for (b, j), k in zip(result.uncorrectable, result.kinds)]
+    pending = [(b, j, k) for (b, j), k in zip(result.uncorrectable, result.kinds, strict=True)]
     need = bool(pending) if any_rank is None else any_rank(bool(pending))
     if not need:
         return

@@ -109,9 +109,7 @@ def _check_linear(
         def actual() -> torch.Tensor:
             return (ws @ out.reshape(seq, -1).to(dt)).view(count, batch, -1).permute(1, 0, 2)
 
-        return Direction(
-            lines, expected.permute(1, 0, 2), actual, bound, lambda b, t, j: (t, b, j)
-        )
+        return Direction(lines, expected.permute(1, 0, 2), actual, bound, lambda b, t, j: (t, b, j))
 
     def any_rank(need: bool) -> bool:
         flag = torch.tensor([float(need)], device=out.device)

@@ -130,7 +130,9 @@ class AbftCounters:
         return {
             "checks": self.checks,
             **self._by_action(self.total),
-            "by_op": {f"{op}/{kind}/{action}": n for (op, kind, action), n in sorted(by_op.items())},
+            "by_op": {
+                f"{op}/{kind}/{action}": n for (op, kind, action), n in sorted(by_op.items())
+            },
         }
 
     def rows(self) -> List[Tuple[str, str]]:
@@ -151,6 +153,6 @@ class AbftCounters:
 
 
 def _cell(layer: int, op: str, kind: str, action: str) -> int:
-    return (
-        ((layer - 1) * len(OPS) + OPS.index(op)) * len(KINDS) + KINDS.index(kind)
-    ) * len(ALL_ACTIONS) + ALL_ACTIONS.index(action)
+    return (((layer - 1) * len(OPS) + OPS.index(op)) * len(KINDS) + KINDS.index(kind)) * len(
+        ALL_ACTIONS
+    ) + ALL_ACTIONS.index(action)

@@ -211,7 +211,9 @@ class MegatronLMIntegration:
     def _abft_summary(self) -> None:
         import torch
 
-        if self.abft is None or (torch.distributed.is_initialized() and torch.distributed.get_rank()):
+        if self.abft is None or (
+            torch.distributed.is_initialized() and torch.distributed.get_rank()
+        ):
             return
         rows = "; ".join(f"{k}: {v}" for k, v in self.abft.counters.rows())
         print(f"> MeCeFO ABFT summary: {rows}", flush=True)

@@ -121,8 +121,9 @@ def scenario_identity(layout: str) -> dict:
     out["full"]["checks"] = state.counters.checks
     out["full"]["detections"] = state.counters.step_global and dict(state.counters.totals())
     bound(model, state_for(mode="detect"))
-    out["detect"] = diffs(ref, loss_and_grads(model, model.decoder.layers[0]
-                                              .self_attention.core_attention.abft_state))
+    out["detect"] = diffs(
+        ref, loss_and_grads(model, model.decoder.layers[0].self_attention.core_attention.abft_state)
+    )
     return out
 
 
@@ -171,8 +172,14 @@ def scenario_modes(layout: str) -> dict:
                                                             "pattern=line",)))  # fmt: skip
     got = loss_and_grads(model, state)
     out["skip"] = {"record": got[2], "loss_finite": bool(torch.isfinite(got[0]).all())}
-    state = bound(model, state_for(recompute=False, on_uncorrectable="raise",
-                                   inject=("kind=inf,op=proj,layer=1,iter=1,pattern=line",)))
+    state = bound(
+        model,
+        state_for(
+            recompute=False,
+            on_uncorrectable="raise",
+            inject=("kind=inf,op=proj,layer=1,iter=1,pattern=line",),
+        ),
+    )
     try:
         loss_and_grads(model, state)
         out["raise"] = ""
@@ -193,7 +200,6 @@ def scenario_modes(layout: str) -> dict:
 def scenario_takeover(layout: str) -> dict:
     """MeCeFO takeover mode (no attention backward): the forward is still protected."""
     from megatron_mecefo.techniques.apply import apply_mecefo
-
     from megatron_mecefo.techniques.config import MecefoConfig
     from megatron_mecefo.techniques.state import MecefoState
 
