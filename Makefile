@@ -10,7 +10,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo test test-all bench bench-long lint clean
+.PHONY: venv data demo demo-abft test test-all bench bench-long lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -49,6 +49,11 @@ demo: data
 	    $(DEMO_FAILS) \
 	    --metrics-file results/demo/metrics.jsonl
 
+# Attention checksums (README "Attention checksums"): TP2 + SP on 2 ranks, 100 iterations with
+# a fault every 10, run clean, with --mecefo-abft and without it; prints the counts and losses.
+demo-abft: data
+	$(PY) examples/pretrain_gpt/abft_demo.py
+
 test: venv
 	$(PY) -m pytest -q -m "not slow" --timeout=900 tests
 
@@ -86,5 +91,5 @@ lint: venv
 
 # results/ holds committed benchmark outputs (see .gitignore); only the run folders go.
 clean:
-	rm -rf $(VENV) data .pytest_cache results/demo results/degraded_throughput \
+	rm -rf $(VENV) data .pytest_cache results/demo results/demo_abft results/degraded_throughput \
 	    results/convergence*/seed* results/convergence*/trace_*

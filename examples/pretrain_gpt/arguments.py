@@ -308,6 +308,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_data(args)
     _validate_checkpointing(args)
     _validate_mecefo(args)
+    _validate_abft(args)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters >= args.lr_decay_iters and args.lr_warmup_iters > 0:
@@ -414,6 +415,16 @@ def checkpoint_to_load(load_dir: str) -> Optional[str]:
             "them, or delete it to train from scratch"
         )
     return ckpt_dir
+
+
+def _validate_abft(args: argparse.Namespace) -> None:
+    from megatron_mecefo.abft.arguments import abft_config_from_args
+    from megatron_mecefo.abft.config import AbftConfigError
+
+    try:
+        args.abft_config = abft_config_from_args(args, args.transformer_impl)
+    except AbftConfigError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _validate_checkpointing(args: argparse.Namespace) -> None:

@@ -105,6 +105,12 @@ class Trainer:
             self._load()
         self._build_data()
         self.controller = self._build_controller() if args.mecefo else None
+        self.abft = None
+        if args.abft_config is not None:  # --mecefo-abft / --mecefo-abft-inject
+            from megatron_mecefo.abft import AbftState, apply_abft
+
+            self.abft = AbftState(args.abft_config, self.rank, args.num_layers)
+            apply_abft(self.model_chunks, self.abft)
         self.forward_backward = self._forward_backward_func()
         self.metrics_file = None
         if self.rank == 0 and args.metrics_file:
@@ -191,7 +197,9 @@ class Trainer:
 
         a, cfg = self.args, self.config
         if a.transformer_impl == "auto":
+            # --mecefo-abft needs the unfused local attention (TE's fused kernel hides its GEMMs).
             use_te = self.device.type == "cuda" and have_transformer_engine()
+            use_te = use_te and a.abft_config is None
             a.transformer_impl = "transformer_engine" if use_te else "local"
         multiple = a.make_vocab_size_divisible_by * a.tensor_model_parallel_size
         a.padded_vocab_size = math.ceil(self.tokenizer.vocab_size / multiple) * multiple
@@ -203,6 +211,10 @@ class Trainer:
                 from megatron_mecefo.techniques.specs import mecefo_spec
 
                 spec = mecefo_spec(spec, lowrank=a.mecefo_config.techniques.lowrank_ffn)
+            if a.abft_config is not None:
+                from megatron_mecefo.abft import abft_spec
+
+                spec = abft_spec(spec)
             chunk = GPTModel(
                 config=cfg,
                 transformer_layer_spec=spec,
@@ -391,6 +403,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _forward_step(self, data_iterator: Any, model: Any) -> tuple[Any, Any]:
+        if self.abft is not None:
+            self.abft.begin_microbatch(model)
         batch = {k: v.to(self.device) for k, v in next(data_iterator).items()}
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         return output, partial(_loss_func, batch["loss_mask"])
@@ -438,17 +452,21 @@ class Trainer:
             for line in ctrl.announcements():
                 self._print(line)
         self._zero_grads()
+        if self.abft is not None:
+            self.abft.start_step(self.iteration + 1)
         cpu0 = time.process_time()
         loss = self._run_schedule(self.train_iter, forward_only=False)
         cpu1 = time.process_time()
+        # All ranks agree whether a GEMM stayed bad after its recompute: then no update.
+        abft = self.abft.end_step() if self.abft is not None else None
         if grad_error is not None:
             # Before the optimizer step: clipping scales the gradient buffers in place, which
             # would count as error on every iteration whose norm exceeds --clip-grad.
             mecefo["grad_rel_error"] = self._grad_rel_error(grad_error)
         cpu2 = time.process_time()
         no_update = bool(mecefo.get("no_update"))
-        if no_update:
-            ok, grad_norm = False, None  # every replica down: no update, a skipped iteration
+        if no_update or (abft is not None and abft["skip"]):
+            ok, grad_norm = False, None  # every replica down, or ABFT: no update, skipped
         else:
             ok, grad_norm, _ = self.optimizer.step()
         cpu = (cpu1 - cpu0, time.process_time() - cpu2)
@@ -478,6 +496,7 @@ class Trainer:
             "tokens_per_s": tokens / dt,
             "lr": self.optimizer.param_groups[0]["lr"],
             **({"mecefo": mecefo} if ctrl is not None else {}),
+            **({"abft": abft} if abft is not None else {}),
             **({"rank_cpu_s": rank_cpu} if rank_cpu is not None else {}),
         }
 
@@ -820,6 +839,8 @@ class Trainer:
                 )
             if self.controller is not None:
                 rows += self._mecefo_summary_rows()
+            if self.abft is not None:
+                rows += self.abft.counters.rows()
             if self.saved:
                 rows.append(("checkpoints", f"iterations {self.saved} in {a.save}"))
             rows.append(("wall time", f"{wall_s:.1f} s"))

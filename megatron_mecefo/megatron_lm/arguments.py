@@ -106,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Every K degraded iterations, also compute the failure-free gradient of the same "
         "batch and log ||g_hat - g|| / ||g||. Costs one extra forward-backward. 0: off.",
     )
+    from megatron_mecefo.abft.arguments import add_abft_arguments
+
+    add_abft_arguments(parser)  # --mecefo-abft*: attention checksums, independent of --mecefo
     return parser
 
 

@@ -14,7 +14,14 @@ The patch for each Megatron-LM tag adds a few lines to ``pretrain_gpt.py`` and n
   it as ``config.finalize_model_grads_func``) and ``build_pretraining_data_loader`` (to read
   a failed replica's samples from the training dataset).
 
-Without ``--mecefo`` nothing is wrapped and Megatron-LM runs exactly as unpatched.
+``--mecefo-abft`` (attention checksums, :mod:`megatron_mecefo.abft`) works with or without
+``--mecefo``: the layer spec also goes through ``abft_spec``, and
+``get_forward_backward_func`` is wrapped to count steps and micro-batches (for the policy and
+the injector) and to sum the counts over ranks; an output that stays bad after its recompute
+goes to Megatron's ``rerun_state_machine`` (``on_uncorrectable="raise"``).
+
+Without ``--mecefo`` and ``--mecefo-abft*`` nothing is wrapped and Megatron-LM runs exactly as
+unpatched.
 """
 
 from __future__ import annotations
@@ -95,6 +102,13 @@ def check_parsed_args(args: Any) -> None:
             args.distributed_timeout_minutes = timeout_minutes(timeout)
         except ValueError as err:
             exit_with_config_error(err)
+    from megatron_mecefo.abft.arguments import abft_config_from_args
+    from megatron_mecefo.abft.config import AbftConfigError
+
+    try:  # ABFT works with or without --mecefo
+        abft_config_from_args(args, getattr(args, "transformer_impl", None), "raise")
+    except AbftConfigError as err:
+        exit_with_config_error(err)
     if not getattr(args, "mecefo", False):
         given = mecefo_flags_given(args, add_arguments(argparse.ArgumentParser()))
         if given:
@@ -147,16 +161,24 @@ class MegatronLMIntegration:
         was built at: nonzero in a later phase of ``--phase-transition-iterations``, where
         Megatron-LM builds it at ``consumed_train_samples_in_current_phase``."""
         self._hooks_installed = False
+        self.abft_config: Any = None
+        self.abft: Any = None
 
     # ------------------------------------------------------------------ set-up
     def _setup(self, args: Any) -> bool:
         """Validate the flags once args exist; returns whether ``--mecefo`` is on."""
         if self.config is not None:
             return self.config.enabled
+        from megatron_mecefo.abft.arguments import abft_config_from_args
+        from megatron_mecefo.abft.config import AbftConfigError
+
         warnings: List[str] = []
         try:
             self.config = _validated_config(args, warnings)
-        except MecefoConfigError as err:
+            self.abft_config = abft_config_from_args(
+                args, getattr(args, "transformer_impl", None), on_uncorrectable="raise"
+            )
+        except (MecefoConfigError, AbftConfigError) as err:
             exit_with_config_error(err)
         if int(os.environ.get("RANK", "0")) == 0:
             for line in warnings:
@@ -166,23 +188,49 @@ class MegatronLMIntegration:
 
             self.state = MecefoState(self.config.techniques)
             self._install_training_hooks()
+        if self.abft_config is not None:
+            self._install_abft_hooks()
         return self.config.enabled
+
+    def _rewrite_spec(self, spec: Any) -> Any:
+        """The MeCeFO and/or ABFT rewrite of a stock layer spec, as the flags ask."""
+        if self.config.enabled:
+            from megatron_mecefo.techniques.specs import mecefo_spec
+
+            spec = mecefo_spec(spec, lowrank=self.config.techniques.lowrank_ffn)
+        if self.abft_config is not None:
+            from megatron_mecefo.abft.spec import abft_spec
+
+            spec = abft_spec(spec)
+        return spec
+
+    def layer_spec(self, config: Any, vp_stage: Optional[int] = None) -> Any:
+        """The callable spec for core_v0.19 (``model_cfg.transformer_layer_spec``)."""
+        if self.config.enabled:
+            from megatron_mecefo.techniques.specs import mecefo_layer_spec
+
+            spec = mecefo_layer_spec(config, vp_stage)
+            return spec if self.abft_config is None else _abft(spec)
+        try:
+            from megatron.training.models.gpt import default_layer_spec
+        except ImportError:
+            from megatron_mecefo.gpt.layer_specs import gpt_decoder_spec
+
+            return self._rewrite_spec(gpt_decoder_spec(config, "local", vp_stage))
+        return self._rewrite_spec(default_layer_spec(config, vp_stage))
 
     def wrap_builder(self, gpt_builder: Callable) -> Callable:
         """Megatron-LM <= core_v0.17: ``gpt_builder`` building the MeCeFO spec with --mecefo."""
 
         @functools.wraps(gpt_builder)
         def builder(args: Any, pre_process: bool, post_process: bool, *a: Any, **kw: Any) -> Any:
-            if not self._setup(args):
+            if not self._setup(args) and self.abft_config is None:
                 return gpt_builder(args, pre_process, post_process, *a, **kw)
             namespace = gpt_builder.__globals__
             original = namespace.get("_get_transformer_layer_spec")
             if original is not None and args.spec is None:
-                from megatron_mecefo.techniques.specs import mecefo_spec
-
-                lowrank = self.config.techniques.lowrank_ffn
-                namespace["_get_transformer_layer_spec"] = lambda *s, **k: mecefo_spec(
-                    original(*s, **k), lowrank=lowrank
+                namespace["_get_transformer_layer_spec"] = lambda *s, **k: self._rewrite_spec(
+                    original(*s, **k)
                 )
             try:
                 model = gpt_builder(args, pre_process, post_process, *a, **kw)
@@ -196,12 +244,10 @@ class MegatronLMIntegration:
 
     def configure_model(self, args: Any, model_cfg: Any) -> None:
         """Megatron-LM >= core_v0.19: set the spec and the post-wrap hook on ``model_cfg``."""
-        if not self._setup(args):
+        if not self._setup(args) and self.abft_config is None:
             return
         if getattr(args, "spec", None) is None:
-            from megatron_mecefo.techniques.specs import mecefo_layer_spec
-
-            model_cfg.transformer_layer_spec = mecefo_layer_spec
+            model_cfg.transformer_layer_spec = self.layer_spec
         model_cfg.post_wrap_hooks.append(self._post_wrap)
 
     def _post_wrap(self, model: List[Any]) -> List[Any]:
@@ -209,16 +255,68 @@ class MegatronLMIntegration:
         return model
 
     def _bind(self, chunks: List[Any]) -> None:
-        from megatron_mecefo.techniques.apply import apply_mecefo
+        if self.config.enabled:
+            from megatron_mecefo.techniques.apply import apply_mecefo
 
-        try:
-            apply_mecefo(chunks, self.state)
-        except ValueError as err:
-            exit_with_config_error(
-                f"--mecefo: {err} (with --spec, pass a MeCeFO spec such as "
-                "megatron_mecefo.techniques.specs mecefo_layer_spec)"
-            )
+            try:
+                apply_mecefo(chunks, self.state)
+            except ValueError as err:
+                exit_with_config_error(
+                    f"--mecefo: {err} (with --spec, pass a MeCeFO spec such as "
+                    "megatron_mecefo.techniques.specs mecefo_layer_spec)"
+                )
+        if self.abft_config is not None:
+            import torch
+
+            from megatron_mecefo.abft import AbftState, apply_abft
+
+            if self.abft is None:
+                rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+                self.abft = AbftState(self.abft_config, rank)
+            try:
+                apply_abft(chunks, self.abft)
+            except ValueError as err:
+                exit_with_config_error(f"--mecefo-abft: {err} (a --spec must be an ABFT spec)")
         self.chunks.extend(chunks)
+
+    def _install_abft_hooks(self) -> None:
+        """Wrap ``get_forward_backward_func``: steps, micro-batches and all-rank counts."""
+        import atexit
+        import importlib
+
+        training = importlib.import_module(_TRAINING)
+        get_fbf = training.get_forward_backward_func
+
+        @functools.wraps(get_fbf)
+        def get_forward_backward_func(*a: Any, **kw: Any) -> Callable:
+            inner = get_fbf(*a, **kw)
+
+            def run(**kwargs: Any) -> Any:
+                state = self.abft
+                if state is None or kwargs.get("forward_only", False):
+                    return inner(**kwargs)
+                from megatron.training import get_args
+
+                state.start_step(get_args().curr_iteration + 1)
+                kwargs["forward_step_func"] = state.wrap_forward_step(kwargs["forward_step_func"])
+                result = inner(**kwargs)
+                state.end_step()  # every rank: sums the counts
+                return result
+
+            return run
+
+        training.get_forward_backward_func = get_forward_backward_func
+        atexit.register(self._abft_summary)
+
+    def _abft_summary(self) -> None:
+        import torch
+
+        if self.abft is None or (
+            torch.distributed.is_initialized() and torch.distributed.get_rank()
+        ):
+            return
+        rows = "; ".join(f"{k}: {v}" for k, v in self.abft.counters.rows())
+        print(f"> MeCeFO ABFT summary: {rows}", flush=True)
 
     def _install_training_hooks(self) -> None:
         if self._hooks_installed:
@@ -367,6 +465,12 @@ class MegatronLMIntegration:
             f"{c.samples_processed} / skipped {c.samples_skipped}",
             flush=True,
         )
+
+
+def _abft(spec: Any) -> Any:
+    from megatron_mecefo.abft.spec import abft_spec
+
+    return abft_spec(spec)
 
 
 def install(args: Any = None, model_cfg: Any = None) -> MegatronLMIntegration:
