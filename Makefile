@@ -60,7 +60,7 @@ test: venv
 test-all: venv
 	$(PY) -m pytest -q --timeout=1800 tests
 
-# The CPU evidence suite (README "Results"), about 20 minutes on 2 cores: costs, degraded
+# The CPU evidence suite (README "Results"), about 25 minutes on 2 cores: costs, ABFT overhead, degraded
 # throughput (model + real DP4 runs), failure traces, convergence runs, plots. JSON, logs and
 # PNGs go to results/. Not run here: the GPU shapes (llama-1b / llama-7b), see benchmarks/README.
 BENCH_LOG := results/logs
@@ -72,6 +72,7 @@ bench: data
 	set -o pipefail; $(PY) benchmarks/degraded_throughput.py | tee $(BENCH_LOG)/degraded_throughput.txt
 	set -o pipefail; $(PY) benchmarks/failure_trace.py | tee $(BENCH_LOG)/failure_trace.txt
 	set -o pipefail; $(PY) examples/pretrain_gpt/convergence.py | tee $(BENCH_LOG)/convergence.txt
+	set -o pipefail; $(PY) benchmarks/abft_overhead.py | tee $(BENCH_LOG)/abft_overhead.txt
 	$(PY) benchmarks/plots.py
 	@echo "make bench: done; summaries in $(BENCH_LOG)/, plots in results/plots/." \
 	    "Not run on CPU: the llama-1b / llama-7b GPU shapes (benchmarks/README.md)."
