@@ -64,6 +64,16 @@ SHIMS: tuple[tuple[str, str], ...] = (
         "training.py:1325-1344 get_model builds DDP inside a side torch.cuda.Stream(); "
         "streams become no-op objects (the CPU executes in program order)",
     ),
+    (
+        "dist_optimizer_checkpoint",
+        "checkpointing.py:1653 (torch_dist) and :1810 (torch) load a DistributedOptimizer's "
+        "state through megatron-core's no-Apex/TE path, which fails in 0.16.1 "
+        "(distrib_optimizer.py:642 `assert len(steps) == 1`; distrib_optimizer.py:940 "
+        "copy_ into a view of a leaf that requires grad); with --use-distributed-optimizer, "
+        "training.py's save_checkpoint also writes each rank's optimizer shard, and its "
+        "load_checkpoint loads the checkpoint as with --no-load-optim, then restores that "
+        "shard and the LR scheduler (see megatron_lm_cpu_checkpoint)",
+    ),
 )
 
 
@@ -198,6 +208,12 @@ def enable_megatron_lm_cpu() -> None:
     _set(torch.cuda, "Stream", _NoopStream)
     _set(torch.cuda, "current_stream", lambda *a, **k: _NoopStream())
     _set(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+
+    # dist_optimizer_checkpoint: training.py imported both names, so patch them there.
+    from megatron_mecefo.runtime.megatron_lm_cpu_checkpoint import wrap_load, wrap_save
+
+    _set(mlm_training, "save_checkpoint", wrap_save(mlm_training.save_checkpoint))
+    _set(mlm_training, "load_checkpoint", wrap_load(mlm_training.load_checkpoint))
 
 
 def disable_megatron_lm_cpu() -> None:
