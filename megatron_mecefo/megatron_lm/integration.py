@@ -17,7 +17,8 @@ The patch for each Megatron-LM tag adds a few lines to ``pretrain_gpt.py`` and n
 ``--mecefo-abft`` (attention checksums, :mod:`megatron_mecefo.abft`) works with or without
 ``--mecefo``: the layer spec also goes through ``abft_spec``, and
 ``get_forward_backward_func`` is wrapped to count steps and micro-batches (for the policy and
-the injector) and to sum the counts over ranks; an output that stays bad after its recompute
+the injector) and to sum the counts over ranks (rank 0 prints a line for each iteration with
+a fault or a detection, and a summary at exit); an output that stays bad after its recompute
 goes to Megatron's ``rerun_state_machine`` (``on_uncorrectable="raise"``).
 
 Without ``--mecefo`` and ``--mecefo-abft*`` nothing is wrapped and Megatron-LM runs exactly as
