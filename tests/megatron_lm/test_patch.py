@@ -1,8 +1,9 @@
 """The Megatron-LM integration: patch files, flag provider, start-up checks, and (opt-in)
 ``patches/verify_patch.py`` against a real Megatron-LM checkout.
 
-The end-to-end tests (``verify_patch.py``, and a resume into phase 2 of
-``--phase-transition-iterations`` against stock) need a Megatron-LM checkout at tag
+The end-to-end tests (``verify_patch.py``, a resume into phase 2 of
+``--phase-transition-iterations`` against stock, and ``--mecefo-abft`` with and without
+injected faults against stock) need a Megatron-LM checkout at tag
 core_v0.16.1 in ``$MEGATRON_LM_DIR`` and ``pip install -e .[megatron-lm]``; CI has neither, so
 they are marked slow and skipped without the variable (``make test-all MEGATRON_LM_DIR=...``).
 """
