@@ -17,7 +17,8 @@ The patch for each Megatron-LM tag adds a few lines to ``pretrain_gpt.py`` and n
 ``--mecefo-abft`` (attention checksums, :mod:`megatron_mecefo.abft`) works with or without
 ``--mecefo``: the layer spec also goes through ``abft_spec``, and
 ``get_forward_backward_func`` is wrapped to count steps and micro-batches (for the policy and
-the injector) and to sum the counts over ranks; an output that stays bad after its recompute
+the injector) and to sum the counts over ranks (rank 0 prints a line for each iteration with
+a fault or a detection, and a summary at exit); an output that stays bad after its recompute
 goes to Megatron's ``rerun_state_machine`` (``on_uncorrectable="raise"``).
 
 Without ``--mecefo`` and ``--mecefo-abft*`` nothing is wrapped and Megatron-LM runs exactly as
@@ -163,6 +164,7 @@ class MegatronLMIntegration:
         self._hooks_installed = False
         self.abft_config: Any = None
         self.abft: Any = None
+        self._abft_open_step: Optional[int] = None
 
     # ------------------------------------------------------------------ set-up
     def _setup(self, args: Any) -> bool:
@@ -298,15 +300,37 @@ class MegatronLMIntegration:
                 from megatron.training import get_args
 
                 state.start_step(get_args().curr_iteration + 1)
+                self._abft_open_step = state.iteration  # until end_step has summed it
                 kwargs["forward_step_func"] = state.wrap_forward_step(kwargs["forward_step_func"])
                 result = inner(**kwargs)
-                state.end_step()  # every rank: sums the counts
+                self._abft_log(state.end_step())  # every rank: sums the counts
+                self._abft_open_step = None
                 return result
 
             return run
 
         training.get_forward_backward_func = get_forward_backward_func
         atexit.register(self._abft_summary)
+
+    def _abft_log(self, record: dict) -> None:
+        """Rank 0 prints a step's injections and detections (all ranks), if it had any."""
+        import torch
+
+        if torch.distributed.is_initialized() and torch.distributed.get_rank():
+            return
+        if not record["detections"]:
+            return
+        where = ", ".join(
+            f"layer {d['layer']} {d['op']} {d['kind']} {d['action']}"
+            + (f" x{d['count']}" if d["count"] > 1 else "")
+            for d in record["detections"]
+        )
+        print(
+            f"> MeCeFO ABFT: iteration {self.abft.iteration}: {record['injected']} injected, "
+            f"{record['corrected']} corrected, {record['recomputed']} recomputed, "
+            f"{record['uncorrectable']} uncorrectable ({where})",
+            flush=True,
+        )
 
     def _abft_summary(self) -> None:
         import torch
@@ -316,6 +340,8 @@ class MegatronLMIntegration:
         ):
             return
         rows = "; ".join(f"{k}: {v}" for k, v in self.abft.counters.rows())
+        if self._abft_open_step is not None:  # e.g. a NaN loss raised inside the step
+            rows += f"; iteration {self._abft_open_step} did not finish and is not counted"
         print(f"> MeCeFO ABFT summary: {rows}", flush=True)
 
     def _install_training_hooks(self) -> None:
