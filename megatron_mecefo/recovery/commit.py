@@ -43,10 +43,20 @@ def vote(
             mine = COMMIT
         elif ms.store.check([decision_key]):
             mine = ms.store.get(decision_key).decode()
-        elif ms.generation_number() != generation:
+        elif _superseded(ms, generation, iteration):
             mine = ABORT
         else:
             time.sleep(sleep)
             sleep = min(2 * sleep, poll_interval_s)  # most votes land within a millisecond
     agreed = ms.store.compare_set(decision_key, "", mine).decode()
     return agreed == COMMIT
+
+
+def _superseded(ms: MembershipStore, generation: int, iteration: int) -> bool:
+    """Whether a newer generation ends this one before ``iteration`` is applied: a failure
+    generation, or a planned one whose switch boundary is not after this iteration."""
+    number = ms.generation_number()
+    if number == generation:
+        return False
+    gen = ms.generation(number)
+    return gen.at_iteration is None or gen.at_iteration <= iteration

@@ -147,8 +147,15 @@ class Coordinator:
                 self.ready.discard(key)
 
     def alive_slots(self) -> List[int]:
-        """Slots whose current process is not known dead (ready, or still starting)."""
-        return [s for s in range(self.world_size) if (s, self.inc[s]) not in self.dead]
+        """Slots whose current process can train: not known dead, and either ready or a
+        member of the current generation (a replacement still starting up is not)."""
+        members = self.gen.members if self.gen is not None else {}
+        return [
+            s
+            for s in range(self.world_size)
+            if (s, self.inc[s]) not in self.dead
+            and ((s, self.inc[s]) in self.ready or members.get(s) == self.inc[s])
+        ]
 
     # ------------------------------------------------------------------ decisions
     def _decide(self) -> None:

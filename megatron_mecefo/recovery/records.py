@@ -67,9 +67,19 @@ def build_record(
         "samples_redone": global_batch_size if redone else 0,
     }
     built, done = latest("built"), latest("done")
+    # Where the regroup time goes: the slowest member's duration of each step.
+    steps = [("release", "left", "released"), ("membership", "released", "membership"),
+             ("rendezvous", "membership", "arrived"), ("init_world", "arrived", "world"),
+             ("build", "world", "constructed"), ("restore", "constructed", "built")]  # fmt: skip
+    rec["regroup_steps_s"] = {
+        name: round(max(t[b] - t[a] for t in times.values()), 4)
+        for name, a, b in steps
+        if all(t.get(a) and t.get(b) for t in times.values()) and times
+    }
     if planned:
         left = earliest("left")
-        rec["heal_s"] = _diff(latest("healed"), built) if latest("healed") else 0.0
+        heals = [t["healed"] - t["constructed"] for t in times.values() if t.get("healed")]
+        rec["heal_s"] = round(max(heals), 4) if heals else 0.0
         rec["regroup_s"] = _diff(built, left)
         rec["rejoin_s"] = _diff(done, left)
         return rec

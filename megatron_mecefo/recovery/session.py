@@ -111,7 +111,6 @@ class RecoverySession:
         self.aborter = build_aborter(self.backend)
         self.watchdog: Optional[GenerationWatchdog] = None
         self.rank = -1
-        self.ms.mark_ready(self.slot, self.inc, {"pid": os.getpid(), "t": time.time()})
 
     # ------------------------------------------------------------------ helpers
     def log(self, line: str, all_ranks: bool = False) -> None:
@@ -417,8 +416,7 @@ class RecoverySession:
                 self.carry = export_state(trainer, self.boundary or boundary_snapshot(trainer))
             release_megatron(trainer.model_chunks, trainer.model, trainer.config)
             trainer.__dict__.clear()
-        self.aborter.destroy()
-        gc.collect()
+        self.aborter.destroy()  # ends with gc.collect(): the sockets close now
         self.times["released"] = time.time()
         if os.environ.get("MECEFO_RECOVERY_DEBUG"):
             _report_stale_groups(self.slot)
@@ -453,11 +451,27 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
     """Train under the supervisor; returns the trainer that finished, or exits (module doc)."""
     config = RecoveryConfig.from_env()
     assert config is not None
+    standby = os.environ.get("MECEFO_RECOVERY_STANDBY")
+    if standby:  # a warm standby: import now, wait for the slot of a dead rank
+        _warm_up()
+        ms = MembershipStore.connect(config.store, config.init_timeout_s)
+        while (assigned := ms.get_json(f"assign/{standby}")) is None:
+            if ms.get_str("done") is not None or ms.get_str("fatal") is not None:
+                raise SystemExit(0)
+            time.sleep(config.poll_interval_s)
+        os.environ.update(
+            MECEFO_RECOVERY_SLOT=str(assigned["slot"]),
+            MECEFO_RECOVERY_INC=str(assigned["inc"]),
+            RANK=str(assigned["slot"]),
+        )
     try:
         session = RecoverySession(args, config)
     except Exception as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    if session.inc > 0:
+        _warm_up()  # a joiner imports before it says ready, not inside the switch window
+    session.ms.mark_ready(session.slot, session.inc, {"pid": os.getpid(), "t": time.time()})
     after = -1
     while True:
         gen = session.wait_for_membership(after)
@@ -499,6 +513,29 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
             )
         session.leave(trainer, planned=outcome == "planned")
         trainer = None
+
+
+def _warm_up() -> None:
+    """Import what building the trainer imports (about 10 s of a cold start under load)."""
+    import importlib
+
+    for name in (
+        "megatron.core.models.gpt",
+        "megatron.core.distributed",
+        "megatron.core.optimizer",
+        "megatron.core.optimizer_param_scheduler",
+        "megatron.core.pipeline_parallel",
+        "megatron.core.transformer.transformer_config",
+        "megatron_mecefo.data",
+        "megatron_mecefo.gpt.layer_specs",
+        "megatron_mecefo.techniques.specs",
+        "megatron_mecefo.takeover.controller",
+        "megatron_mecefo.runtime",
+    ):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
 
 def _train(trainer: Any) -> str:

@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join-margin", type=int, default=d.join_margin_iterations)
     p.add_argument("--records", default=None, help="JSONL file for the recovery records")
     p.add_argument("--max-replacements", type=int, default=8, help="per slot")
+    p.add_argument("--pid-file", default=None, help="append 'SLOT INCARNATION PID' per rank")
+    p.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        help="warm standby processes per node (imported, waiting): a replacement then takes "
+        "over a dead rank's slot in about a second instead of a cold start",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args]")
     return p
 
@@ -101,6 +109,8 @@ class Supervisor:
         self.server = None
         self.coordinator = None
         self.killed: Dict[tuple, float] = {}
+        self.standby: List[Child] = []
+        self._standby_count = 0
 
     def log(self, line: str) -> None:
         print(f"[supervisor node {self.node}] {line}", flush=True)
@@ -145,6 +155,34 @@ class Supervisor:
 
     # ------------------------------------------------------------------ processes
     def spawn(self, slot: int, inc: int) -> None:
+        """Start rank ``slot`` (incarnation ``inc``), from a warm standby when one is up."""
+        self.ms.store.set(f"inc/{slot}", str(inc))
+        if self.standby and inc > 0:
+            child = self.standby.pop(0)
+            self.ms.set_json(f"assign/{self.node}/{child.slot}", {"slot": slot, "inc": inc})
+            self.children[slot] = Child(slot, inc, child.proc, time.time())
+            self.ms.set_json(f"pid/{slot}/{inc}", {"pid": child.proc.pid, "node": self.node})
+            self._log_pid(slot, inc, child.proc.pid)
+            self.log(f"standby pid {child.proc.pid} replaces rank {slot} (incarnation {inc})")
+            self.spawn_standby()
+            return
+        self._start(slot, inc)
+        if inc:
+            self.log(f"started a replacement for rank {slot} (incarnation {inc})")
+
+    def spawn_standby(self) -> None:
+        """A process that imports everything and waits for ``assign/<node>/<id>``."""
+        sid = self._standby_count
+        self._standby_count += 1
+        proc = self._start(-1, 0, standby=sid)
+        self.standby.append(Child(sid, 0, proc, time.time()))
+
+    def _log_pid(self, slot: int, inc: int, pid: int) -> None:
+        if self.args.pid_file:
+            with open(self.args.pid_file, "a") as f:
+                f.write(f"{slot} {inc} {pid}\n")
+
+    def _start(self, slot: int, inc: int, standby: Optional[int] = None) -> subprocess.Popen:
         env = dict(os.environ)
         env.update(
             RANK=str(slot),
@@ -159,14 +197,17 @@ class Supervisor:
             PYTHONUNBUFFERED="1",
         )
         env[ENV] = self.cfg.to_env()
-        self.ms.store.set(f"inc/{slot}", str(inc))
+        if standby is not None:
+            env["MECEFO_RECOVERY_STANDBY"] = f"{self.node}/{standby}"
+            env["LOCAL_RANK"] = "0"
         proc = subprocess.Popen(
             [sys.executable, *self.command], env=env, preexec_fn=_die_with_parent
         )
-        self.children[slot] = Child(slot, inc, proc, time.time())
-        self.ms.set_json(f"pid/{slot}/{inc}", {"pid": proc.pid, "node": self.node})
-        if inc:
-            self.log(f"started a replacement for rank {slot} (incarnation {inc}, pid {proc.pid})")
+        self._log_pid(slot if standby is None else -1 - standby, inc, proc.pid)
+        if standby is None:
+            self.children[slot] = Child(slot, inc, proc, time.time())
+            self.ms.set_json(f"pid/{slot}/{inc}", {"pid": proc.pid, "node": self.node})
+        return proc
 
     def _reap(self) -> None:
         for slot, child in list(self.children.items()):
@@ -221,6 +262,8 @@ class Supervisor:
         self.command = self.args.command
         for slot in self.slots:
             self.spawn(slot, 0)
+        for _ in range(self.args.standby):
+            self.spawn_standby()
         last_kill_check = 0.0
         try:
             while True:
@@ -236,6 +279,10 @@ class Supervisor:
                     if abort:
                         self.log(f"training aborted: {abort}")
                         return 1
+                for child in list(self.standby):
+                    if child.proc.poll() is not None:  # a standby that died: start another
+                        self.standby.remove(child)
+                        self.spawn_standby()
                 if not self.children and not self.pending:
                     if self.ms.get_str("done") is not None:
                         return self._finish_node()
@@ -243,9 +290,10 @@ class Supervisor:
                     return 1
                 time.sleep(0.01)
         finally:
-            for child in self.children.values():
+            everyone = list(self.children.values()) + self.standby
+            for child in everyone:
                 _kill(child.proc.pid)
-            for child in self.children.values():
+            for child in everyone:
                 child.proc.wait()
             if self.coordinator is not None:
                 self.coordinator.stop()

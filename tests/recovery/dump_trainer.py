@@ -46,5 +46,18 @@ def finish(self, wall_s: float) -> None:
 
 pretrain_gpt.Trainer.finish = finish
 
+_train_step = pretrain_gpt.Trainer.train_step
+
+
+def train_step(self):
+    """``MECEFO_TEST_STEP_SLEEP`` seconds more per iteration: leaves a joiner time to start."""
+    import time
+
+    time.sleep(float(os.environ.get("MECEFO_TEST_STEP_SLEEP", "0")))
+    return _train_step(self)
+
+
+pretrain_gpt.Trainer.train_step = train_step
+
 if __name__ == "__main__":
     pretrain_gpt.main()
