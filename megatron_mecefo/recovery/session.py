@@ -75,6 +75,7 @@ class RecoverySession:
         self.slot = int(os.environ["MECEFO_RECOVERY_SLOT"])
         self.inc = int(os.environ.get("MECEFO_RECOVERY_INC", "0"))
         self.ms = MembershipStore.connect(config.store, config.init_timeout_s)
+        self.ms_watch = MembershipStore.connect(config.store, config.init_timeout_s)
         self.heartbeat = Heartbeat(
             config.store, self.slot, self.inc, config.heartbeat_interval_s
         ).start()
@@ -108,7 +109,7 @@ class RecoverySession:
         self.record_pending = False
         self.redone = False
         self.backend = "gloo" if args.device == "cpu" else "nccl"
-        self.aborter = build_aborter(self.backend)
+        self.aborter = build_aborter(self.backend, int(config.store.rsplit(":", 1)[1]))
         self.watchdog: Optional[GenerationWatchdog] = None
         self.rank = -1
 
@@ -266,7 +267,11 @@ class RecoverySession:
         self.times["built"] = time.time()
         self.record_pending = gen.number > 0
         self.watchdog = GenerationWatchdog(
-            self.ms.generation_number, gen.number, self.aborter, self.cfg.heartbeat_interval_s
+            self.ms_watch.generation_number,
+            gen.number,
+            self.aborter,
+            self.cfg.poll_interval_s * 5,
+            is_failure=lambda n: self.ms_watch.generation(n).at_iteration is None,
         ).start()
 
     def _check_replicas_identical(self, trainer: Any, dp_group: Any) -> None:
