@@ -3,7 +3,8 @@
 PHASE is one of :data:`PHASES`: ``forward`` (the first micro-batch's forward starts),
 ``backward`` (the first backward starts), ``grad-sync`` (the data-parallel gradient sync is
 about to start), ``optimizer`` (the commit vote passed, the update is about to run) or
-``between`` (after iteration ITERATION committed, before the next one starts). Any field may be
+``between`` (after iteration ITERATION committed, before the next one starts); and, for tests
+of a failure during a recovery, ``regroup`` and ``heal`` (:data:`RECOVERY_PHASES`). Any field may be
 ``?``: it is drawn from a ``random.Random(seed)``, so every rank draws the same kill. Each kill
 fires once per job (a replacement process of the same rank does not fire it again). An
 external ``kill -9`` is handled the same way.
@@ -18,7 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
-PHASES = ("forward", "backward", "grad-sync", "optimizer", "between")
+PHASES = ("forward", "backward", "grad-sync", "optimizer", "between", "regroup", "heal")
+RECOVERY_PHASES = ("regroup", "heal")
+"""Phases inside a recovery, for tests of a failure during a failure: ``regroup`` fires in a
+survivor that has just left a world whose iteration ITERATION (or later) failed, ``heal`` in a
+joiner about to receive its state at a rejoin at iteration ITERATION or later."""
 
 
 class KillSpecError(ValueError):
@@ -98,7 +103,8 @@ class KillInjector:
     def phase(self, name: str, iteration: int) -> None:
         """This rank reached ``name`` of ``iteration``: SIGKILL it if a kill says so."""
         for k in self.kills:
-            if k.iteration == iteration and k.phase == name and self.claim(k.key):
+            due = k.iteration <= iteration if name in RECOVERY_PHASES else k.iteration == iteration
+            if due and k.phase == name and self.claim(k.key):
                 if self.before_kill is not None:
                     self.before_kill(k, time.time())
                 os.kill(os.getpid(), signal.SIGKILL)

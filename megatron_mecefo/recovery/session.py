@@ -252,6 +252,8 @@ class RecoverySession:
             if any(needs):
                 src = next(r for r, need in zip(dp_ranks, needs) if not need)
                 receiving = needs[dp_ranks.index(dist.get_rank())]
+                if receiving:
+                    self.injector.phase("heal", target + 1)
                 state = None
                 if dist.get_rank() == src:
                     state = export_state(trainer, self.boundary or boundary_snapshot(trainer))
@@ -516,8 +518,11 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
                 f"> MeCeFO recovery: rank {session.slot} left generation {gen.number}: {error}",
                 flush=True,
             )
+        failed_iteration = trainer.iteration + 1 if trainer is not None else 0
         session.leave(trainer, planned=outcome == "planned")
         trainer = None
+        if outcome == "failed":
+            session.injector.phase("regroup", failed_iteration)
 
 
 def _warm_up() -> None:

@@ -286,6 +286,13 @@ class Supervisor:
                 if not self.children and not self.pending:
                     if self.ms.get_str("done") is not None:
                         return self._finish_node()
+                    deadline = time.monotonic() + self.cfg.heartbeat_timeout_s
+                    while time.monotonic() < deadline:  # the coordinator's verdict, if any
+                        abort = self._abort()
+                        if abort:
+                            self.log(f"training aborted: {abort}")
+                            return 1
+                        time.sleep(0.05)
                     self.log("every rank of this node has exited and training is not done")
                     return 1
                 time.sleep(0.01)
