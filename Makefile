@@ -10,7 +10,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo test test-all bench bench-long lint clean
+.PHONY: venv data demo demo-simulated test test-all bench bench-long lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -27,9 +27,29 @@ $(DATA).bin: $(VENV)/.installed
 
 data: $(DATA).bin
 
+# PP2 x DP4 on 8 CPU ranks over gloo, under the recovery supervisor: rank 3 is SIGKILLed in
+# its backward at iteration 40 and stays down (its replica is taken over, its live sibling
+# waits as a spare); rank 5 is SIGKILLed at the gradient sync of iteration 80 and replaced 5 s
+# later by a warm standby, which rejoins and is healed from a peer. The summary ends with the
+# recovery timeline. The simulated-failure demo is `make demo-simulated`.
+demo: data
+	$(PY) -m megatron_mecefo.recovery.supervisor --nproc-per-node=$(NPROC) \
+	    --replace after:5 --replace-ranks 5 --standby 1 --records results/demo/recovery.jsonl \
+	    -- examples/pretrain_gpt/pretrain_gpt.py \
+	    --pipeline-model-parallel-size 2 \
+	    --data-path $(DATA) --split 98,2,0 \
+	    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+	    --micro-batch-size 2 --global-batch-size 16 \
+	    --train-iters 150 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 \
+	    --log-interval 10 --eval-interval 50 --eval-iters 4 \
+	    --check-weight-hash-across-dp-replicas-interval 50 \
+	    --mecefo --mecefo-rank 32 \
+	    --mecefo-kill 3:40:backward --mecefo-kill 5:80:grad-sync \
+	    --metrics-file results/demo/metrics.jsonl
+
 # PP2 x DP4 on 8 CPU ranks over gloo, training through three simulated replica failures
 # (MeCeFO's neighbor policy; iterations 50-59 have two replicas down at once).
-demo: data
+demo-simulated: data
 	$(TORCHRUN) --nproc_per_node=$(NPROC) --master_port=29533 examples/pretrain_gpt/pretrain_gpt.py \
 	    --pipeline-model-parallel-size 2 \
 	    --data-path $(DATA) --split 98,2,0 \
@@ -80,4 +100,4 @@ lint: venv
 # results/ holds committed benchmark outputs (see .gitignore); only the run folders go.
 clean:
 	rm -rf $(VENV) data .pytest_cache results/demo results/degraded_throughput \
-	    results/convergence*/seed* results/convergence*/trace_*
+	    results/convergence*/seed* results/convergence*/trace_* results/recovery_latency

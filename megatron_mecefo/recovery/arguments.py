@@ -40,6 +40,12 @@ def validate(args: Any, world_size: int) -> Optional[str]:
             "the recovery supervisor trains through real failures with MeCeFO's takeover; "
             "add --mecefo (or launch with torchrun)"
         )
+    if supervised and getattr(args, "mecefo_grad_error_interval", 0):
+        return (
+            f"--mecefo-grad-error-interval={args.mecefo_grad_error_interval} computes the "
+            "failure-free gradient with every replica, which a real death removes; drop it "
+            "under the recovery supervisor"
+        )
     try:
         seed = args.mecefo_seed if args.mecefo_seed is not None else args.seed
         parse_kills(kills, world_size, args.train_iters, seed)

@@ -22,6 +22,7 @@ the next generation, which redoes the in-flight iteration under the takeover pla
 
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import os
@@ -53,6 +54,10 @@ class RegroupRequest(RuntimeError):
 
 class RecoveryAbort(SystemExit):
     """The job cannot continue in-process; the message has been printed."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        _EXIT["code"] = code
 
 
 DIST_OPT_MESSAGE = (
@@ -146,6 +151,7 @@ class RecoverySession:
                     return gen
                 after = number
                 self.valid = False  # a spare's state goes stale; it is healed on rejoin
+                self.carry = None
                 if self.cfg.orphan == "exit" and self.inc == 0 and number > 0:
                     print(
                         f"> MeCeFO recovery: rank {self.slot} left generation {number}: its "
@@ -228,9 +234,12 @@ class RecoverySession:
                     if bucket.gradient_scaling_factor != 1.0:  # 1.0: per-token loss
                         bucket.gradient_scaling_factor = 1.0 / n
         self.times["constructed"] = time.time()
+        # Trained state: the carry of the previous world, or a fresh start in the first one.
+        # The carry is kept until this world is established: if it fails before (e.g. a
+        # joiner dies during the heal), the next world imports it again.
+        self.valid = self.carry is not None or (gen.number == 0 and self.inc == 0)
         if self.carry is not None:
             import_state(trainer, self.carry)
-            self.carry = None
         # Agree on the state: the members with valid state at the highest iteration are the
         # sources; everyone else in their data-parallel group is healed from them.
         mine = (self.slot, self.valid, trainer.iteration if self.valid else -1)
@@ -261,6 +270,7 @@ class RecoverySession:
             self.times["healed"] = time.time()
             self._check_replicas_identical(trainer, dp_group)
         self.valid = True
+        self.carry = None
         self.boundary = boundary_snapshot(trainer)
         if self.schedule is not None and gen.number > 0:
             for line in self.schedule.apply_generation(gen.replicas, trainer.iteration + 1):
@@ -471,11 +481,16 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
             MECEFO_RECOVERY_INC=str(assigned["inc"]),
             RANK=str(assigned["slot"]),
         )
+    # Worlds left after a failure can leave gloo threads in leaked C++ objects, which abort
+    # ("terminate called without an active exception") when the interpreter tears them down
+    # at exit: end the process right after the Python-level exit handlers instead.
+    atexit.register(_exit_now)
+    sys.excepthook = _record_crash
     try:
         session = RecoverySession(args, config)
     except Exception as err:
         print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise RecoveryAbort(2) from None
     if session.inc > 0:
         _warm_up()  # a joiner imports before it says ready, not inside the switch window
     session.ms.mark_ready(session.slot, session.inc, {"pid": os.getpid(), "t": time.time()})
@@ -484,7 +499,7 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
         gen = session.wait_for_membership(after)
         if gen is None:
             print(f"> MeCeFO recovery: rank {session.slot}: training finished; exiting", flush=True)
-            raise SystemExit(0)
+            raise RecoveryAbort(0)
         after = gen.number
         session.times["membership"] = time.time()
         if not session.rendezvous(gen):
@@ -523,6 +538,23 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
         trainer = None
         if outcome == "failed":
             session.injector.phase("regroup", failed_iteration)
+
+
+_EXIT = {"code": 0}
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT["code"])
+
+
+def _record_crash(exc_type: Any, exc: Any, tb: Any, _hook: Any = sys.excepthook) -> None:
+    if isinstance(exc, SystemExit):
+        _EXIT["code"] = exc.code if isinstance(exc.code, int) else 1
+    else:
+        _EXIT["code"] = 1
+    _hook(exc_type, exc, tb)
 
 
 def _warm_up() -> None:

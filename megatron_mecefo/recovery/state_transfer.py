@@ -65,6 +65,9 @@ def import_state(trainer: Any, state: Dict[str, Any]) -> None:
     for chunk, sd in zip(trainer.model_chunks, state["model"], strict=True):
         chunk.load_state_dict(sd, strict=True)
     trainer.optimizer.load_state_dict(state["optimizer"])
+    # Megatron's OptimizerParamScheduler.load_state_dict *adds* the saved step count to its
+    # own (made for a fresh scheduler): start from zero, or a second import doubles the steps.
+    trainer.scheduler.num_steps = 0
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.iteration = state["iteration"]
     trainer.consumed_samples = state["consumed_samples"]
@@ -111,6 +114,8 @@ def state_digest(trainer: Any) -> str:
             h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     for t in _tensors(trainer.optimizer.state_dict()):
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    # The learning rate and weight decay the next step will use (the scheduler's state).
+    h.update(repr([(g["lr"], g.get("weight_decay")) for g in trainer.optimizer.param_groups]).encode())
     return h.hexdigest()
 
 

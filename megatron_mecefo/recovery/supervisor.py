@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join-margin", type=int, default=d.join_margin_iterations)
     p.add_argument("--records", default=None, help="JSONL file for the recovery records")
     p.add_argument("--max-replacements", type=int, default=8, help="per slot")
+    p.add_argument(
+        "--replace-ranks",
+        default=None,
+        metavar="R1,R2,...",
+        help="only these (original) ranks get replacements; default: every rank",
+    )
     p.add_argument("--pid-file", default=None, help="append 'SLOT INCARNATION PID' per rank")
     p.add_argument(
         "--standby",
@@ -141,6 +147,16 @@ class Supervisor:
         else:
             self.cfg.store = a.store
         self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+        # For trainers without MeCeFO's session (e.g. Megatron-LM's pretrain_gpt.py): a
+        # torchrun-style env:// rendezvous on a second store of node 0 (agent-store mode).
+        if self.node == 0:
+            self.rdzv = dist.TCPStore(a.store_host, 0, None, is_master=True,
+                                      wait_for_workers=False)  # fmt: skip
+            self.ms.store.set("rdzv", f"{a.store_host}:{self.rdzv.port}")
+        deadline = time.monotonic() + self.cfg.init_timeout_s
+        while (rdzv := self.ms.get_str("rdzv")) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.rdzv_address = rdzv or "127.0.0.1:0"
         if self.node == 0:
             from megatron_mecefo.recovery.coordinator import Coordinator
 
@@ -189,8 +205,9 @@ class Supervisor:
             WORLD_SIZE=str(self.world_size),
             LOCAL_RANK=str(slot - self.slots[0]),
             LOCAL_WORLD_SIZE=str(len(self.slots)),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT="0",
+            MASTER_ADDR=self.rdzv_address.rsplit(":", 1)[0],
+            MASTER_PORT=self.rdzv_address.rsplit(":", 1)[1],
+            TORCHELASTIC_USE_AGENT_STORE="True",
             MECEFO_RECOVERY_SLOT=str(slot),
             MECEFO_RECOVERY_INC=str(inc),
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
@@ -227,11 +244,24 @@ class Supervisor:
                 continue  # a normal exit
             self.ms.report_dead(slot, child.inc, info)
             why = info["signal"] or f"exit code {code}"
+            if self.ms.get_str("layout") is None and self.ms.get_str("fatal") is None:
+                # No rank runs megatron_mecefo.recovery.session: nothing can regroup.
+                self.ms.store.set(
+                    "fatal",
+                    f"rank {slot} (pid {child.proc.pid}) died: {why}. This trainer does not "
+                    "run MeCeFO's in-process recovery (megatron_mecefo.recovery.session; "
+                    "Megatron-LM's pretrain_gpt.py does not), so every rank is stopped now "
+                    "instead of hanging until the collective timeout. Resume from the last "
+                    "checkpoint: relaunch with --load <your --save directory>",
+                )
+                return
             self.log(
                 f"rank {slot} (pid {child.proc.pid}, incarnation {child.inc}) died: {why}; "
                 "reported to the membership store"
             )
             delay = self.replacement.delay_s(slot)
+            if self.args.replace_ranks and slot not in self.args.replace_ranks:
+                delay = None
             if delay is not None and not finished and self._abort() is None:
                 if self.replacements[slot] < self.args.max_replacements:
                     self.replacements[slot] += 1
@@ -335,6 +365,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         command = command[1:]
     args.command = command
     try:
+        if args.replace_ranks:
+            try:
+                args.replace_ranks = {int(r) for r in args.replace_ranks.split(",")}
+            except ValueError:
+                raise RecoveryConfigError(
+                    f"--replace-ranks={args.replace_ranks}: expected comma-separated ranks"
+                ) from None
         if not command:
             raise RecoveryConfigError("no command: add -- script.py [args] after the flags")
         if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:

@@ -239,3 +239,26 @@ def test_no_failure_bit_identical_to_torchrun(tmp_path: Path) -> None:
     for slot in real:
         for name, value in real[slot]["params"].items():
             assert value.equal(plain[slot]["params"][name]), name
+
+
+def test_trainer_without_session_stops_with_one_message(tmp_path: Path) -> None:
+    """A trainer that cannot regroup (Megatron-LM's pretrain_gpt.py): it rendezvous through
+    the supervisor like under torchrun; a death stops every rank at once with one message."""
+    import subprocess
+    import sys
+
+    from harness import REPO, TIMEOUTS, env
+
+    cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor", "--nproc-per-node", "2",
+           *TIMEOUTS, "--", str(REPO / "tests" / "recovery" / "legacy_worker.py")]  # fmt: skip
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, out
+    assert out.count("does not run MeCeFO's in-process recovery") == 1, out
+    assert "--load" in out and time.time() - t0 < 100
