@@ -115,7 +115,9 @@ def kill_run(out: Path, layout: str, phase: str, kills: int, spacing: int, data:
         rc = _run(cmd, run_dir / "log.txt", timeout=60 + iters * 6)
     finally:
         _kill_pids(pid_file)
-    recs = [json.loads(line) for line in records.read_text().splitlines()] if records.exists() else []
+    recs = (
+        [json.loads(line) for line in records.read_text().splitlines()] if records.exists() else []
+    )
     return {"layout": layout, "phase": phase, "rc": rc, "kills_requested": kills,
             "train_iters": iters, "wall_s": round(time.time() - t0, 1), "records": recs}  # fmt: skip
 
@@ -207,7 +209,11 @@ def main() -> None:
                   f"{a.kills_per_phase}, kill->redone p50 {s['total_s'].get('p50')} s max "
                   f"{s['total_s'].get('max')} s; rejoin p50 {s['rejoin_s'].get('p50')} s "
                   f"(rc {run['rc']}, {run['wall_s']} s)", flush=True)  # fmt: skip
-    over = overhead(out, a.overhead_repeats, a.overhead_iters, a.data_path) if a.overhead_repeats else None
+    over = (
+        overhead(out, a.overhead_repeats, a.overhead_iters, a.data_path)
+        if a.overhead_repeats
+        else None
+    )
     result = {
         "benchmark": "recovery_latency",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -221,8 +227,10 @@ def main() -> None:
     }
     Path(a.output).write_text(json.dumps(result, indent=1))
     if over:
-        print(f"armed supervisor, no failure (DP4): step {over['plain_mean_s']:.4f} s plain vs "
-              f"{over['supervised_mean_s']:.4f} s supervised ({over['overhead_pct']:+.2f}%)")
+        print(
+            f"armed supervisor, no failure (DP4): step {over['plain_mean_s']:.4f} s plain vs "
+            f"{over['supervised_mean_s']:.4f} s supervised ({over['overhead_pct']:+.2f}%)"
+        )
     print(f"recovery_latency: wrote {a.output}")
 
 

@@ -72,12 +72,17 @@ class WorldAborter:
                 and all(isinstance(v, dist.ProcessGroup) for v in value)
             ):
                 setattr(ps, name, None)
+        import time
+
+        t_pg = time.time()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:
                 pass
+        t0 = time.time()
         gc.collect()  # close the sockets now: this releases the peers still blocked
+        self.last_split = {"destroy_pg": t0 - t_pg, "gc": time.time() - t0}
 
 
 class GlooRelease(WorldAborter):

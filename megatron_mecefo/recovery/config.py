@@ -71,7 +71,7 @@ class RecoveryConfig:
                 f"--heartbeat-interval={self.heartbeat_interval_s} and the poll interval "
                 f"({self.poll_interval_s}) must be positive"
             )
-        for (name_a, a), (name_b, b) in zip(chain, chain[1:]):
+        for (name_a, a), (name_b, b) in zip(chain, chain[1:], strict=False):
             if not a < b:
                 raise RecoveryConfigError(
                     f"{name_a}={a} must be below {name_b}={b}: the timeouts must grow "

@@ -68,13 +68,25 @@ def build_record(
     }
     built, done = latest("built"), latest("done")
     # Where the regroup time goes: the slowest member's duration of each step.
-    steps = [("release", "left", "released"), ("membership", "released", "membership"),
-             ("rendezvous", "membership", "arrived"), ("init_world", "arrived", "world"),
-             ("build", "world", "constructed"), ("restore", "constructed", "built")]  # fmt: skip
+    steps = [
+        ("release", "left", "released"),
+        ("release.export", "left", "exported"),
+        ("release.drop", "exported", "dropped"),
+        ("release.destroy", "dropped", "released"),
+        ("membership", "released", "membership"),
+        ("rendezvous", "membership", "arrived"),
+        ("init_world", "arrived", "world"),
+        ("build", "world", "constructed"),
+        ("restore", "constructed", "built"),
+    ]
+    for key in ("destroy_pg", "gc"):
+        vals = [t[key] for t in times.values() if key in t]
+        if vals:
+            rec.setdefault("release_split_s", {})[key] = round(max(vals), 4)
     rec["regroup_steps_s"] = {
-        name: round(max(t[b] - t[a] for t in times.values()), 4)
+        name: round(max(t[b] - t[a] for t in times.values() if t.get(a) and t.get(b)), 4)
         for name, a, b in steps
-        if all(t.get(a) and t.get(b) for t in times.values()) and times
+        if any(t.get(a) and t.get(b) for t in times.values())
     }
     if planned:
         left = earliest("left")

@@ -115,7 +115,9 @@ def state_digest(trainer: Any) -> str:
     for t in _tensors(trainer.optimizer.state_dict()):
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     # The learning rate and weight decay the next step will use (the scheduler's state).
-    h.update(repr([(g["lr"], g.get("weight_decay")) for g in trainer.optimizer.param_groups]).encode())
+    h.update(
+        repr([(g["lr"], g.get("weight_decay")) for g in trainer.optimizer.param_groups]).encode()
+    )
     return h.hexdigest()
 
 

@@ -41,8 +41,15 @@ def env(**extra: str) -> Dict[str, str]:
 class Job:
     """One supervised training job (one supervisor per node), ended by PID in :meth:`stop`."""
 
-    def __init__(self, workdir: Path, nproc: int, trainer_args: List[str], nnodes: int = 1,
-                 supervisor_args: Optional[List[str]] = None, **extra_env: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        workdir: Path,
+        nproc: int,
+        trainer_args: List[str],
+        nnodes: int = 1,
+        supervisor_args: Optional[List[str]] = None,
+        **extra_env: str,
+    ) -> None:
         self.workdir = workdir
         self.nproc, self.nnodes = nproc, nnodes
         self.trainer_args = trainer_args
@@ -118,9 +125,9 @@ class Job:
                 except ProcessLookupError:
                     pass
         for pid in self.rank_pids().values():
-            for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, 9)):
+            for kill, target in ((os.killpg, pid), (os.kill, pid)):
                 try:
-                    kill()
+                    kill(target, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
         for p in self.procs:

@@ -58,8 +58,12 @@ def test_kill_specs_are_checked_and_seeded() -> None:
     drawn = parse_kills(["?:?:?"] * 3, 8, 50, seed=7)
     assert drawn == parse_kills(["?:?:?"] * 3, 8, 50, seed=7)  # every rank draws the same
     assert drawn != parse_kills(["?:?:?"] * 3, 8, 50, seed=8)
-    for bad, match in [("4:5:forward", "rank 4 does not exist"), ("1:99:forward", "outside"),
-                       ("1:5:sideways", "PHASE must be"), ("1:5", "RANK:ITERATION:PHASE")]:
+    for bad, match in [
+        ("4:5:forward", "rank 4 does not exist"),
+        ("1:99:forward", "outside"),
+        ("1:5:sideways", "PHASE must be"),
+        ("1:5", "RANK:ITERATION:PHASE"),
+    ]:
         with pytest.raises(KillSpecError, match=match):  # fmt: skip
             parse_kills([bad], 4, 10, seed=1)
 

@@ -57,16 +57,16 @@ def _kill_and_compare(
     args = _layout(tp, pp, dp, iters, gbs) + ["--optimizer", "sgd", "--lr", "0.05"]
     extra = {"MECEFO_TEST_STEP_SLEEP": "0.2"} if replace else {}
     sup = ["--replace", "after:2", "--standby", "1"] if replace else []
-    job = Job(tmp_path / "real", tp * pp * dp, args + ["--mecefo-kill", f"{rank}:{iteration}:{phase}",
-              "--check-weight-hash-across-dp-replicas-interval", "1"], supervisor_args=sup,
-              **extra)  # fmt: skip
+    kill = ["--mecefo-kill", f"{rank}:{iteration}:{phase}"]
+    check = ["--check-weight-hash-across-dp-replicas-interval", "1"]
+    job = Job(tmp_path / "real", tp * pp * dp, args + kill + check, supervisor_args=sup, **extra)
     try:
         assert job.start().wait() == [0], job.log()[-5000:]
     finally:
         job.stop()
     log = job.log()
     assert "died: SIGKILL" in log
-    (failure, *rest) = job.records_of("recovery")
+    failure, *rest = job.records_of("recovery")
     replica = (rank // tp) % dp
     first = failure["iteration"]
     # The in-flight iteration is redone (a kill after the commit vote redoes the next one).
@@ -252,8 +252,15 @@ def test_trainer_without_session_stops_with_one_message(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor", "--nproc-per-node", "2",
            *TIMEOUTS, "--", str(REPO / "tests" / "recovery" / "legacy_worker.py")]  # fmt: skip
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=120)
     finally:
