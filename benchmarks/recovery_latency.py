@@ -115,9 +115,9 @@ def kill_run(out: Path, layout: str, phase: str, kills: int, spacing: int, data:
         rc = _run(cmd, run_dir / "log.txt", timeout=60 + iters * 6)
     finally:
         _kill_pids(pid_file)
-    recs = (
-        [json.loads(line) for line in records.read_text().splitlines()] if records.exists() else []
-    )
+    recs = []
+    if records.exists():
+        recs = [json.loads(line) for line in records.read_text().splitlines()]
     return {"layout": layout, "phase": phase, "rc": rc, "kills_requested": kills,
             "train_iters": iters, "wall_s": round(time.time() - t0, 1), "records": recs}  # fmt: skip
 
