@@ -118,8 +118,15 @@ def kill_run(out: Path, layout: str, phase: str, kills: int, spacing: int, data:
     recs = []
     if records.exists():
         recs = [json.loads(line) for line in records.read_text().splitlines()]
-    return {"layout": layout, "phase": phase, "rc": rc, "kills_requested": kills,
-            "train_iters": iters, "wall_s": round(time.time() - t0, 1), "records": recs}  # fmt: skip
+    return {
+        "layout": layout,
+        "phase": phase,
+        "rc": rc,
+        "kills_requested": kills,
+        "train_iters": iters,
+        "wall_s": round(time.time() - t0, 1),
+        "records": recs,
+    }
 
 
 def step_time(metrics: Path) -> float:
