@@ -164,8 +164,22 @@ def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
         "layout": "dp4", "train_iters": iters, "repeats": repeats,
         "plain_step_s": plain, "supervised_step_s": supervised,
         "plain_mean_s": statistics.mean(plain), "supervised_mean_s": statistics.mean(supervised),
-        "overhead_pct": 100 * (statistics.mean(supervised) / statistics.mean(plain) - 1),
+        "plain_median_s": statistics.median(plain),
+        "supervised_median_s": statistics.median(supervised),
+        "overhead_pct": 100 * (statistics.median(supervised) / statistics.median(plain) - 1),
+        "run_to_run_spread_pct": 100 * (max(plain) - min(plain)) / statistics.median(plain),
+        "vote_line": _vote_line(out, repeats),
     }  # fmt: skip
+
+
+def _vote_line(out: Path, repeats: int) -> List[str]:
+    """The supervised runs' 'commit vote' summary rows (p50/max ms per iteration)."""
+    lines = []
+    for i in range(repeats):
+        log = out / f"overhead_supervised_{i}.log"
+        if log.exists():
+            lines += [ln.strip() for ln in log.read_text().splitlines() if "commit vote" in ln]
+    return lines
 
 
 def _stats(values: List[float]) -> Dict[str, Any]:
@@ -207,8 +221,8 @@ def main() -> None:
     out = Path(a.workdir)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
-    for layout in a.layouts.split(","):
-        for phase in a.phases.split(","):
+    for layout in filter(None, a.layouts.split(",")):
+        for phase in filter(None, a.phases.split(",")):
             run = kill_run(out, layout, phase, a.kills_per_phase, a.spacing, a.data_path)
             runs.append(run)
             s = summarize([run])[f"{layout}/{phase}"]

@@ -176,6 +176,8 @@ class GenerationWatchdog:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.fired: Optional[int] = None
+        self.latest = generation
+        """The store's generation number at the last poll."""
         self.thread = threading.Thread(target=self._run, name="mecefo-watchdog", daemon=True)
 
     def start(self) -> GenerationWatchdog:
@@ -186,6 +188,7 @@ class GenerationWatchdog:
         while not self._stop.wait(self.interval_s):
             try:
                 now = self.current()
+                self.latest = now
                 if now == self.generation or not self.is_failure(now):
                     continue
             except Exception:
@@ -195,7 +198,11 @@ class GenerationWatchdog:
                     return
                 self.fired = now
                 self.aborter.abort()
-            return
+            while not self._stop.wait(self.interval_s):  # keep ``latest`` fresh
+                try:
+                    self.latest = self.current()
+                except Exception:
+                    return
 
     def stop(self) -> None:
         """After this returns the watchdog never aborts (it may be mid-abort until then)."""

@@ -11,8 +11,10 @@ same samples, under the takeover plan.
 
 from __future__ import annotations
 
-import time
+from datetime import timedelta
 from typing import Sequence
+
+from torch.distributed import DistStoreError
 
 from megatron_mecefo.recovery.membership import MembershipStore
 
@@ -31,25 +33,28 @@ def vote(
     members: Sequence[int],
     poll_interval_s: float,
 ) -> bool:
-    """Vote for ``iteration`` in ``generation``; True when the step may be applied."""
-    prefix = f"vote/{generation}/{iteration}/"
-    ms.store.set(prefix + str(slot), "1")
-    keys = [prefix + str(s) for s in members]
+    """Vote for ``iteration`` in ``generation``; True when the step may be applied.
+
+    The members count their votes with one atomic ``add``; the one that completes the count
+    writes the commit. Everyone blocks in ``wait`` on the decision key (woken by the store the
+    moment it is written, no polling); every ``poll_interval_s * 50`` it looks whether a
+    failure generation has superseded this one, and then writes the abort. ``compare_set``
+    keeps the first decision written, so all members apply the same one.
+    """
     decision_key = f"decision/{generation}/{iteration}"
-    mine = None
-    sleep = poll_interval_s / 10
-    while mine is None:
-        if ms.store.check(keys):
-            mine = COMMIT
-        elif ms.store.check([decision_key]):
-            mine = ms.store.get(decision_key).decode()
-        elif _superseded(ms, generation, iteration):
-            mine = ABORT
-        else:
-            time.sleep(sleep)
-            sleep = min(2 * sleep, poll_interval_s)  # most votes land within a millisecond
-    agreed = ms.store.compare_set(decision_key, "", mine).decode()
-    return agreed == COMMIT
+    count = int(ms.store.add(f"votes/{generation}/{iteration}", 1))
+    if count == len(members):
+        ms.store.compare_set(decision_key, "", COMMIT)
+    wait = timedelta(seconds=max(poll_interval_s * 50, 0.05))
+    while True:
+        try:
+            ms.store.wait([decision_key], wait)
+            break
+        except DistStoreError:  # no decision yet: has a member died meanwhile?
+            if _superseded(ms, generation, iteration):
+                ms.store.compare_set(decision_key, "", ABORT)
+                break
+    return ms.store.get(decision_key).decode() == COMMIT
 
 
 def _superseded(ms: MembershipStore, generation: int, iteration: int) -> bool:

@@ -52,6 +52,9 @@ class Coordinator:
         self._kill_requested: Dict[Tuple[int, int], float] = {}
         self._errors_seen: Dict[int, float] = {}
         self.gen: Optional[Generation] = None
+        self._layout: Optional[JobLayout] = None
+        self._pending = False
+        """Re-decide on every poll (an error waiting for its timeout, a rejoin for progress)."""
         self._stop = threading.Event()
         self.thread: Optional[threading.Thread] = None
 
@@ -74,21 +77,26 @@ class Coordinator:
             self.thread.join(timeout=5)
 
     def _run(self) -> None:
+        # Cheap when nothing happens (one store round trip per poll: the events counter), so
+        # the store's server thread takes little CPU from the ranks.
         last_events = -1
         last_hb = 0.0
         while not self._stop.is_set():
             try:
-                if self.ms.get_str("done") is not None:
-                    return
                 events = self.ms.events()
-                if events != last_events:
+                now = time.monotonic()
+                changed = events != last_events
+                if changed:
                     last_events = events
                     self._rescan()
-                now = time.monotonic()
                 if now - last_hb >= self.cfg.heartbeat_interval_s:
                     last_hb = now
+                    if self.ms.get_str("done") is not None:
+                        return
                     self._check_heartbeats(now)
-                self._decide()
+                    changed = True
+                if changed or self._pending:
+                    self._decide()
                 if self.gen is not None and self.gen.abort:
                     return
             except Exception as err:  # the store went away: the job is over
@@ -99,8 +107,10 @@ class Coordinator:
 
     # ------------------------------------------------------------------ observation
     def layout(self) -> Optional[JobLayout]:
-        d = self.ms.get_json("layout")
-        return None if d is None else JobLayout(**d)
+        if self._layout is None:
+            d = self.ms.get_json("layout")
+            self._layout = None if d is None else JobLayout(**d)
+        return self._layout
 
     def _rescan(self) -> None:
         for slot in range(self.world_size):
@@ -161,6 +171,7 @@ class Coordinator:
     def _decide(self) -> None:
         gen = self.gen
         assert gen is not None
+        self._pending = False
         layout = self.layout()
         if layout is None:
             return  # the ranks have not started yet
@@ -173,6 +184,8 @@ class Coordinator:
             lost = [s for s, i in gen.members.items() if (s, i) in self.dead]
             self._publish_change(layout, alive, lost, planned=False, reason="death")
             return
+        if gen.number in self._errors_seen:
+            self._pending = True
         if self._error_without_death(gen):
             self._publish_change(layout, alive, [], planned=False, reason="collective error")
             return
@@ -182,6 +195,7 @@ class Coordinator:
         if gen.number > 0 and set(replicas) - set(gen.replicas):
             progress = self.ms.get_str("progress")
             if progress is None:
+                self._pending = True
                 return
             self._publish_change(layout, ready_alive, [], planned=True, reason="rejoin")
 

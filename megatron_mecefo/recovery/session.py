@@ -113,6 +113,8 @@ class RecoverySession:
         self.times: Dict[str, float] = {}
         self.record_pending = False
         self.redone = False
+        self.vote_s: List[float] = []
+        """Seconds each commit vote took (the per-iteration cost of the supervisor)."""
         self.backend = "gloo" if args.device == "cpu" else "nccl"
         self.aborter = build_aborter(self.backend, int(config.store.rsplit(":", 1)[1]))
         self.watchdog: Optional[GenerationWatchdog] = None
@@ -340,6 +342,7 @@ class RecoverySession:
         def step_after_commit(*a: Any, **k: Any) -> Any:
             iteration = trainer.iteration + 1
             gen = session.gen
+            t_vote = time.perf_counter()
             if not vote(
                 session.ms,
                 gen.number,
@@ -349,6 +352,7 @@ class RecoverySession:
                 session.cfg.poll_interval_s,
             ):
                 raise StepAborted(f"iteration {iteration}: not every member finished its sync")
+            session.vote_s.append(time.perf_counter() - t_vote)
             session.injector.phase("optimizer", iteration)
             return optimizer_step(*a, **k)
 
@@ -367,7 +371,9 @@ class RecoverySession:
     def at_boundary(self, trainer: Any) -> None:
         """At the end of an iteration (after logging, eval, save): the generation check."""
         it = trainer.iteration
-        number = self.ms.generation_number()
+        # The watchdog thread polls the generation; a planned switch is announced several
+        # iterations ahead, so its cached value is recent enough (no store round trip here).
+        number = self.watchdog.latest if self.watchdog is not None else self.generation
         if number != self.generation:
             gen = self.ms.generation(number)
             if gen.at_iteration is None or it + 1 >= gen.at_iteration:
@@ -415,12 +421,22 @@ class RecoverySession:
         return inc
 
     def summary_rows(self) -> List[tuple]:
+        rows = []
+        if self.vote_s:
+            votes = sorted(self.vote_s)
+            rows.append(
+                (
+                    "commit vote",
+                    f"p50 {1000 * votes[len(votes) // 2]:.1f} ms, max {1000 * votes[-1]:.1f} ms"
+                    f" per iteration ({len(votes)} votes on rank 0)",
+                )
+            )
         records = []
         for g in range(1, self.generation + 1):
             r = self.ms.get_json(f"record/{g}")
             if r:
                 records.append(r)
-        return rec_mod.summary_rows(records)
+        return rows + rec_mod.summary_rows(records)
 
     # ------------------------------------------------------------------ leaving a world
     def leave(self, trainer: Any, planned: bool) -> None:
