@@ -224,9 +224,10 @@ class Coordinator:
             at = int(self.ms.get_str("progress") or 0) + self.cfg.join_margin_iterations
         abort = None
         if not replicas:
-            dead = sorted(s for s in range(self.world_size) if (s, self.inc[s]) in self.dead)
+            dead = sorted(set(range(self.world_size)) - set(alive))
             abort = (
-                f"every data-parallel replica has lost a rank (dead ranks {dead}); "
+                f"every data-parallel replica has lost a rank (ranks without a live process: "
+                f"{dead}); "
                 "MeCeFO has no replica left to take over from, so training stops. Resume from "
                 "the last checkpoint (--load), or run with more replicas"
             )
