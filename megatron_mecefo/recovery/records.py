@@ -68,6 +68,8 @@ def build_record(
     }
     built, done = latest("built"), latest("done")
     # Where the regroup time goes: the slowest member's duration of each step.
+    if planned:  # the joiners' waiting as spares is not part of the switch
+        times = {s: t for s, t in times.items() if s not in set(generation.joined)} or times
     steps = [
         ("release", "left", "released"),
         ("release.export", "left", "exported"),
@@ -89,7 +91,11 @@ def build_record(
         if any(t.get(a) and t.get(b) for t in times.values())
     }
     if planned:
-        left = earliest("left")
+        # The switch starts when the state holders leave at the boundary; a spare (a dead
+        # rank's sibling) "left" when its replica failed, long before.
+        joined = set(generation.joined)
+        lefts = [t["left"] for s, t in times.items() if t.get("left") and s not in joined]
+        left = min(lefts) if lefts else earliest("left")
         heals = [t["healed"] - t["constructed"] for t in times.values() if t.get("healed")]
         rec["heal_s"] = round(max(heals), 4) if heals else 0.0
         rec["regroup_s"] = _diff(built, left)
