@@ -10,7 +10,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo demo-abft test test-all bench bench-long lint clean
+.PHONY: venv data demo demo-simulated demo-abft test test-all bench bench-long lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -27,16 +27,40 @@ $(DATA).bin: $(VENV)/.installed
 
 data: $(DATA).bin
 
+# PP2 x DP4 on 8 CPU ranks over gloo, under the recovery supervisor: rank 3 is SIGKILLed in
+# its backward at iteration 40 and stays down (its replica is taken over, its live sibling
+# waits as a spare); rank 5 is SIGKILLed at the gradient sync of iteration 80 and replaced 5 s
+# later by a warm standby, which rejoins and is healed from a peer. The summary ends with the
+# recovery timeline. NPROC: an even number >= 6 (ranks 3 and 5 sit in different replicas);
+# the global batch is 2 micro-batches x 2 x DP. The simulated-failure demo is
+# `make demo-simulated`.
+DEMO_DP = $(shell expr $(NPROC) / 2)
+demo: data
+	@if [ $$(( $(NPROC) % 2 )) -ne 0 ] || [ $(NPROC) -lt 6 ]; then \
+	    echo "make demo: NPROC=$(NPROC): use an even number >= 6 (PP2 x DP>=3; ranks 3 and 5 are killed)"; exit 2; fi
+	$(PY) -m megatron_mecefo.recovery.supervisor --nproc-per-node=$(NPROC) \
+	    --replace after:5 --replace-ranks 5 --standby 1 --records results/demo/recovery.jsonl \
+	    -- examples/pretrain_gpt/pretrain_gpt.py \
+	    --pipeline-model-parallel-size 2 \
+	    --data-path $(DATA) --split 98,2,0 \
+	    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+	    --micro-batch-size 2 --global-batch-size $(shell expr 4 \* $(DEMO_DP)) \
+	    --train-iters 150 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 \
+	    --log-interval 10 --eval-interval 50 --eval-iters 4 \
+	    --check-weight-hash-across-dp-replicas-interval 50 \
+	    --mecefo --mecefo-rank 32 \
+	    --mecefo-kill 3:40:backward --mecefo-kill 5:80:grad-sync \
+	    --metrics-file results/demo/metrics.jsonl
+
 # PP2 x DP4 on 8 CPU ranks over gloo, training through three simulated replica failures
 # (MeCeFO's neighbor policy; iterations 50-59 have two replicas down at once). The failures
 # follow NPROC (an even number >= 4; DP = NPROC/2): replica 1 always, replica 2 from DP3,
 # replica 3 from DP4; the global batch is 2 micro-batches x 2 x DP.
-DEMO_DP = $(shell expr $(NPROC) / 2)
 DEMO_FAILS = --mecefo-fail 1:30:70 $(if $(filter-out 2,$(DEMO_DP)),--mecefo-fail 2:100:120) \
 	$(if $(filter-out 2 3,$(DEMO_DP)),--mecefo-fail 3:50:60)
-demo: data
+demo-simulated: data
 	@if [ $$(( $(NPROC) % 2 )) -ne 0 ] || [ $(NPROC) -lt 4 ]; then \
-	    echo "make demo: NPROC=$(NPROC): use an even number >= 4 (PP2 x DP>=2)"; exit 2; fi
+	    echo "make demo-simulated: NPROC=$(NPROC): use an even number >= 4 (PP2 x DP>=2)"; exit 2; fi
 	$(TORCHRUN) --nproc_per_node=$(NPROC) --master_port=29533 examples/pretrain_gpt/pretrain_gpt.py \
 	    --pipeline-model-parallel-size 2 \
 	    --data-path $(DATA) --split 98,2,0 \
@@ -93,4 +117,4 @@ lint: venv
 # results/ holds committed benchmark outputs (see .gitignore); only the run folders go.
 clean:
 	rm -rf $(VENV) data .pytest_cache results/demo results/demo_abft results/degraded_throughput \
-	    results/convergence*/seed* results/convergence*/trace_*
+	    results/convergence*/seed* results/convergence*/trace_* results/recovery_latency

@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_mecefo.megatron_lm.arguments import add_arguments
 
     add_arguments(p)  # --mecefo, --mecefo-*
+    from megatron_mecefo.recovery.arguments import add_arguments as add_recovery_arguments
+
+    add_recovery_arguments(p)  # --mecefo-kill (real deaths, under the recovery supervisor)
     return p
 
 
@@ -376,6 +379,11 @@ def _validate_mecefo(args: argparse.Namespace) -> None:
         raise ConfigError(str(err)) from None
     for line in warnings:
         warn(line)
+    from megatron_mecefo.recovery.arguments import validate as validate_recovery
+
+    problem = validate_recovery(args, args.world_size)
+    if problem:
+        raise ConfigError(problem)
 
 
 def warn(message: str) -> None:

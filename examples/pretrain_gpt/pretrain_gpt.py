@@ -29,8 +29,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     t_start = time.perf_counter()
     device = _select_device(args)
-    trainer = Trainer(args, device)
-    trainer.train()
+    if os.environ.get("MECEFO_RECOVERY"):  # under megatron_mecefo.recovery.supervisor
+        from megatron_mecefo.recovery.session import run_recoverable
+
+        trainer = run_recoverable(args, lambda session: Trainer(args, device, session))
+    else:
+        trainer = Trainer(args, device)
+        trainer.train()
     trainer.finish(time.perf_counter() - t_start)
 
 
@@ -62,12 +67,13 @@ def _fail(message: str) -> None:
 class Trainer:
     """One training run: distributed setup, model, optimizer, data, loop, eval, checkpoints."""
 
-    def __init__(self, args: Any, device: Any) -> None:
+    def __init__(self, args: Any, device: Any, recovery: Any = None) -> None:
         import torch
         import torch.distributed as dist
 
         self.args = args
         self.device = device
+        self.recovery = recovery  # a megatron_mecefo.recovery RecoverySession, or None
         if device.type == "cpu":
             from megatron_mecefo.runtime import quiet_cpu_warnings
 
@@ -115,11 +121,14 @@ class Trainer:
         self.metrics_file = None
         if self.rank == 0 and args.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-            self.metrics_file = open(args.metrics_file, "a" if args.load else "w")
+            mode = "a" if args.load else recovery.metrics_mode() if recovery else "w"
+            self.metrics_file = open(args.metrics_file, mode)
         self.tb = self._tensorboard()
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
         self.saved: list[int] = []
+        if recovery is not None:  # restore or heal the state, hook the commit vote
+            recovery.on_built(self)
 
     # ------------------------------------------------------------------ setup
     def _init_parallel_state(self) -> None:
@@ -131,9 +140,13 @@ class Trainer:
             tensor_model_parallel_size=a.tensor_model_parallel_size,
             pipeline_model_parallel_size=a.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
-            # Every DP/TP/PP/CP group gets the same timeout as the default group; megatron-core
-            # would give them its own 30 minutes.
-            distributed_timeout_minutes=self.timeout_min,
+            # Every DP/TP/PP/CP group gets the same timeout as the default group (megatron-core
+            # would give them its own 30 minutes); under the supervisor, the recovery backstop.
+            **(
+                self.recovery.parallel_state_kwargs()
+                if self.recovery
+                else {"distributed_timeout_minutes": self.timeout_min}
+            ),
         )
         tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
 
@@ -317,6 +330,8 @@ class Trainer:
         )
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
+        if self.recovery is not None:  # the original replica index and count, not the world's
+            self.dp_rank, self.dp_size = self.recovery.replica_layout()
         if a.log_rank_cpu_time:  # which replica each global rank's CPU time belongs to
             import torch.distributed as dist
 
@@ -356,8 +371,11 @@ class Trainer:
         a, ft = self.args, self.args.mecefo_config
         state = MecefoState(ft.techniques)
         apply_mecefo(self.model_chunks, state)
+        schedule = ft.build_schedule(self.dp_size, a.train_iters)
+        if self.recovery is not None:  # plus the real failures, from membership
+            schedule = self.recovery.wrap_schedule(schedule)
         controller = MecefoController(
-            schedule=ft.build_schedule(self.dp_size, a.train_iters),
+            schedule=schedule,
             policy=build_policy(ft.policy, ft.techniques.skip_attention),
             state=state,
             replica=self.dp_rank,
@@ -592,6 +610,8 @@ class Trainer:
             self.history.append(record)
             window.append(record)
             self._emit(record)
+            if self.recovery is not None:  # boundary snapshot of RNG and counters
+                self.recovery.committed(self)
             if self.iteration % a.log_interval == 0 or self.iteration == a.train_iters:
                 self._log_window(window)
                 window = []
@@ -604,6 +624,8 @@ class Trainer:
                 self._save()
             if a.exit_interval and self.iteration % a.exit_interval == 0:
                 break
+            if self.recovery is not None:  # snapshot; a planned regroup switches here
+                self.recovery.at_boundary(self)
         if a.eval_iters > 0 and (not self.evals or self.evals[-1]["iteration"] != self.iteration):
             self._log_eval(self.evaluate())
         if a.save and self.saved[-1:] != [self.iteration]:
@@ -622,7 +644,7 @@ class Trainer:
             for _, param in sorted(chunk.named_parameters()):
                 digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy())
         mine = torch.tensor(list(digest.digest()), dtype=torch.uint8, device=self.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.dp_size)]
+        gathered = [torch.empty_like(mine) for _ in range(ps.get_data_parallel_world_size())]
         dist.all_gather(gathered, mine, group=ps.get_data_parallel_group())
         identical = all(torch.equal(g, gathered[0]) for g in gathered)
         flags = torch.tensor([0.0 if identical else 1.0], device=self.device)
@@ -843,6 +865,8 @@ class Trainer:
                 rows += self.abft.counters.rows()
             if self.saved:
                 rows.append(("checkpoints", f"iterations {self.saved} in {a.save}"))
+            if self.recovery is not None:
+                rows += self.recovery.summary_rows()
             rows.append(("wall time", f"{wall_s:.1f} s"))
             width = max(len(k) for k, _ in rows)
             print("=" * 30 + " training summary " + "=" * 30)

@@ -1,4 +1,4 @@
-"""Item 11 of issue 12: ``make demo NPROC=N`` builds a valid run for every even N >= 4.
+"""Item 11 of issue 12: ``make demo-simulated NPROC=N`` builds a valid run for every even N >= 4.
 
 ``make -n`` prints the recipe's torchrun command without running it; its flags must pass the
 trainer's start-up checks at that world size (the failure schedule used to name replica 3
@@ -20,7 +20,7 @@ from arguments import build_parser, validate_args  # noqa: E402
 
 def _demo_argv(nproc: int) -> list[str]:
     out = subprocess.run(
-        ["make", "-n", "demo", f"NPROC={nproc}"], cwd=REPO, capture_output=True, text=True
+        ["make", "-n", "demo-simulated", f"NPROC={nproc}"], cwd=REPO, capture_output=True, text=True
     ).stdout
     line = " ".join(out.replace("\\\n", " ").split("\n"))
     words = shlex.split(line[line.index("--nproc_per_node") :])

@@ -1,0 +1,259 @@
+"""Real rank deaths: kill -> every survivor finished the redone iteration, per phase.
+
+For each layout (DP4 on 4 ranks; TP2xPP2xDP2 on 8 ranks) and each kill phase (forward,
+backward, grad-sync, optimizer, between), one supervised run of the example trainer
+(``examples/pretrain_gpt/pretrain_gpt.py``, the small model below, gloo on CPU) SIGKILLs a
+rank ``--kills-per-phase`` times with ``--mecefo-kill``, spaced ``--spacing`` iterations apart.
+Each dead rank is replaced at once from a warm standby (``--replace immediately --standby 2``)
+and rejoins at an iteration boundary, so every kill hits a full world. The recovery records
+(JSONL, one per event) give:
+
+* per failure: ``detect_s`` (kill -> the last survivor noticed), ``regroup_s`` (-> every member
+  had the new world, Megatron state, model, DDP, optimizer and restored state), ``redo_s``
+  (-> every member finished the redone iteration), and ``total_s`` (kill -> redone);
+* per rejoin: ``heal_s`` (state copy + checksum) and ``rejoin_s`` (boundary -> first step).
+
+Then the cost of the armed supervisor without any failure: the same DP4 job, plain torchrun
+vs supervisor, alternated ``--overhead-repeats`` times, mean step time over the iterations after
+the first 5 (side by side on the same machine).
+
+Usage: ``.venv/bin/python benchmarks/recovery_latency.py [--kills-per-phase 20]``; writes
+``results/recovery_latency.json`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
+PHASES = ("forward", "backward", "grad-sync", "optimizer", "between")
+LAYOUTS = {"dp4": (1, 1, 4), "tp2pp2dp2": (2, 2, 2)}
+MODEL = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16",
+    "--lr", "3e-3", "--lr-decay-style", "constant", "--split", "90,10,0",
+    "--make-vocab-size-divisible-by", "256", "--eval-iters", "0", "--log-interval", "20",
+    "--mecefo", "--mecefo-rank", "16",
+]  # fmt: skip
+SUPERVISOR_TIMEOUTS = [
+    "--heartbeat-interval", "0.5", "--heartbeat-timeout", "10",
+    "--collective-timeout", "30", "--init-timeout", "60",
+]  # fmt: skip
+
+
+def _env() -> Dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _run(cmd: List[str], log: Path, timeout: float) -> int:
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return -999
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _kill_pids(pid_file: Path) -> None:
+    """End every rank the supervisor started, by PID (a supervisor that died leaves none, as
+    its ranks die with it; this is the belt to those braces)."""
+    if not pid_file.exists():
+        return
+    for line in pid_file.read_text().splitlines():
+        pid = int(line.split()[2])
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def kill_run(out: Path, layout: str, phase: str, kills: int, spacing: int, data: str) -> Dict:
+    tp, pp, dp = LAYOUTS[layout]
+    world = tp * pp * dp
+    iters = 10 + kills * spacing
+    # Victims cycle over the replicas and, within a replica, over its ranks.
+    specs = []
+    for k in range(kills):
+        replica, inner = k % dp, (k // dp) % (tp * pp)
+        rank = (inner % tp) + tp * replica + tp * dp * (inner // tp)
+        specs += ["--mecefo-kill", f"{rank}:{6 + k * spacing}:{phase}"]
+    run_dir = out / f"{layout}_{phase}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    records, metrics = run_dir / "recovery.jsonl", run_dir / "metrics.jsonl"
+    for f in (records, metrics):
+        f.unlink(missing_ok=True)
+    pid_file = run_dir / "pids.txt"
+    pid_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor",
+           f"--nproc-per-node={world}", "--replace", "immediately", "--standby", "2",
+           "--records", str(records), "--pid-file", str(pid_file), *SUPERVISOR_TIMEOUTS,
+           "--", str(TRAINER), *MODEL, "--data-path", data,
+           "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+           "--train-iters", str(iters), "--metrics-file", str(metrics), *specs]  # fmt: skip
+    t0 = time.time()
+    try:
+        rc = _run(cmd, run_dir / "log.txt", timeout=60 + iters * 6)
+    finally:
+        _kill_pids(pid_file)
+    recs = []
+    if records.exists():
+        recs = [json.loads(line) for line in records.read_text().splitlines()]
+    return {
+        "layout": layout,
+        "phase": phase,
+        "rc": rc,
+        "kills_requested": kills,
+        "train_iters": iters,
+        "wall_s": round(time.time() - t0, 1),
+        "records": recs,
+    }
+
+
+def step_time(metrics: Path) -> float:
+    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    steps = [r["step_time_s"] for r in recs if r["type"] == "train"][5:]
+    return statistics.mean(steps)
+
+
+def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
+    """Plain torchrun vs the armed supervisor, no failure, DP4, alternated."""
+    plain, supervised = [], []
+    args = [*MODEL, "--data-path", data, "--train-iters", str(iters)]
+    for i in range(repeats):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        m = out / f"overhead_plain_{i}.jsonl"
+        rc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+                   f"--master_port={port}", str(TRAINER), *args, "--metrics-file", str(m)],
+                  out / f"overhead_plain_{i}.log", timeout=900)  # fmt: skip
+        assert rc == 0, f"plain run failed: see {out}/overhead_plain_{i}.log"
+        plain.append(step_time(m))
+        m = out / f"overhead_supervised_{i}.jsonl"
+        pid_file = out / f"overhead_pids_{i}.txt"
+        try:
+            rc = _run([sys.executable, "-m", "megatron_mecefo.recovery.supervisor",
+                       "--nproc-per-node=4", "--pid-file", str(pid_file), *SUPERVISOR_TIMEOUTS,
+                       "--", str(TRAINER), *args, "--metrics-file", str(m)],
+                      out / f"overhead_supervised_{i}.log", timeout=900)  # fmt: skip
+        finally:
+            _kill_pids(pid_file)
+        assert rc == 0, f"supervised run failed: see {out}/overhead_supervised_{i}.log"
+        supervised.append(step_time(m))
+    return {
+        "layout": "dp4", "train_iters": iters, "repeats": repeats,
+        "plain_step_s": plain, "supervised_step_s": supervised,
+        "plain_mean_s": statistics.mean(plain), "supervised_mean_s": statistics.mean(supervised),
+        "plain_median_s": statistics.median(plain),
+        "supervised_median_s": statistics.median(supervised),
+        "overhead_pct": 100 * (statistics.median(supervised) / statistics.median(plain) - 1),
+        "run_to_run_spread_pct": 100 * (max(plain) - min(plain)) / statistics.median(plain),
+        "vote_line": _vote_line(out, repeats),
+    }  # fmt: skip
+
+
+def _vote_line(out: Path, repeats: int) -> List[str]:
+    """The supervised runs' 'commit vote' summary rows (p50/max ms per iteration)."""
+    lines = []
+    for i in range(repeats):
+        log = out / f"overhead_supervised_{i}.log"
+        if log.exists():
+            lines += [ln.strip() for ln in log.read_text().splitlines() if "commit vote" in ln]
+    return lines
+
+
+def _stats(values: List[float]) -> Dict[str, Any]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "p50": round(statistics.median(values), 3),
+            "max": round(max(values), 3)}  # fmt: skip
+
+
+def summarize(runs: List[Dict]) -> Dict[str, Any]:
+    table = {}
+    for run in runs:
+        fails = [r for r in run["records"] if r["kind"] == "failure"]
+        joins = [r for r in run["records"] if r["kind"] == "rejoin"]
+        table[f"{run['layout']}/{run['phase']}"] = {
+            key: _stats([r.get(key) for r in fails])
+            for key in ("detect_s", "regroup_s", "redo_s", "total_s")
+        } | {
+            "heal_s": _stats([r.get("heal_s") for r in joins]),
+            "rejoin_s": _stats([r.get("rejoin_s") for r in joins]),
+            "rc": run["rc"],
+        }
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layouts", default="dp4,tp2pp2dp2")
+    p.add_argument("--phases", default=",".join(PHASES))
+    p.add_argument("--kills-per-phase", type=int, default=20)
+    p.add_argument("--spacing", type=int, default=40, help="iterations between kills")
+    p.add_argument("--overhead-repeats", type=int, default=3)
+    p.add_argument("--overhead-iters", type=int, default=60)
+    p.add_argument("--data-path", default=str(REPO / "data" / "stdlib_text_document"))
+    p.add_argument("--output", default=str(REPO / "results" / "recovery_latency.json"))
+    p.add_argument("--workdir", default=str(REPO / "results" / "recovery_latency"))
+    a = p.parse_args()
+    out = Path(a.workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for layout in filter(None, a.layouts.split(",")):
+        for phase in filter(None, a.phases.split(",")):
+            run = kill_run(out, layout, phase, a.kills_per_phase, a.spacing, a.data_path)
+            runs.append(run)
+            s = summarize([run])[f"{layout}/{phase}"]
+            print(f"{layout:>10} {phase:>9}: failures {s['total_s'].get('n', 0)}/"
+                  f"{a.kills_per_phase}, kill->redone p50 {s['total_s'].get('p50')} s max "
+                  f"{s['total_s'].get('max')} s; rejoin p50 {s['rejoin_s'].get('p50')} s "
+                  f"(rc {run['rc']}, {run['wall_s']} s)", flush=True)  # fmt: skip
+    over = (
+        overhead(out, a.overhead_repeats, a.overhead_iters, a.data_path)
+        if a.overhead_repeats
+        else None
+    )
+    result = {
+        "benchmark": "recovery_latency",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_at_end": os.getloadavg()},  # fmt: skip
+        "config": {"model": MODEL, "supervisor": SUPERVISOR_TIMEOUTS,
+                   "kills_per_phase": a.kills_per_phase, "spacing": a.spacing},  # fmt: skip
+        "table": summarize(runs),
+        "overhead": over,
+        "runs": runs,
+    }
+    Path(a.output).write_text(json.dumps(result, indent=1))
+    if over:
+        print(
+            f"armed supervisor, no failure (DP4): step {over['plain_mean_s']:.4f} s plain vs "
+            f"{over['supervised_mean_s']:.4f} s supervised ({over['overhead_pct']:+.2f}%)"
+        )
+    print(f"recovery_latency: wrote {a.output}")
+
+
+if __name__ == "__main__":
+    main()

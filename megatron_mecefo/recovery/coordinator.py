@@ -1,0 +1,254 @@
+"""The coordinator: the single writer of membership generations.
+
+It runs as a thread of the first node's supervisor, next to the store it hosts. It watches
+the deaths the supervisors report, the ranks' heartbeats, the collective errors the ranks
+report, and the processes that are ready to (re)join, and publishes a new
+:class:`~.membership.Generation` when the set of complete replicas changes:
+
+* a member died (or stopped beating and was killed): a *failure* generation, effective at
+  once; the survivors redo the in-flight iteration;
+* a replica is complete again (its spares and replacements are ready): a *planned*
+  generation, effective at an iteration boundary ``join_margin_iterations`` ahead;
+* no replica is complete: an *abort* generation with the message to print.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, List, Optional, Set, Tuple
+
+from megatron_mecefo.recovery.config import RecoveryConfig
+from megatron_mecefo.recovery.membership import (
+    CompleteReplicas,
+    Generation,
+    JobLayout,
+    MembershipStore,
+)
+
+
+class Coordinator:
+    """Publishes generations (see the module docstring).
+
+    Args:
+        store: A client of the membership store.
+        world_size: Slots of the original job (all nodes).
+        config: The recovery settings (heartbeat timeout, poll interval, join margin).
+        log: Prints one line.
+    """
+
+    def __init__(
+        self, store: MembershipStore, world_size: int, config: RecoveryConfig, log=print
+    ) -> None:
+        self.ms = store
+        self.world_size = world_size
+        self.cfg = config
+        self.log = log
+        self.assignment = CompleteReplicas()
+        self.inc: Dict[int, int] = {s: 0 for s in range(world_size)}
+        self.dead: Set[Tuple[int, int]] = set()
+        self.ready: Set[Tuple[int, int]] = set()
+        self._hb: Dict[Tuple[int, int], Tuple[int, float]] = {}
+        self._kill_requested: Dict[Tuple[int, int], float] = {}
+        self._errors_seen: Dict[int, float] = {}
+        self.gen: Optional[Generation] = None
+        self._layout: Optional[JobLayout] = None
+        self._pending = False
+        """Re-decide on every poll (an error waiting for its timeout, a rejoin for progress)."""
+        self._stop = threading.Event()
+        self.thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        first = Generation(
+            number=0,
+            replicas=(),
+            members={s: 0 for s in range(self.world_size)},
+            reason="start",
+        )
+        self.ms.publish(first)
+        self.gen = first
+        self.thread = threading.Thread(target=self._run, name="mecefo-coordinator", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        # Cheap when nothing happens (one store round trip per poll: the events counter), so
+        # the store's server thread takes little CPU from the ranks.
+        last_events = -1
+        last_hb = 0.0
+        while not self._stop.is_set():
+            try:
+                events = self.ms.events()
+                now = time.monotonic()
+                changed = events != last_events
+                if changed:
+                    last_events = events
+                    self._rescan()
+                if now - last_hb >= self.cfg.heartbeat_interval_s:
+                    last_hb = now
+                    if self.ms.get_str("done") is not None:
+                        return
+                    self._check_heartbeats(now)
+                    changed = True
+                if changed or self._pending:
+                    self._decide()
+                if self.gen is not None and self.gen.abort:
+                    return
+            except Exception as err:  # the store went away: the job is over
+                if not self._stop.is_set():
+                    self.log(f"[coordinator] stopped: {err}")
+                return
+            time.sleep(self.cfg.poll_interval_s)
+
+    # ------------------------------------------------------------------ observation
+    def layout(self) -> Optional[JobLayout]:
+        if self._layout is None:
+            d = self.ms.get_json("layout")
+            self._layout = None if d is None else JobLayout(**d)
+        return self._layout
+
+    def _rescan(self) -> None:
+        for slot in range(self.world_size):
+            text = self.ms.get_str(f"inc/{slot}")
+            if text is not None:
+                self.inc[slot] = int(text)
+            for inc in range(self.inc[slot] + 1):
+                key = (slot, inc)
+                if key in self.dead:
+                    continue
+                if self.ms.get_str(f"dead/{slot}/{inc}") is not None:
+                    self.dead.add(key)
+                    self.ready.discard(key)
+                elif key not in self.ready and self.ms.get_str(f"ready/{slot}/{inc}"):
+                    self.ready.add(key)
+
+    def _check_heartbeats(self, now: float) -> None:
+        """A ready process whose heartbeat has not moved for the timeout is killed (by its
+        supervisor); if nobody confirms the death within another timeout (its supervisor is
+        gone too), the coordinator declares it dead itself."""
+        for key in sorted(self.ready - self.dead):
+            slot, inc = key
+            count = self.ms.heartbeats([key])[0]
+            seen = self._hb.get(key)
+            if seen is None or seen[0] != count:
+                self._hb[key] = (count, now)
+                continue
+            silent = now - seen[1]
+            if silent < self.cfg.heartbeat_timeout_s:
+                continue
+            if key not in self._kill_requested:
+                self._kill_requested[key] = now
+                self.ms.set_json(f"kill/{slot}/{inc}", {"reason": "heartbeat", "silent_s": silent})
+                self.ms.store.add("events", 1)
+                self.log(
+                    f"[coordinator] rank {slot} (incarnation {inc}): no heartbeat for "
+                    f"{silent:.1f} s; asking its supervisor to SIGKILL it"
+                )
+            elif now - self._kill_requested[key] > self.cfg.heartbeat_timeout_s:
+                self.ms.report_dead(
+                    slot, inc, {"exit_code": None, "reason": "heartbeat, no supervisor", "t": 0}
+                )
+                self.dead.add(key)
+                self.ready.discard(key)
+
+    def alive_slots(self) -> List[int]:
+        """Slots whose current process can train: not known dead, and either ready or a
+        member of the current generation (a replacement still starting up is not)."""
+        members = self.gen.members if self.gen is not None else {}
+        return [
+            s
+            for s in range(self.world_size)
+            if (s, self.inc[s]) not in self.dead
+            and ((s, self.inc[s]) in self.ready or members.get(s) == self.inc[s])
+        ]
+
+    # ------------------------------------------------------------------ decisions
+    def _decide(self) -> None:
+        gen = self.gen
+        assert gen is not None
+        self._pending = False
+        layout = self.layout()
+        if layout is None:
+            return  # the ranks have not started yet
+        alive = self.alive_slots()
+        lost = [s for s, i in gen.members.items() if (s, i) in self.dead]
+        if lost:
+            time.sleep(0.05)  # let simultaneous deaths land in one generation
+            self._rescan()
+            alive = self.alive_slots()
+            lost = [s for s, i in gen.members.items() if (s, i) in self.dead]
+            self._publish_change(layout, alive, lost, planned=False, reason="death")
+            return
+        if gen.number in self._errors_seen:
+            self._pending = True
+        if self._error_without_death(gen):
+            self._publish_change(layout, alive, [], planned=False, reason="collective error")
+            return
+        # Rejoin: a replica outside the generation whose slots are all alive and ready.
+        ready_alive = [s for s in alive if (s, self.inc[s]) in self.ready]
+        replicas, _ = self.assignment.assign(layout, ready_alive)
+        if gen.number > 0 and set(replicas) - set(gen.replicas):
+            progress = self.ms.get_str("progress")
+            if progress is None:
+                self._pending = True
+                return
+            self._publish_change(layout, ready_alive, [], planned=True, reason="rejoin")
+
+    def _error_without_death(self, gen: Generation) -> bool:
+        """A member reported a collective error in the current generation and no death has
+        been found for a heartbeat timeout since: regroup the same members."""
+        if gen.number in self._errors_seen:
+            first = self._errors_seen[gen.number]
+            return time.monotonic() - first > self.cfg.heartbeat_timeout_s
+        for slot in gen.members:
+            if self.ms.get_str(f"err/{gen.number}/{slot}") is not None:
+                self._errors_seen[gen.number] = time.monotonic()
+                break
+        return False
+
+    def _publish_change(
+        self, layout: JobLayout, alive: List[int], lost: List[int], planned: bool, reason: str
+    ) -> None:
+        gen = self.gen
+        assert gen is not None
+        replicas, spares = self.assignment.assign(layout, alive)
+        members = {s: self.inc[s] for r in replicas for s in layout.replica_slots(r)}
+        previous = set(gen.members) if gen.number > 0 else set(range(self.world_size))
+        at = None
+        if planned:
+            at = int(self.ms.get_str("progress") or 0) + self.cfg.join_margin_iterations
+        abort = None
+        if not replicas:
+            dead = sorted(set(range(self.world_size)) - set(alive))
+            abort = (
+                f"every data-parallel replica has lost a rank (ranks without a live process: "
+                f"{dead}); "
+                "MeCeFO has no replica left to take over from, so training stops. Resume from "
+                "the last checkpoint (--load), or run with more replicas"
+            )
+        new = Generation(
+            number=gen.number + 1,
+            replicas=tuple(replicas),
+            members=members,
+            spares=tuple(spares),
+            joined=tuple(sorted(set(members) - previous)),
+            lost=tuple(sorted(lost)),
+            at_iteration=at,
+            reason=reason,
+            abort=abort,
+            layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+        )
+        self.ms.publish(new)
+        self.gen = new
+        what = f"at iteration boundary {at}" if planned else "now"
+        self.log(
+            f"[coordinator] generation {new.number} ({reason}, {what}): replicas "
+            f"{list(new.replicas)}, {len(members)} ranks, lost {list(new.lost)}, joined "
+            f"{list(new.joined)}, spares {list(new.spares)}"
+            + (f"; ABORT: {abort}" if abort else "")
+        )

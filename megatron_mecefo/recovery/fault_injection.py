@@ -1,0 +1,110 @@
+"""``--mecefo-kill RANK:ITERATION:PHASE``: SIGKILL a rank at a chosen point, for tests/demos.
+
+PHASE is one of :data:`PHASES`: ``forward`` (the first micro-batch's forward starts),
+``backward`` (the first backward starts), ``grad-sync`` (the data-parallel gradient sync is
+about to start), ``optimizer`` (the commit vote passed, the update is about to run) or
+``between`` (after iteration ITERATION committed, before the next one starts); and, for tests
+of a failure during a recovery, ``regroup`` and ``heal`` (:data:`RECOVERY_PHASES`). Any field may be
+``?``: it is drawn from a ``random.Random(seed)``, so every rank draws the same kill. Each kill
+fires once per job (a replacement process of the same rank does not fire it again). An
+external ``kill -9`` is handled the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+PHASES = ("forward", "backward", "grad-sync", "optimizer", "between", "regroup", "heal")
+RECOVERY_PHASES = ("regroup", "heal")
+"""Phases inside a recovery, for tests of a failure during a failure: ``regroup`` fires in a
+survivor that has just left a world whose iteration ITERATION (or later) failed, ``heal`` in a
+joiner about to receive its state at a rejoin at iteration ITERATION or later."""
+
+
+class KillSpecError(ValueError):
+    """A bad ``--mecefo-kill`` value; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class KillSpec:
+    """Kill ``rank`` (original global rank) at ``phase`` of (1-based) ``iteration``."""
+
+    rank: int
+    iteration: int
+    phase: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.rank}:{self.iteration}:{self.phase}"
+
+
+def parse_kills(
+    specs: Sequence[str], world_size: int, train_iters: int, seed: int
+) -> List[KillSpec]:
+    """Parse ``RANK:ITERATION:PHASE`` values; ``?`` fields are drawn from ``seed``."""
+    rng = random.Random(seed)
+    out = []
+    for spec in specs:
+        parts = spec.split(":")
+        if len(parts) != 3:
+            raise KillSpecError(
+                f"--mecefo-kill={spec}: expected RANK:ITERATION:PHASE, e.g. 1:5:backward"
+            )
+        r, it, phase = parts
+        try:
+            rank = rng.randrange(world_size) if r == "?" else int(r)
+            iteration = rng.randrange(2, max(3, train_iters)) if it == "?" else int(it)
+        except ValueError:
+            raise KillSpecError(
+                f"--mecefo-kill={spec}: RANK and ITERATION must be integers or ?"
+            ) from None
+        phase = rng.choice(PHASES) if phase == "?" else phase
+        if phase not in PHASES:
+            raise KillSpecError(f"--mecefo-kill={spec}: PHASE must be one of {', '.join(PHASES)}")
+        if not 0 <= rank < world_size:
+            raise KillSpecError(
+                f"--mecefo-kill={spec}: rank {rank} does not exist (world size {world_size})"
+            )
+        if not 1 <= iteration <= train_iters:
+            raise KillSpecError(
+                f"--mecefo-kill={spec}: iteration {iteration} is outside 1..{train_iters}"
+            )
+        out.append(KillSpec(rank, iteration, phase))
+    return out
+
+
+class KillInjector:
+    """Fires this rank's kills.
+
+    Args:
+        kills: Every kill of the job (only those of ``slot`` fire here).
+        slot: This process's original global rank.
+        claim: ``claim(key) -> bool``: True the first time a kill fires in the job (a store
+            ``add``), so a replacement of the same rank does not fire it again.
+        before_kill: Called with the spec just before the SIGKILL (records the kill time).
+    """
+
+    def __init__(
+        self,
+        kills: Sequence[KillSpec],
+        slot: int,
+        claim: Callable[[str], bool],
+        before_kill: Optional[Callable[[KillSpec, float], None]] = None,
+    ) -> None:
+        self.kills = [k for k in kills if k.rank == slot]
+        self.claim = claim
+        self.before_kill = before_kill
+
+    def phase(self, name: str, iteration: int) -> None:
+        """This rank reached ``name`` of ``iteration``: SIGKILL it if a kill says so."""
+        for k in self.kills:
+            due = k.iteration <= iteration if name in RECOVERY_PHASES else k.iteration == iteration
+            if due and k.phase == name and self.claim(k.key):
+                if self.before_kill is not None:
+                    self.before_kill(k, time.time())
+                os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,201 @@
+"""Membership: the job's layout, the generations and the store keys everyone agrees on.
+
+The store (a ``TCPStore`` hosted by the first node's supervisor, never by a training rank)
+holds, under fixed keys:
+
+* ``gen``: the current generation number ``g``; ``gen/<g>``: its :class:`Generation` (JSON),
+  written once by the coordinator, the single writer of membership;
+* ``dead/<slot>/<inc>``: a death, written by the supervisor that reaped the process;
+* ``hb/<slot>/<inc>``: a heartbeat counter; ``ready/<slot>/<inc>``: a process is up;
+* ``err/<g>/<slot>``: a rank left generation ``g`` after a collective error;
+* ``vote/<g>/<iteration>/<slot>``: the commit vote; ``progress``: the last committed iteration.
+
+A *slot* is a global rank of the original job (its TP, PP and data-parallel coordinates never
+change); an *incarnation* counts the processes that have held the slot.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """The original job: TP x PP x DP ranks in Megatron's default order ``tp-cp-ep-dp-pp``.
+
+    Args:
+        tp: Tensor-parallel size.
+        pp: Pipeline-parallel size.
+        dp: Data-parallel size (number of replicas) of the full job.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def coords(self, slot: int) -> Tuple[int, int, int]:
+        """(tp, dp, pp) coordinates of original global rank ``slot``."""
+        return slot % self.tp, (slot // self.tp) % self.dp, slot // (self.tp * self.dp)
+
+    def replica_of(self, slot: int) -> int:
+        return self.coords(slot)[1]
+
+    def replica_slots(self, replica: int) -> List[int]:
+        """The slots (original global ranks) of data-parallel replica ``replica``."""
+        return sorted(
+            t + self.tp * replica + self.tp * self.dp * p
+            for t in range(self.tp)
+            for p in range(self.pp)
+        )
+
+    def rank_in(self, slot: int, replicas: Sequence[int]) -> int:
+        """Global rank of ``slot`` in a world made of ``replicas`` (same order as Megatron)."""
+        t, d, p = self.coords(slot)
+        return t + self.tp * list(replicas).index(d) + self.tp * len(replicas) * p
+
+
+class CompleteReplicas:
+    """Rank-assignment policy: a replica trains only while every one of its ranks is alive.
+
+    The live siblings of a dead rank become spares (they wait for the rejoin, or exit).
+    """
+
+    name = "complete-replicas"
+
+    def assign(self, layout: JobLayout, alive: Sequence[int]) -> Tuple[List[int], List[int]]:
+        """(replicas that train, alive slots that do not) for the ``alive`` slots."""
+        alive_set = set(alive)
+        replicas = [
+            r for r in range(layout.dp) if all(s in alive_set for s in layout.replica_slots(r))
+        ]
+        members = {s for r in replicas for s in layout.replica_slots(r)}
+        return replicas, sorted(alive_set - members)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership generation: who trains, in which world, from which boundary."""
+
+    number: int
+    replicas: Tuple[int, ...]
+    """Data-parallel replicas (original indices) that train in this generation."""
+    members: Dict[int, int]
+    """Training slot -> incarnation."""
+    spares: Tuple[int, ...] = ()
+    """Alive slots that do not train (siblings of a dead rank, joiners not yet admitted)."""
+    joined: Tuple[int, ...] = ()
+    """Members that receive their state from a data-parallel peer (rejoin/heal)."""
+    lost: Tuple[int, ...] = ()
+    """Slots found dead since the previous generation."""
+    at_iteration: Optional[int] = None
+    """Planned change (rejoin): members switch after committing iteration ``at_iteration - 1``.
+    ``None``: a failure, members switch at once and redo the in-flight iteration."""
+    reason: str = ""
+    abort: Optional[str] = None
+    """Set when the job cannot go on (no complete replica left): the message to print."""
+    published_at: float = field(default_factory=time.time)
+    layout: Optional[Dict[str, int]] = None
+
+    def rank_of(self, slot: int) -> int:
+        assert self.layout is not None
+        return JobLayout(**self.layout).rank_in(slot, self.replicas)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["members"] = {str(k): v for k, v in self.members.items()}
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Generation:
+        d = json.loads(text)
+        d["members"] = {int(k): v for k, v in d["members"].items()}
+        for key in ("replicas", "spares", "joined", "lost"):
+            d[key] = tuple(d[key])
+        return cls(**d)
+
+
+class MembershipStore:
+    """Typed access to the membership keys of one TCPStore client (see the module docstring).
+
+    Args:
+        store: A ``torch.distributed.TCPStore`` client (or the server object).
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    @staticmethod
+    def connect(address: str, timeout_s: float = 60.0) -> MembershipStore:
+        """A new client of the store at ``HOST:PORT``."""
+        import torch.distributed as dist
+
+        host, port = address.rsplit(":", 1)
+        store = dist.TCPStore(
+            host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)
+        )
+        return MembershipStore(store)
+
+    # -------------------------------------------------------------- raw helpers
+    def get_str(self, key: str) -> Optional[str]:
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key).decode()
+
+    def set_json(self, key: str, value: Any) -> None:
+        self.store.set(key, json.dumps(value))
+
+    def get_json(self, key: str) -> Any:
+        text = self.get_str(key)
+        return None if text is None else json.loads(text)
+
+    # -------------------------------------------------------------- generations
+    def generation_number(self) -> int:
+        text = self.get_str("gen")
+        return -1 if text is None else int(text)
+
+    def generation(self, number: int) -> Generation:
+        return Generation.from_json(self.store.get(f"gen/{number}"))
+
+    def publish(self, gen: Generation) -> None:
+        """Write ``gen`` and make it current (the coordinator only)."""
+        self.store.set(f"gen/{gen.number}", gen.to_json())
+        self.store.set("gen", str(gen.number))
+
+    # -------------------------------------------------------------- processes
+    def report_dead(self, slot: int, inc: int, info: Dict[str, Any]) -> None:
+        self.set_json(f"dead/{slot}/{inc}", info)
+        self.store.add("events", 1)
+
+    def dead_info(self, slot: int, inc: int) -> Optional[Dict[str, Any]]:
+        return self.get_json(f"dead/{slot}/{inc}")
+
+    def mark_ready(self, slot: int, inc: int, info: Dict[str, Any]) -> None:
+        self.set_json(f"ready/{slot}/{inc}", info)
+        self.store.add("events", 1)
+
+    def heartbeat(self, slot: int, inc: int) -> int:
+        return int(self.store.add(f"hb/{slot}/{inc}", 1))
+
+    def heartbeats(self, keys: Sequence[Tuple[int, int]]) -> List[int]:
+        if not keys:
+            return []
+        return [int(self.store.add(f"hb/{s}/{i}", 0)) for s, i in keys]
+
+    def report_error(self, gen: int, slot: int, message: str) -> None:
+        self.set_json(f"err/{gen}/{slot}", {"t": time.time(), "error": message[:500]})
+        self.store.add("events", 1)
+
+    def events(self) -> int:
+        return int(self.store.add("events", 0))

@@ -1,0 +1,179 @@
+"""Recovery records: one JSONL record and one log line per recovery event, and the summary.
+
+Every member of a new generation writes its own timestamps (``rt/<g>/<slot>``: when it
+detected the failure, left the old world, had the new one built, finished the first
+iteration). After that iteration the new rank 0 assembles one record:
+
+* ``detect_s``: kill (or reap) -> the last survivor noticed;
+* ``regroup_s``: -> every member had the new world and model built (release, rendezvous,
+  ``init_process_group``, Megatron parallel state, GPTModel/DDP/optimizer, state restored);
+* ``redo_s``: -> every member finished the redone iteration (committed);
+* ``total_s``: kill -> every member finished the redone iteration;
+* for a rejoin, ``heal_s`` (state copy + checksum) and ``rejoin_s`` (boundary -> first step).
+
+Times are wall clock (``time.time``) of processes on one machine; across machines they
+need synchronised clocks.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any, Dict, List, Optional, Sequence
+
+
+def build_record(
+    generation: Any,
+    times: Dict[int, Dict[str, float]],
+    kills: Dict[int, float],
+    deaths: Dict[int, Dict[str, Any]],
+    iteration: int,
+    redone: bool,
+    global_batch_size: int,
+) -> Dict[str, Any]:
+    """The record of the change into ``generation`` (see the module docstring).
+
+    Args:
+        generation: The new :class:`~.membership.Generation`.
+        times: Per member slot, its timestamps (``detect``, ``left``, ``built``, ``healed``,
+            ``done``).
+        kills: Injected kill time per lost slot (``--mecefo-kill``), when known.
+        deaths: The supervisor's report per lost slot (exit code, signal, reap time).
+        iteration: The first iteration run in the new generation.
+        redone: Whether that iteration had been in flight when the failure struck.
+        global_batch_size: Samples of one iteration (the samples redone).
+    """
+
+    def latest(key: str) -> Optional[float]:
+        vals = [t[key] for t in times.values() if t.get(key)]
+        return max(vals) if vals else None
+
+    def earliest(key: str) -> Optional[float]:
+        vals = [t[key] for t in times.values() if t.get(key)]
+        return min(vals) if vals else None
+
+    planned = generation.at_iteration is not None
+    rec: Dict[str, Any] = {
+        "type": "recovery",
+        "kind": "rejoin" if planned else "failure",
+        "generation": generation.number,
+        "reason": generation.reason,
+        "iteration": iteration,
+        "ranks_lost": list(generation.lost),
+        "exit_codes": {str(s): d.get("exit_code") for s, d in deaths.items()},
+        "ranks_joined": list(generation.joined),
+        "replicas": list(generation.replicas),
+        "world_size": generation.world_size,
+        "samples_redone": global_batch_size if redone else 0,
+    }
+    built, done = latest("built"), latest("done")
+    # Where the regroup time goes: the slowest member's duration of each step.
+    if planned:  # the joiners' waiting as spares is not part of the switch
+        times = {s: t for s, t in times.items() if s not in set(generation.joined)} or times
+    steps = [
+        ("release", "left", "released"),
+        ("release.export", "left", "exported"),
+        ("release.drop", "exported", "dropped"),
+        ("release.destroy", "dropped", "released"),
+        ("membership", "released", "membership"),
+        ("rendezvous", "membership", "arrived"),
+        ("init_world", "arrived", "world"),
+        ("build", "world", "constructed"),
+        ("restore", "constructed", "built"),
+    ]
+    for key in ("destroy_pg", "gc"):
+        vals = [t[key] for t in times.values() if key in t]
+        if vals:
+            rec.setdefault("release_split_s", {})[key] = round(max(vals), 4)
+    rec["regroup_steps_s"] = {
+        name: round(max(t[b] - t[a] for t in times.values() if t.get(a) and t.get(b)), 4)
+        for name, a, b in steps
+        if any(t.get(a) and t.get(b) for t in times.values())
+    }
+    if planned:
+        # The switch starts when the state holders leave at the boundary; a spare (a dead
+        # rank's sibling) "left" when its replica failed, long before.
+        joined = set(generation.joined)
+        lefts = [t["left"] for s, t in times.items() if t.get("left") and s not in joined]
+        left = min(lefts) if lefts else earliest("left")
+        heals = [t["healed"] - t["constructed"] for t in times.values() if t.get("healed")]
+        rec["heal_s"] = round(max(heals), 4) if heals else 0.0
+        rec["regroup_s"] = _diff(built, left)
+        rec["rejoin_s"] = _diff(done, left)
+        return rec
+    reaped = [d["t"] for d in deaths.values() if d.get("t")]
+    t0 = min(kills.values()) if kills else (min(reaped) if reaped else earliest("detect"))
+    detect = latest("detect")
+    rec["kill_time_known"] = bool(kills)
+    rec["detect_s"] = _diff(detect, t0)
+    rec["regroup_s"] = _diff(built, detect)
+    rec["redo_s"] = _diff(done, built)
+    rec["total_s"] = _diff(done, t0)
+    if reaped and t0 is not None:
+        rec["reap_s"] = _diff(min(reaped), t0)
+    return rec
+
+
+def _diff(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None else round(a - b, 4)
+
+
+def log_line(rec: Dict[str, Any]) -> str:
+    """One run-log line for a record."""
+    if rec["kind"] == "rejoin":
+        return (
+            f"> MeCeFO recovery: generation {rec['generation']}: ranks {rec['ranks_joined']} "
+            f"rejoined at iteration {rec['iteration']}; replicas {rec['replicas']} "
+            f"({rec['world_size']} ranks); switch {rec['regroup_s']:.2f} s, heal "
+            f"{rec['heal_s']:.2f} s, boundary -> first step {rec['rejoin_s']:.2f} s"
+        )
+    return (
+        f"> MeCeFO recovery: generation {rec['generation']}: ranks {rec['ranks_lost']} lost "
+        f"(exit {rec['exit_codes']}); replicas {rec['replicas']} ({rec['world_size']} ranks) "
+        f"go on; iteration {rec['iteration']} redone ({rec['samples_redone']} samples); "
+        f"detect {_fmt(rec['detect_s'])}, regroup {_fmt(rec['regroup_s'])}, redo "
+        f"{_fmt(rec['redo_s'])}, kill -> redone {_fmt(rec['total_s'])}"
+    )
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "?" if x is None else f"{x:.2f} s"
+
+
+def summary_rows(records: Sequence[Dict[str, Any]]) -> List[tuple]:
+    """Summary-table rows: the timeline and p50/max of the latencies."""
+    rows: List[tuple] = []
+    failures = [r for r in records if r["kind"] == "failure"]
+    rejoins = [r for r in records if r["kind"] == "rejoin"]
+    for r in records:
+        what = (
+            f"ranks {r['ranks_lost']} lost, {_fmt(r.get('total_s'))} kill -> redone"
+            if r["kind"] == "failure"
+            else f"ranks {r['ranks_joined']} rejoined, heal {_fmt(r.get('heal_s'))}"
+        )
+        rows.append((f"recovery @ iteration {r['iteration']}", f"gen {r['generation']}: {what}"))
+    totals = [r["total_s"] for r in failures if r.get("total_s") is not None]
+    if totals:
+        rows.append(
+            (
+                "recovery latency",
+                f"kill -> redone p50 {statistics.median(totals):.2f} s, max {max(totals):.2f} s"
+                f" ({len(totals)} failures; no checkpoint read)",
+            )
+        )
+    heals = [r["rejoin_s"] for r in rejoins if r.get("rejoin_s") is not None]
+    if heals:
+        rows.append(
+            (
+                "rejoin latency",
+                f"boundary -> first step p50 {statistics.median(heals):.2f} s,"
+                f" max {max(heals):.2f} s ({len(heals)} rejoins)",
+            )
+        )
+    return rows
+
+
+def append_jsonl(path: Optional[str], rec: Dict[str, Any]) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")

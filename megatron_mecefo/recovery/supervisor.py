@@ -1,0 +1,405 @@
+"""The supervisor: starts one node's ranks, keeps the survivors alive, reports deaths.
+
+    python -m megatron_mecefo.recovery.supervisor --nproc-per-node 4 [--replace immediately] \\
+        -- examples/pretrain_gpt/pretrain_gpt.py --mecefo <trainer flags>
+
+Like torchrun it starts ``--nproc-per-node`` processes (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK`` set), but a rank's death does not tear the others down. The supervisor reaps
+the process (waitpid: the death is known at once), writes its rank and exit status to the
+membership store, prints one line, and starts a replacement when the policy says so
+(``--replace never | immediately | after:SECONDS``). It also SIGKILLs a rank the coordinator
+found silent (heartbeat timeout).
+
+Multi-node: one supervisor per node. The first (``--node-rank 0``) hosts the membership store
+(a TCPStore on ``--store-port``, 0 = any free port, written to ``--store-file``) and runs the
+:mod:`~.coordinator`; the others join with ``--store HOST:PORT``. No training rank hosts the
+store, so any rank, rank 0 included, can die.
+
+Exit status: 0 when training finished, 1 when it was aborted (the one-line reason is
+printed), 2 on a bad flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Dict, List, Optional
+
+from megatron_mecefo.recovery.config import ENV, RecoveryConfig, RecoveryConfigError
+from megatron_mecefo.recovery.replacement import build_replacement
+
+
+@dataclass
+class Child:
+    """One rank process of this node."""
+
+    slot: int
+    inc: int
+    proc: subprocess.Popen
+    started: float
+
+
+def _die_with_parent() -> None:
+    """Child pre-exec: a new session (kill by process group) that dies with the supervisor
+    (PR_SET_PDEATHSIG), so killing a node's supervisor takes its ranks with it."""
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_mecefo.recovery.supervisor",
+        description="Start one node's training ranks; survive rank deaths (MeCeFO).",
+    )
+    p.add_argument("--nproc-per-node", type=int, required=True)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--store", default=None, metavar="HOST:PORT", help="store of node 0")
+    p.add_argument("--store-host", default="127.0.0.1", help="node 0: address to serve on")
+    p.add_argument("--store-port", type=int, default=0, help="node 0: 0 = any free port")
+    p.add_argument("--store-file", default=None, help="node 0: write HOST:PORT here")
+    d = RecoveryConfig()
+    p.add_argument("--replace", default=d.replace, help="never | immediately | after:SECONDS")
+    p.add_argument("--orphan", default=d.orphan, choices=("wait", "exit"))
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
+    p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
+    p.add_argument("--collective-timeout", type=float, default=d.collective_timeout_s)
+    p.add_argument("--init-timeout", type=float, default=d.init_timeout_s)
+    p.add_argument("--join-margin", type=int, default=d.join_margin_iterations)
+    p.add_argument("--records", default=None, help="JSONL file for the recovery records")
+    p.add_argument("--max-replacements", type=int, default=8, help="per slot")
+    p.add_argument(
+        "--replace-ranks",
+        default=None,
+        metavar="R1,R2,...",
+        help="only these (original) ranks get replacements; default: every rank",
+    )
+    p.add_argument("--pid-file", default=None, help="append 'SLOT INCARNATION PID' per rank")
+    p.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        help="warm standby processes per node (imported, waiting): a replacement then takes "
+        "over a dead rank's slot in about a second instead of a cold start",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args]")
+    return p
+
+
+class Supervisor:
+    """See the module docstring."""
+
+    def __init__(self, args: argparse.Namespace, config: RecoveryConfig) -> None:
+        self.args = args
+        self.cfg = config
+        self.replacement = build_replacement(config.replace)
+        self.node = args.node_rank
+        self.world_size = args.nnodes * args.nproc_per_node
+        self.slots = list(
+            range(self.node * args.nproc_per_node, (self.node + 1) * args.nproc_per_node)
+        )
+        self.children: Dict[int, Child] = {}
+        self.pending: List[tuple] = []  # (start_at, slot, inc)
+        self.replacements: Dict[int, int] = {s: 0 for s in self.slots}
+        self.server = None
+        self.coordinator = None
+        self.killed: Dict[tuple, float] = {}
+        self.standby: List[Child] = []
+        self._standby_count = 0
+
+    def log(self, line: str) -> None:
+        print(f"[supervisor node {self.node}] {line}", flush=True)
+
+    # ------------------------------------------------------------------ store
+    def open_store(self) -> None:
+        import torch.distributed as dist
+
+        from megatron_mecefo.recovery.membership import MembershipStore
+
+        a = self.args
+        if self.node == 0:
+            self.server = dist.TCPStore(
+                a.store_host,
+                a.store_port,
+                None,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=self.cfg.init_timeout_s),
+            )
+            self.cfg.store = f"{a.store_host}:{self.server.port}"
+            if a.store_file:
+                tmp = a.store_file + ".tmp"
+                with open(tmp, "w") as f:
+                    f.write(self.cfg.store)
+                os.replace(tmp, a.store_file)
+            self.log(f"membership store at {self.cfg.store} (outside every training rank)")
+        else:
+            self.cfg.store = a.store
+        self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+        # For trainers without MeCeFO's session (e.g. Megatron-LM's pretrain_gpt.py): a
+        # torchrun-style env:// rendezvous on a second store of node 0 (agent-store mode).
+        if self.node == 0:
+            self.rdzv = dist.TCPStore(a.store_host, 0, None, is_master=True,
+                                      wait_for_workers=False)  # fmt: skip
+            self.ms.store.set("rdzv", f"{a.store_host}:{self.rdzv.port}")
+        deadline = time.monotonic() + self.cfg.init_timeout_s
+        while (rdzv := self.ms.get_str("rdzv")) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.rdzv_address = rdzv or "127.0.0.1:0"
+        if self.node == 0:
+            from megatron_mecefo.recovery.coordinator import Coordinator
+
+            self.ms.set_json("world_size", self.world_size)
+            self.coordinator = Coordinator(
+                MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s),
+                self.world_size,
+                self.cfg,
+                log=lambda line: print(line, flush=True),
+            )
+            self.coordinator.start()
+
+    # ------------------------------------------------------------------ processes
+    def spawn(self, slot: int, inc: int) -> None:
+        """Start rank ``slot`` (incarnation ``inc``), from a warm standby when one is up."""
+        self.ms.store.set(f"inc/{slot}", str(inc))
+        if self.standby and inc > 0:
+            child = self.standby.pop(0)
+            self.ms.set_json(f"assign/{self.node}/{child.slot}", {"slot": slot, "inc": inc})
+            self.children[slot] = Child(slot, inc, child.proc, time.time())
+            self.ms.set_json(f"pid/{slot}/{inc}", {"pid": child.proc.pid, "node": self.node})
+            self._log_pid(slot, inc, child.proc.pid)
+            self.log(f"standby pid {child.proc.pid} replaces rank {slot} (incarnation {inc})")
+            self.spawn_standby()
+            return
+        self._start(slot, inc)
+        if inc:
+            self.log(f"started a replacement for rank {slot} (incarnation {inc})")
+
+    def spawn_standby(self) -> None:
+        """A process that imports everything and waits for ``assign/<node>/<id>``."""
+        sid = self._standby_count
+        self._standby_count += 1
+        proc = self._start(-1, 0, standby=sid)
+        self.standby.append(Child(sid, 0, proc, time.time()))
+
+    def _log_pid(self, slot: int, inc: int, pid: int) -> None:
+        if self.args.pid_file:
+            with open(self.args.pid_file, "a") as f:
+                f.write(f"{slot} {inc} {pid}\n")
+
+    def _start(self, slot: int, inc: int, standby: Optional[int] = None) -> subprocess.Popen:
+        env = dict(os.environ)
+        env.update(
+            RANK=str(slot),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(slot - self.slots[0]),
+            LOCAL_WORLD_SIZE=str(len(self.slots)),
+            MASTER_ADDR=self.rdzv_address.rsplit(":", 1)[0],
+            MASTER_PORT=self.rdzv_address.rsplit(":", 1)[1],
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            MECEFO_RECOVERY_SLOT=str(slot),
+            MECEFO_RECOVERY_INC=str(inc),
+            OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+            PYTHONUNBUFFERED="1",
+        )
+        env[ENV] = self.cfg.to_env()
+        if standby is not None:
+            env["MECEFO_RECOVERY_STANDBY"] = f"{self.node}/{standby}"
+            env["LOCAL_RANK"] = "0"
+        proc = subprocess.Popen(
+            [sys.executable, *self.command], env=env, preexec_fn=_die_with_parent
+        )
+        self._log_pid(slot if standby is None else -1 - standby, inc, proc.pid)
+        if standby is None:
+            self.children[slot] = Child(slot, inc, proc, time.time())
+            self.ms.set_json(f"pid/{slot}/{inc}", {"pid": proc.pid, "node": self.node})
+        return proc
+
+    def _reap(self) -> None:
+        for slot, child in list(self.children.items()):
+            code = child.proc.poll()
+            if code is None:
+                continue
+            del self.children[slot]
+            finished = self.ms.get_str("done") is not None
+            info = {
+                "exit_code": code,
+                "signal": signal.Signals(-code).name if code < 0 else None,
+                "t": time.time(),
+                "node": self.node,
+                "pid": child.proc.pid,
+            }
+            if code == 0 and (finished or self.ms.get_str(f"left/{slot}/{child.inc}") is None):
+                continue  # a normal exit
+            self.ms.report_dead(slot, child.inc, info)
+            why = info["signal"] or f"exit code {code}"
+            if self.ms.get_str("layout") is None and self.ms.get_str("fatal") is None:
+                # No rank runs megatron_mecefo.recovery.session: nothing can regroup.
+                self.ms.store.set(
+                    "fatal",
+                    f"rank {slot} (pid {child.proc.pid}) died: {why}. This trainer does not "
+                    "run MeCeFO's in-process recovery (megatron_mecefo.recovery.session; "
+                    "Megatron-LM's pretrain_gpt.py does not), so every rank is stopped now "
+                    "instead of hanging until the collective timeout. Resume from the last "
+                    "checkpoint: relaunch with --load <your --save directory>",
+                )
+                return
+            self.log(
+                f"rank {slot} (pid {child.proc.pid}, incarnation {child.inc}) died: {why}; "
+                "reported to the membership store"
+            )
+            delay = self.replacement.delay_s(slot)
+            if self.args.replace_ranks and slot not in self.args.replace_ranks:
+                delay = None
+            if delay is not None and not finished and self._abort() is None:
+                if self.replacements[slot] < self.args.max_replacements:
+                    self.replacements[slot] += 1
+                    self.pending.append((time.monotonic() + delay, slot, child.inc + 1))
+
+    def _kill_requests(self) -> None:
+        for slot, child in self.children.items():
+            key = (slot, child.inc)
+            if key in self.killed:
+                continue
+            if self.ms.get_str(f"kill/{slot}/{child.inc}") is not None:
+                self.killed[key] = time.time()
+                self.log(f"SIGKILL rank {slot} (pid {child.proc.pid}): heartbeat timeout")
+                _kill(child.proc.pid)
+
+    def _abort(self) -> Optional[str]:
+        fatal = self.ms.get_str("fatal")
+        if fatal:
+            return fatal
+        number = self.ms.generation_number()
+        if number < 0:
+            return None
+        gen = self.ms.generation(number)
+        return gen.abort
+
+    def run(self) -> int:
+        self.open_store()
+        self.command = self.args.command
+        for slot in self.slots:
+            self.spawn(slot, 0)
+        for _ in range(self.args.standby):
+            self.spawn_standby()
+        last_kill_check = 0.0
+        try:
+            while True:
+                self._reap()
+                now = time.monotonic()
+                for item in [p for p in self.pending if p[0] <= now]:
+                    self.pending.remove(item)
+                    self.spawn(item[1], item[2])
+                if now - last_kill_check > self.cfg.heartbeat_interval_s / 2:
+                    last_kill_check = now
+                    self._kill_requests()
+                    abort = self._abort()
+                    if abort:
+                        self.log(f"training aborted: {abort}")
+                        return 1
+                for child in list(self.standby):
+                    if child.proc.poll() is not None:  # a standby that died: start another
+                        self.standby.remove(child)
+                        self.spawn_standby()
+                if not self.children and not self.pending:
+                    if self.ms.get_str("done") is not None:
+                        return self._finish_node()
+                    deadline = time.monotonic() + self.cfg.heartbeat_timeout_s
+                    while time.monotonic() < deadline:  # the coordinator's verdict, if any
+                        abort = self._abort()
+                        if abort:
+                            self.log(f"training aborted: {abort}")
+                            return 1
+                        time.sleep(0.05)
+                    self.log("every rank of this node has exited and training is not done")
+                    return 1
+                time.sleep(0.01)
+        finally:
+            everyone = list(self.children.values()) + self.standby
+            for child in everyone:
+                _kill(child.proc.pid)
+            for child in everyone:
+                child.proc.wait()
+            if self.coordinator is not None:
+                self.coordinator.stop()
+
+    def _finish_node(self) -> int:
+        """Every rank of this node finished; node 0 keeps the store up for the others."""
+        self.ms.store.add("nodes_done", 1)
+        if self.node == 0:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if int(self.ms.store.add("nodes_done", 0)) >= self.args.nnodes:
+                    break
+                time.sleep(0.05)
+        return 0
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the child leads its own session
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    args.command = command
+    try:
+        if args.replace_ranks:
+            try:
+                args.replace_ranks = {int(r) for r in args.replace_ranks.split(",")}
+            except ValueError:
+                raise RecoveryConfigError(
+                    f"--replace-ranks={args.replace_ranks}: expected comma-separated ranks"
+                ) from None
+        if not command:
+            raise RecoveryConfigError("no command: add -- script.py [args] after the flags")
+        if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+            raise RecoveryConfigError(
+                f"--nproc-per-node={args.nproc_per_node} --nnodes={args.nnodes} --node-rank="
+                f"{args.node_rank}: need >= 1 process, >= 1 node and 0 <= node rank < nodes"
+            )
+        if args.node_rank > 0 and not args.store:
+            raise RecoveryConfigError(
+                f"--node-rank={args.node_rank} needs --store HOST:PORT (node 0's store)"
+            )
+        cfg = RecoveryConfig(
+            heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            collective_timeout_s=args.collective_timeout,
+            init_timeout_s=args.init_timeout,
+            replace=args.replace,
+            orphan=args.orphan,
+            join_margin_iterations=args.join_margin,
+            records_file=os.path.abspath(args.records) if args.records else None,
+        ).validate()
+    except RecoveryConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return Supervisor(args, cfg).run()
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "supervisor"
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The recovery protocol without training: config checks, kill specs, layout, coordinator
+decisions and the commit vote, on a real in-process TCPStore."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from megatron_mecefo.recovery.commit import vote
+from megatron_mecefo.recovery.config import RecoveryConfig, RecoveryConfigError
+from megatron_mecefo.recovery.coordinator import Coordinator
+from megatron_mecefo.recovery.fault_injection import KillSpecError, parse_kills
+from megatron_mecefo.recovery.membership import (
+    CompleteReplicas,
+    Generation,
+    JobLayout,
+    MembershipStore,
+)
+from megatron_mecefo.recovery.membership_schedule import MembershipSchedule
+from megatron_mecefo.recovery.replacement import build_replacement
+from megatron_mecefo.takeover.failure_schedule import FailureSchedule
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10),
+                           wait_for_workers=False)  # fmt: skip
+    yield f"127.0.0.1:{server.port}"
+    del server
+
+
+def test_timeout_hierarchy_is_checked_at_startup() -> None:
+    RecoveryConfig().validate()
+    with pytest.raises(RecoveryConfigError, match="--heartbeat-timeout=40.0 must be below "
+                       "--collective-timeout=30.0"):  # fmt: skip
+        RecoveryConfig(heartbeat_timeout_s=40.0).validate()
+    with pytest.raises(RecoveryConfigError, match="--collective-timeout=90.0 must be below"):
+        RecoveryConfig(collective_timeout_s=90.0).validate()
+    with pytest.raises(RecoveryConfigError, match="--replace=sometimes"):
+        RecoveryConfig(replace="sometimes").validate()
+
+
+def test_replacement_policies() -> None:
+    assert build_replacement("never").delay_s(3) is None
+    assert build_replacement("immediately").delay_s(3) == 0.0
+    assert build_replacement("after:2.5").delay_s(3) == 2.5
+    with pytest.raises(RecoveryConfigError):
+        build_replacement("after:soon")
+
+
+def test_kill_specs_are_checked_and_seeded() -> None:
+    (k,) = parse_kills(["3:5:grad-sync"], 4, 10, seed=1)
+    assert (k.rank, k.iteration, k.phase) == (3, 5, "grad-sync")
+    drawn = parse_kills(["?:?:?"] * 3, 8, 50, seed=7)
+    assert drawn == parse_kills(["?:?:?"] * 3, 8, 50, seed=7)  # every rank draws the same
+    assert drawn != parse_kills(["?:?:?"] * 3, 8, 50, seed=8)
+    for bad, match in [
+        ("4:5:forward", "rank 4 does not exist"),
+        ("1:99:forward", "outside"),
+        ("1:5:sideways", "PHASE must be"),
+        ("1:5", "RANK:ITERATION:PHASE"),
+    ]:
+        with pytest.raises(KillSpecError, match=match):  # fmt: skip
+            parse_kills([bad], 4, 10, seed=1)
+
+
+def test_layout_matches_megatron_rank_order() -> None:
+    layout = JobLayout(tp=2, pp=2, dp=2)  # order tp-cp-ep-dp-pp
+    assert layout.replica_slots(0) == [0, 1, 4, 5]
+    assert layout.replica_slots(1) == [2, 3, 6, 7]
+    assert layout.coords(6) == (0, 1, 1)
+    # Replica 1 alone: its ranks renumbered as a TP2 x PP2 x DP1 world.
+    assert [layout.rank_in(s, [1]) for s in layout.replica_slots(1)] == [0, 1, 2, 3]
+    replicas, spares = CompleteReplicas().assign(layout, [0, 1, 2, 4, 5, 7])
+    assert replicas == [0] and spares == [2, 7]
+
+
+def test_membership_schedule_opens_and_closes_events() -> None:
+    sched = MembershipSchedule(FailureSchedule([], 4))
+    sched.apply_generation([0, 2, 3], 5)
+    assert sched.failed_at(4) == frozenset() and sched.failed_at(9) == {1}
+    sched.apply_generation([0, 1, 2, 3], 12)
+    assert sched.failed_at(11) == {1} and sched.failed_at(12) == frozenset()
+
+
+def test_coordinator_failure_rejoin_and_abort(store: str) -> None:
+    cfg = RecoveryConfig(store=store, poll_interval_s=0.005, heartbeat_interval_s=0.2,
+                         heartbeat_timeout_s=1.0)  # fmt: skip
+    ms = MembershipStore.connect(store)
+    coord = Coordinator(MembershipStore.connect(store), 4, cfg, log=lambda line: None)
+    coord.start()
+    try:
+        ms.set_json("layout", {"tp": 1, "pp": 1, "dp": 4})
+        for s in range(4):
+            ms.store.set(f"inc/{s}", "0")
+            ms.mark_ready(s, 0, {})
+        ms.report_dead(1, 0, {"exit_code": -9, "t": time.time()})
+        gen = _wait_gen(ms, 1)
+        assert gen.replicas == (0, 2, 3) and gen.lost == (1,) and gen.at_iteration is None
+        assert gen.rank_of(3) == 2
+        ms.store.set("progress", "7")
+        ms.store.set("inc/1", "1")
+        ms.mark_ready(1, 1, {})
+        gen = _wait_gen(ms, 2)
+        assert gen.joined == (1,) and gen.at_iteration == 7 + cfg.join_margin_iterations
+        assert gen.members == {0: 0, 1: 1, 2: 0, 3: 0}
+        for s in (0, 1, 2, 3):
+            ms.report_dead(s, gen.members[s], {"exit_code": -9, "t": time.time()})
+        gen = _wait_gen(ms, 3)
+        assert gen.replicas == () and "every data-parallel replica" in gen.abort
+    finally:
+        coord.stop()
+
+
+def _wait_gen(ms: MembershipStore, number: int) -> Generation:
+    deadline = time.time() + 10
+    while ms.generation_number() < number:
+        assert time.time() < deadline, f"no generation {number}"
+        time.sleep(0.01)
+    return ms.generation(number)
+
+
+def test_coordinator_kills_silent_rank(store: str) -> None:
+    """A rank whose heartbeat stops (SIGSTOP) gets a kill request for its supervisor."""
+    cfg = RecoveryConfig(store=store, poll_interval_s=0.005, heartbeat_interval_s=0.1,
+                         heartbeat_timeout_s=0.5)  # fmt: skip
+    ms = MembershipStore.connect(store)
+    coord = Coordinator(MembershipStore.connect(store), 2, cfg, log=lambda line: None)
+    coord.start()
+    try:
+        ms.set_json("layout", {"tp": 1, "pp": 1, "dp": 2})
+        for s in range(2):
+            ms.mark_ready(s, 0, {})
+        deadline = time.time() + 10
+        while ms.get_str("kill/1/0") is None:
+            ms.heartbeat(0, 0)  # rank 0 beats, rank 1 is silent
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert ms.get_str("kill/0/0") is None
+    finally:
+        coord.stop()
+
+
+def test_commit_vote_is_all_or_nothing(store: str) -> None:
+    """Members that all vote commit; if a member never votes and a failure generation is
+    published, every voter aborts, and late voters adopt the same decision."""
+    ms = MembershipStore.connect(store)
+    ms.publish(Generation(number=0, replicas=(), members={0: 0, 1: 0, 2: 0}))
+    results = {}
+
+    def member(slot: int, iteration: int) -> None:
+        results[(slot, iteration)] = vote(MembershipStore.connect(store), 0, iteration, slot,
+                                          [0, 1, 2], 0.005)  # fmt: skip
+
+    threads = [threading.Thread(target=member, args=(s, 1)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert [results[(s, 1)] for s in range(3)] == [True, True, True]
+    # Iteration 2: rank 2 dies before voting.
+    threads = [threading.Thread(target=member, args=(s, 2)) for s in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    ms.publish(Generation(number=1, replicas=(), members={0: 0, 1: 0}, lost=(2,)))
+    for t in threads:
+        t.join(10)
+    assert results[(0, 2)] is False and results[(1, 2)] is False
+    # A planned generation (switch after this iteration) does not abort the vote.
+    ms.publish(Generation(number=2, replicas=(), members={0: 0, 1: 0}, at_iteration=9))
+    assert vote(ms, 1, 3, 0, [0], 0.005) is True
