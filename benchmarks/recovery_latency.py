@@ -14,8 +14,9 @@ and rejoins at an iteration boundary, so every kill hits a full world. The recov
 * per rejoin: ``heal_s`` (state copy + checksum) and ``rejoin_s`` (boundary -> first step).
 
 Then the cost of the armed supervisor without any failure: the same DP4 job, plain torchrun
-vs supervisor, alternated ``--overhead-repeats`` times, mean step time over the iterations after
-the first 5 (side by side on the same machine).
+vs supervisor, alternated ``--overhead-repeats`` times: CPU time per iteration of the whole
+process tree (the difference of a short and a long run) and the mean step time (see
+:func:`overhead`).
 
 Usage: ``.venv/bin/python benchmarks/recovery_latency.py [--kills-per-phase 20]``; writes
 ``results/recovery_latency.json`` and prints the table.
@@ -28,6 +29,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import statistics
@@ -135,39 +137,67 @@ def step_time(metrics: Path) -> float:
     return statistics.mean(steps)
 
 
-def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
-    """Plain torchrun vs the armed supervisor, no failure, DP4, alternated."""
-    plain, supervised = [], []
-    args = [*MODEL, "--data-path", data, "--train-iters", str(iters)]
-    for i in range(repeats):
+def _launch(out: Path, name: str, supervised: bool, args: List[str]) -> tuple:
+    """One DP4 run without failures: (its process tree's CPU seconds, mean step time)."""
+    metrics, pid_file = out / f"{name}.jsonl", out / f"{name}_pids.txt"
+    if supervised:
+        cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor", "--nproc-per-node=4",
+               "--pid-file", str(pid_file), *SUPERVISOR_TIMEOUTS, "--"]  # fmt: skip
+    else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        m = out / f"overhead_plain_{i}.jsonl"
-        rc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-                   f"--master_port={port}", str(TRAINER), *args, "--metrics-file", str(m)],
-                  out / f"overhead_plain_{i}.log", timeout=900)  # fmt: skip
-        assert rc == 0, f"plain run failed: see {out}/overhead_plain_{i}.log"
-        plain.append(step_time(m))
-        m = out / f"overhead_supervised_{i}.jsonl"
-        pid_file = out / f"overhead_pids_{i}.txt"
-        try:
-            rc = _run([sys.executable, "-m", "megatron_mecefo.recovery.supervisor",
-                       "--nproc-per-node=4", "--pid-file", str(pid_file), *SUPERVISOR_TIMEOUTS,
-                       "--", str(TRAINER), *args, "--metrics-file", str(m)],
-                      out / f"overhead_supervised_{i}.log", timeout=900)  # fmt: skip
-        finally:
-            _kill_pids(pid_file)
-        assert rc == 0, f"supervised run failed: see {out}/overhead_supervised_{i}.log"
-        supervised.append(step_time(m))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+               f"--master_port={port}"]  # fmt: skip
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        rc = _run([*cmd, str(TRAINER), *args, "--metrics-file", str(metrics)],
+                  out / f"{name}.log", timeout=900)  # fmt: skip
+    finally:
+        _kill_pids(pid_file)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert rc == 0, f"run failed: see {out}/{name}.log"
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return cpu, step_time(metrics)
+
+
+def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
+    """Plain torchrun vs the armed supervisor, no failure, DP4, alternated ``repeats`` times.
+
+    CPU time is the robust measure on shared cores (a rank waiting in gloo or in the store
+    does not spin, and 4 ranks on 2 cores make wall time a function of everyone's CPU work):
+    each launcher runs ``iters`` and ``4 * iters`` iterations, and the difference of the whole
+    process tree's CPU time (launcher, ranks, store, supervisor threads), divided by the
+    difference in iterations, is its CPU cost per iteration, start-up cancelled out. The
+    mean step time of the long runs (after 5 warm-up iterations) is reported beside it.
+    """
+    args = [*MODEL, "--data-path", data]
+    cpu: Dict[str, List[float]] = {"plain": [], "supervised": []}
+    wall: Dict[str, List[float]] = {"plain": [], "supervised": []}
+    for i in range(repeats):
+        for kind in ("plain", "supervised"):
+            sup = kind == "supervised"
+            short, _ = _launch(out, f"overhead_{kind}_{i}_short", sup,
+                               args + ["--train-iters", str(iters)])  # fmt: skip
+            long, step = _launch(out, f"overhead_{kind}_{i}_long", sup,
+                                 args + ["--train-iters", str(4 * iters)])  # fmt: skip
+            cpu[kind].append((long - short) / (3 * iters))
+            wall[kind].append(step)
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    pairs = [100 * (s / p - 1) for p, s in zip(cpu["plain"], cpu["supervised"], strict=True)]
     return {
-        "layout": "dp4", "train_iters": iters, "repeats": repeats,
-        "plain_step_s": plain, "supervised_step_s": supervised,
-        "plain_mean_s": statistics.mean(plain), "supervised_mean_s": statistics.mean(supervised),
-        "plain_median_s": statistics.median(plain),
-        "supervised_median_s": statistics.median(supervised),
-        "overhead_pct": 100 * (statistics.median(supervised) / statistics.median(plain) - 1),
-        "run_to_run_spread_pct": 100 * (max(plain) - min(plain)) / statistics.median(plain),
+        "layout": "dp4", "iterations": [iters, 4 * iters], "repeats": repeats,
+        "cpu_per_iteration_s": cpu, "step_time_s": wall,
+        "plain_cpu_median_s": med["plain"], "supervised_cpu_median_s": med["supervised"],
+        "overhead_cpu_pct": 100 * (med["supervised"] / med["plain"] - 1),
+        "overhead_cpu_pct_per_pair": pairs,
+        "plain_cpu_spread_pct": 100 * (max(cpu["plain"]) - min(cpu["plain"])) / med["plain"],
+        "overhead_wall_pct": 100 * (
+            statistics.median(wall["supervised"]) / statistics.median(wall["plain"]) - 1
+        ),
+        "plain_wall_spread_pct": 100
+        * (max(wall["plain"]) - min(wall["plain"]))
+        / statistics.median(wall["plain"]),
         "vote_line": _vote_line(out, repeats),
     }  # fmt: skip
 
@@ -176,7 +206,7 @@ def _vote_line(out: Path, repeats: int) -> List[str]:
     """The supervised runs' 'commit vote' summary rows (p50/max ms per iteration)."""
     lines = []
     for i in range(repeats):
-        log = out / f"overhead_supervised_{i}.log"
+        log = out / f"overhead_supervised_{i}_long.log"
         if log.exists():
             lines += [ln.strip() for ln in log.read_text().splitlines() if "commit vote" in ln]
     return lines
@@ -211,9 +241,15 @@ def main() -> None:
     p.add_argument("--layouts", default="dp4,tp2pp2dp2")
     p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument("--kills-per-phase", type=int, default=20)
-    p.add_argument("--spacing", type=int, default=40, help="iterations between kills")
+    p.add_argument(
+        "--spacing",
+        type=int,
+        default=100,
+        help="iterations between kills; keep the kill rate below the rate at which cold "
+        "replacements come up (about 10 s each here), or the world shrinks to nothing",
+    )
     p.add_argument("--overhead-repeats", type=int, default=3)
-    p.add_argument("--overhead-iters", type=int, default=60)
+    p.add_argument("--overhead-iters", type=int, default=40)
     p.add_argument("--data-path", default=str(REPO / "data" / "stdlib_text_document"))
     p.add_argument("--output", default=str(REPO / "results" / "recovery_latency.json"))
     p.add_argument("--workdir", default=str(REPO / "results" / "recovery_latency"))
@@ -249,8 +285,12 @@ def main() -> None:
     Path(a.output).write_text(json.dumps(result, indent=1))
     if over:
         print(
-            f"armed supervisor, no failure (DP4): step {over['plain_mean_s']:.4f} s plain vs "
-            f"{over['supervised_mean_s']:.4f} s supervised ({over['overhead_pct']:+.2f}%)"
+            "armed supervisor, no failure (DP4): CPU per iteration "
+            f"{over['plain_cpu_median_s']:.4f}"
+            f" s plain vs {over['supervised_cpu_median_s']:.4f} s supervised "
+            f"({over['overhead_cpu_pct']:+.2f}%; pairs "
+            + ", ".join(f"{x:+.1f}%" for x in over["overhead_cpu_pct_per_pair"])
+            + f"); wall {over['overhead_wall_pct']:+.2f}%"
         )
     print(f"recovery_latency: wrote {a.output}")
 
