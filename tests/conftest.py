@@ -39,6 +39,19 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_worker(worker: Path, out: Path, layout: str, ranks: int, scenarios: list[str]) -> dict:
+    """Run ``worker out layout *scenarios`` on ``ranks`` torchrun ranks; its JSON results,
+    with any scenario that recorded an error reported as the failure."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+           f"--master-port={free_port()}", str(worker), str(out), layout, *scenarios]  # fmt: skip
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / f"{layout}.json").read_text())
+    errors = {k: v["error"] for k, v in results.items() if "error" in v}
+    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
+    return results
+
+
 def run_trainer(
     nproc: int, args: list[str], workdir: Path, timeout: int = 600, **env: str
 ) -> tuple[subprocess.CompletedProcess, list[dict[str, Any]]]:

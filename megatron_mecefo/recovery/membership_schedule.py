@@ -34,7 +34,10 @@ class MembershipSchedule:
         real = ", ".join(
             f"replica {r} {f}-{'end' if t >= NEVER else t - 1}" for r, f, t in self.real
         )
-        return f"{self.base.description}; real failures: {real or 'none'}"
+        # The base schedule is the simulated one (--mecefo-fail); "no failures" there reads as
+        # a contradiction next to the real ones.
+        simulated = "none" if not self.base.events else self.base.description
+        return f"simulated failures: {simulated}; real failures: {real or 'none'}"
 
     @property
     def events(self) -> Tuple[FailureEvent, ...]:

@@ -6,14 +6,11 @@ measured. The reference is always the same model's fault-free forward and backwa
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict
 
 import pytest
-from conftest import REPO, child_env, free_port
+from conftest import REPO, run_worker
 
 WORKER = REPO / "tests" / "abft" / "abft_worker.py"
 LAYOUTS = {  # layout: (ranks, scenarios)
@@ -32,14 +29,7 @@ LOSS_ATOL, GRAD_ATOL = 1e-5, 1e-6
 
 def _run(layout: str, out: Path) -> Dict[str, Any]:
     ranks, scenarios = LAYOUTS[layout]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-           f"--master-port={free_port()}", str(WORKER), str(out), layout, *scenarios]  # fmt: skip
-    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads((out / f"{layout}.json").read_text())
-    errors = {k: v["error"] for k, v in results.items() if "error" in v}
-    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
-    return results
+    return run_worker(WORKER, out, layout, ranks, scenarios)
 
 
 @pytest.fixture(scope="module")

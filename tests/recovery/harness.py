@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
+from conftest import REPO
+from conftest import child_env as env
 
-REPO = Path(__file__).resolve().parents[2]
 DUMP_TRAINER = REPO / "tests" / "recovery" / "dump_trainer.py"
 
 # Ordered as RecoveryConfig requires; short enough that a test never waits long on a backstop.
@@ -28,14 +29,6 @@ SMALL_MODEL = [
     "--lr-decay-style", "constant", "--split", "90,10,0", "--make-vocab-size-divisible-by",
     "256", "--eval-iters", "0", "--log-interval", "1", "--mecefo-rank", "16",
 ]  # fmt: skip
-
-
-def env(**extra: str) -> Dict[str, str]:
-    e = dict(os.environ)
-    e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")])
-    e.update(extra)
-    return e
 
 
 class Job:
