@@ -120,21 +120,29 @@ def test_verify_patch_on_a_megatron_lm_checkout() -> None:
     assert script.read_text() == before  # the checkout is left as it was found
 
 
-# A tiny GPT on mock data, DP2 on 2 CPU ranks, dropout off: a replica that recomputes another's
-# micro-batch draws its own dropout masks, so only a dropout-free run can equal stock exactly.
-PHASE_RUN = [
+# Megatron-LM on CPU ranks over gloo: no fused kernels, the local spec; a tiny GPT on mock data
+# (DP2 on 2 ranks, global batch 16). Every run below starts from these flags.
+CPU_TINY_GPT = [
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
     "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
     "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64", "--hidden-dropout", "0",
-    "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "16",
-    # Megatron-LM's phase bookkeeping needs --train-samples (train_iters = 6 here).
-    "--train-samples", "96", "--phase-transition-iterations", "2", "--ckpt-format", "torch",
+    "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "16",
+]  # fmt: skip
+# Logging every iteration, constant LR, no evaluation, mock data: what each run ends with.
+MOCK_TRAINING = [
     "--log-interval", "1", "--lr", "1e-3", "--lr-decay-style", "constant",
     "--eval-iters", "0", "--eval-interval", "1000",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--seed", "1234",
 ]  # fmt: skip
+# Dropout off: a replica that recomputes another's micro-batch draws its own dropout masks, so
+# only a dropout-free run can equal stock exactly.
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+PHASE_RUN = CPU_TINY_GPT + NO_DROPOUT + [
+    # Megatron-LM's phase bookkeeping needs --train-samples (train_iters = 6 here).
+    "--train-samples", "96", "--phase-transition-iterations", "2", "--ckpt-format", "torch",
+] + MOCK_TRAINING  # fmt: skip
 _ITERATION = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+).*?grad norm: ([0-9.]+)")
 
 
@@ -212,11 +220,7 @@ def test_phase_transition_resume_exact_policy_equals_stock(tmp_path: Path) -> No
 
 
 # PHASE_RUN without the phase transition: 4 iterations of a global batch of 8.
-DIST_OPT_RUN = PHASE_RUN[: PHASE_RUN.index("--train-samples")] + [
-    "--train-iters", "4", "--log-interval", "1", "--lr", "1e-3", "--lr-decay-style", "constant",
-    "--eval-iters", "0", "--eval-interval", "1000",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--seed", "1234",
-]  # fmt: skip
+DIST_OPT_RUN = CPU_TINY_GPT + NO_DROPOUT + ["--train-iters", "4"] + MOCK_TRAINING
 DIST_OPT_RUN[DIST_OPT_RUN.index("--global-batch-size") + 1] = "8"
 
 
@@ -266,16 +270,7 @@ def test_distributed_optimizer_resume_equals_plain_optimizer_resume(
 
 # Issue 14 end to end: --mecefo-abft in Megatron-LM's own loop. DP2, default dropout (0.1):
 # the checks must not draw from the RNG either.
-ABFT_RUN = [
-    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
-    "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-    "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
-    "--global-batch-size", "16", "--train-iters", "12", "--log-interval", "1", "--lr", "1e-3",
-    "--lr-decay-style", "constant", "--eval-iters", "0", "--eval-interval", "1000",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--seed", "1234",
-]  # fmt: skip
+ABFT_RUN = CPU_TINY_GPT + ["--train-iters", "12"] + MOCK_TRAINING
 # One fault per kind and op, on both ranks and several micro-batches; iteration 11 puts two
 # NaNs in one line of the output projection (correction cannot locate them: recompute).
 ABFT_FAULTS = {
