@@ -35,19 +35,20 @@ data: $(DATA).bin
 # the global batch is 2 micro-batches x 2 x DP. The simulated-failure demo is
 # `make demo-simulated`.
 DEMO_DP = $(shell expr $(NPROC) / 2)
+# The model, data and schedule both demos train (PP2 x DP=NPROC/2).
+DEMO_RUN = --pipeline-model-parallel-size 2 --data-path $(DATA) --split 98,2,0 \
+	--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+	--micro-batch-size 2 --global-batch-size $(shell expr 4 \* $(DEMO_DP)) \
+	--train-iters 150 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 \
+	--log-interval 10 --eval-interval 50 --eval-iters 4 \
+	--check-weight-hash-across-dp-replicas-interval 50
 demo: data
 	@if [ $$(( $(NPROC) % 2 )) -ne 0 ] || [ $(NPROC) -lt 6 ]; then \
 	    echo "make demo: NPROC=$(NPROC): use an even number >= 6 (PP2 x DP>=3; ranks 3 and 5 are killed)"; exit 2; fi
 	$(PY) -m megatron_mecefo.recovery.supervisor --nproc-per-node=$(NPROC) \
 	    --replace after:5 --replace-ranks 5 --standby 1 --records results/demo/recovery.jsonl \
 	    -- examples/pretrain_gpt/pretrain_gpt.py \
-	    --pipeline-model-parallel-size 2 \
-	    --data-path $(DATA) --split 98,2,0 \
-	    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
-	    --micro-batch-size 2 --global-batch-size $(shell expr 4 \* $(DEMO_DP)) \
-	    --train-iters 150 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 \
-	    --log-interval 10 --eval-interval 50 --eval-iters 4 \
-	    --check-weight-hash-across-dp-replicas-interval 50 \
+	    $(DEMO_RUN) \
 	    --mecefo --mecefo-rank 32 \
 	    --mecefo-kill 3:40:backward --mecefo-kill 5:80:grad-sync \
 	    --metrics-file results/demo/metrics.jsonl
@@ -62,13 +63,7 @@ demo-simulated: data
 	@if [ $$(( $(NPROC) % 2 )) -ne 0 ] || [ $(NPROC) -lt 4 ]; then \
 	    echo "make demo-simulated: NPROC=$(NPROC): use an even number >= 4 (PP2 x DP>=2)"; exit 2; fi
 	$(TORCHRUN) --nproc_per_node=$(NPROC) --master_port=29533 examples/pretrain_gpt/pretrain_gpt.py \
-	    --pipeline-model-parallel-size 2 \
-	    --data-path $(DATA) --split 98,2,0 \
-	    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
-	    --micro-batch-size 2 --global-batch-size $(shell expr 4 \* $(DEMO_DP)) \
-	    --train-iters 150 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 \
-	    --log-interval 10 --eval-interval 50 --eval-iters 4 \
-	    --check-weight-hash-across-dp-replicas-interval 50 \
+	    $(DEMO_RUN) \
 	    --mecefo --mecefo-rank 32 --mecefo-grad-error-interval 10 \
 	    $(DEMO_FAILS) \
 	    --metrics-file results/demo/metrics.jsonl

@@ -89,6 +89,19 @@ def _kill_pids(pid_file: Path) -> None:
             pass
 
 
+def _supervisor(world: int, pid_file: Path) -> List[str]:
+    """The supervisor's command line up to its own options: ``world`` ranks on this node,
+    their PIDs written to ``pid_file`` (for :func:`_kill_pids`), the benchmark's timeouts."""
+    supervisor = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor"]
+    return [
+        *supervisor,
+        f"--nproc-per-node={world}",
+        "--pid-file",
+        str(pid_file),
+        *SUPERVISOR_TIMEOUTS,
+    ]
+
+
 def kill_run(out: Path, layout: str, phase: str, kills: int, spacing: int, data: str) -> Dict:
     tp, pp, dp = LAYOUTS[layout]
     world = tp * pp * dp
@@ -106,10 +119,8 @@ def kill_run(out: Path, layout: str, phase: str, kills: int, spacing: int, data:
         f.unlink(missing_ok=True)
     pid_file = run_dir / "pids.txt"
     pid_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor",
-           f"--nproc-per-node={world}", "--replace", "immediately", "--standby", "2",
-           "--records", str(records), "--pid-file", str(pid_file), *SUPERVISOR_TIMEOUTS,
-           "--", str(TRAINER), *MODEL, "--data-path", data,
+    cmd = [*_supervisor(world, pid_file), "--replace", "immediately", "--standby", "2",
+           "--records", str(records), "--", str(TRAINER), *MODEL, "--data-path", data,
            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
            "--train-iters", str(iters), "--metrics-file", str(metrics), *specs]  # fmt: skip
     t0 = time.time()
@@ -138,11 +149,10 @@ def step_time(metrics: Path) -> float:
 
 
 def _launch(out: Path, name: str, supervised: bool, args: List[str]) -> tuple:
-    """One DP4 run without failures: (its process tree's CPU seconds, mean step time)."""
+    """One DP4 run without failures: (its process tree's CPU seconds, its metrics file)."""
     metrics, pid_file = out / f"{name}.jsonl", out / f"{name}_pids.txt"
     if supervised:
-        cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor", "--nproc-per-node=4",
-               "--pid-file", str(pid_file), *SUPERVISOR_TIMEOUTS, "--"]  # fmt: skip
+        cmd = [*_supervisor(4, pid_file), "--"]
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -158,7 +168,7 @@ def _launch(out: Path, name: str, supervised: bool, args: List[str]) -> tuple:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert rc == 0, f"run failed: see {out}/{name}.log"
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return cpu, step_time(metrics)
+    return cpu, metrics
 
 
 def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
@@ -179,10 +189,10 @@ def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
             sup = kind == "supervised"
             short, _ = _launch(out, f"overhead_{kind}_{i}_short", sup,
                                args + ["--train-iters", str(iters)])  # fmt: skip
-            long, step = _launch(out, f"overhead_{kind}_{i}_long", sup,
-                                 args + ["--train-iters", str(4 * iters)])  # fmt: skip
+            long, metrics = _launch(out, f"overhead_{kind}_{i}_long", sup,
+                                    args + ["--train-iters", str(4 * iters)])  # fmt: skip
             cpu[kind].append((long - short) / (3 * iters))
-            wall[kind].append(step)
+            wall[kind].append(step_time(metrics))
     med = {k: statistics.median(v) for k, v in cpu.items()}
     pairs = [100 * (s / p - 1) for p, s in zip(cpu["plain"], cpu["supervised"], strict=True)]
     return {

@@ -377,13 +377,13 @@ def _validate_mecefo(args: argparse.Namespace) -> None:
         )
     except MecefoConfigError as err:
         raise ConfigError(str(err)) from None
-    for line in warnings:
-        warn(line)
     from megatron_mecefo.recovery.arguments import validate as validate_recovery
 
     problem = validate_recovery(args, args.world_size)
-    if problem:
+    if problem:  # before the warnings: a run that stops prints only its error
         raise ConfigError(problem)
+    for line in warnings:
+        warn(line)
 
 
 def warn(message: str) -> None:
