@@ -173,6 +173,21 @@ class MembershipStore:
         self.store.set(f"gen/{gen.number}", gen.to_json())
         self.store.set("gen", str(gen.number))
 
+    def unformed_failures(self, number: int) -> List[Generation]:
+        """The failure generations just below ``number`` whose world never formed (not every
+        member arrived: a newer generation superseded them during the regroup), oldest first.
+        The scan stops at the first generation that formed or already has a record."""
+        found = []
+        for g in range(number - 1, 0, -1):
+            old = self.generation(g)
+            if self.store.check([f"arrive/{g}/{s}" for s in old.members]):
+                break
+            if self.get_str(f"record/{g}") is not None:
+                break
+            if old.at_iteration is None and not old.abort:
+                found.append(old)
+        return found[::-1]
+
     # -------------------------------------------------------------- processes
     def report_dead(self, slot: int, inc: int, info: Dict[str, Any]) -> None:
         self.set_json(f"dead/{slot}/{inc}", info)

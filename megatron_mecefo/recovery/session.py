@@ -390,6 +390,16 @@ class RecoverySession:
         while not self.ms.store.check(keys) and time.time() < deadline:
             self.sleep()
         times = {s: self.ms.get_json(f"rt/{gen.number}/{s}") or {} for s in gen.members}
+        # A failure generation that was never formed (a replacement came up during the
+        # regroup, so a planned generation superseded it before its rendezvous) still gets
+        # its own record, timed by this generation's members.
+        for skipped in self.ms.unformed_failures(gen.number):
+            self._emit_record(trainer, skipped, times, superseded_by=gen.number)
+        self._emit_record(trainer, gen, times)
+
+    def _emit_record(
+        self, trainer: Any, gen: Generation, times: Dict[int, Any], superseded_by: int = 0
+    ) -> None:
         kills, deaths = {}, {}
         for s in gen.lost:
             inc = self._last_inc(s)
@@ -408,6 +418,8 @@ class RecoverySession:
             redone=gen.at_iteration is None,
             global_batch_size=self.args.global_batch_size,
         )
+        if superseded_by:
+            record["superseded_by"] = superseded_by
         self.ms.set_json(f"record/{gen.number}", record)
         trainer._emit(record)
         rec_mod.append_jsonl(self.cfg.records_file, record)

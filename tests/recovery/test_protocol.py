@@ -174,3 +174,28 @@ def test_commit_vote_is_all_or_nothing(store: str) -> None:
     # A planned generation (switch after this iteration) does not abort the vote.
     ms.publish(Generation(number=2, replicas=(), members={0: 0, 1: 0}, at_iteration=9))
     assert vote(ms, 1, 3, 0, [0], 0.005) is True
+
+
+def test_unformed_failure_generations_are_found(store: str) -> None:
+    """A failure generation superseded before its world formed is owed a record; one that
+    formed, or that already has its record, ends the scan."""
+    ms = MembershipStore.connect(store)
+    layout = {"tp": 1, "pp": 1, "dp": 4}
+    four = {s: 0 for s in range(4)}
+    gens = [
+        Generation(1, (0, 2, 3), {0: 0, 2: 0, 3: 0}, lost=(1,), layout=layout),  # formed
+        Generation(2, (0, 3), {0: 0, 3: 0}, lost=(2,), layout=layout),  # superseded
+        Generation(3, (0,), {0: 0}, lost=(3,), layout=layout),  # superseded
+        Generation(4, (0, 1, 2, 3), four, joined=(1, 2, 3), at_iteration=9, layout=layout),
+    ]
+    for gen in gens:
+        ms.publish(gen)
+    for s in (0, 2, 3):
+        ms.store.set(f"arrive/1/{s}", "1")
+    ms.store.set("arrive/2/0", "1")  # slot 3 never arrived: generation 2 never formed
+    assert [g.number for g in ms.unformed_failures(4)] == [2, 3]
+    ms.store.set("record/3", "{}")
+    assert ms.unformed_failures(4) == []
+    assert [g.number for g in ms.unformed_failures(3)] == [2]
+    # Generation 1 formed: nothing below 2 is owed.
+    assert ms.unformed_failures(2) == []
