@@ -151,8 +151,10 @@ def step_time(metrics: Path) -> float:
 def _launch(out: Path, name: str, supervised: bool, args: List[str]) -> tuple:
     """One DP4 run without failures: (its process tree's CPU seconds, its metrics file)."""
     metrics, pid_file = out / f"{name}.jsonl", out / f"{name}_pids.txt"
+    records = out / f"{name}_records.jsonl"
+    records.unlink(missing_ok=True)
     if supervised:
-        cmd = [*_supervisor(4, pid_file), "--"]
+        cmd = [*_supervisor(4, pid_file), "--records", str(records), "--"]
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -168,7 +170,7 @@ def _launch(out: Path, name: str, supervised: bool, args: List[str]) -> tuple:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert rc == 0, f"run failed: see {out}/{name}.log"
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return cpu, metrics
+    return cpu, metrics, records
 
 
 def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
@@ -184,15 +186,19 @@ def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
     args = [*MODEL, "--data-path", data]
     cpu: Dict[str, List[float]] = {"plain": [], "supervised": []}
     wall: Dict[str, List[float]] = {"plain": [], "supervised": []}
+    armed: List[Dict[str, Any]] = []
     for i in range(repeats):
         for kind in ("plain", "supervised"):
             sup = kind == "supervised"
-            short, _ = _launch(out, f"overhead_{kind}_{i}_short", sup,
-                               args + ["--train-iters", str(iters)])  # fmt: skip
-            long, metrics = _launch(out, f"overhead_{kind}_{i}_long", sup,
-                                    args + ["--train-iters", str(4 * iters)])  # fmt: skip
+            short, _, _ = _launch(out, f"overhead_{kind}_{i}_short", sup,
+                                  args + ["--train-iters", str(iters)])  # fmt: skip
+            long, metrics, records = _launch(out, f"overhead_{kind}_{i}_long", sup,
+                                             args + ["--train-iters", str(4 * iters)])  # fmt: skip
             cpu[kind].append((long - short) / (3 * iters))
             wall[kind].append(step_time(metrics))
+            if sup:
+                armed += [json.loads(ln) for ln in records.read_text().splitlines()
+                          if '"armed_cost"' in ln]  # fmt: skip
     med = {k: statistics.median(v) for k, v in cpu.items()}
     pairs = [100 * (s / p - 1) for p, s in zip(cpu["plain"], cpu["supervised"], strict=True)]
     return {
@@ -209,7 +215,38 @@ def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
         * (max(wall["plain"]) - min(wall["plain"]))
         / statistics.median(wall["plain"]),
         "vote_line": _vote_line(out, repeats),
+        "accounting": armed_accounting(armed, statistics.median(wall["plain"])),
     }  # fmt: skip
+
+
+def armed_accounting(ranks: List[Dict[str, Any]], plain_step_s: float) -> Dict[str, Any]:
+    """The armed supervisor's own cost per iteration, summed from what it does, against the
+    plain launcher's step time (a direct account, immune to the A/B noise of shared cores).
+
+    Per iteration: the commit vote as run by the member that completes it (it never waits,
+    so this is the store round trips alone; the other members wait for the slowest one's
+    gradient sync, which without the vote they would wait for at the next collective), the
+    boundary hooks (RNG/counter snapshot, progress key, generation check), and the CPU of the
+    heartbeat and watchdog threads divided by the iterations. The worst rank's hooks and
+    threads are counted.
+    """
+    if not ranks:
+        return {}
+    votes = sorted(v for r in ranks for v in r["vote_last_s"][5:])
+    vote = statistics.median(votes)
+    hooks = max(statistics.median(r["hooks_s"][5:]) for r in ranks)
+    threads = max(r["thread_cpu_s"] / max(r["iterations"], 1) for r in ranks)
+    total = vote + hooks + threads
+    return {
+        "ranks": len(ranks),
+        "vote_protocol_s": {"p50": vote, "p90": votes[int(0.9 * (len(votes) - 1))]},
+        "vote_with_wait_p50_s": statistics.median(v for r in ranks for v in r["vote_s"][5:]),
+        "hooks_p50_s": hooks,
+        "thread_cpu_per_iteration_s": threads,
+        "armed_per_iteration_s": total,
+        "plain_step_s": plain_step_s,
+        "armed_pct_of_step": 100 * total / plain_step_s,
+    }
 
 
 def _vote_line(out: Path, repeats: int) -> List[str]:
@@ -233,8 +270,8 @@ def _stats(values: List[float]) -> Dict[str, Any]:
 def summarize(runs: List[Dict]) -> Dict[str, Any]:
     table = {}
     for run in runs:
-        fails = [r for r in run["records"] if r["kind"] == "failure"]
-        joins = [r for r in run["records"] if r["kind"] == "rejoin"]
+        fails = [r for r in run["records"] if r.get("kind") == "failure"]
+        joins = [r for r in run["records"] if r.get("kind") == "rejoin"]
         table[f"{run['layout']}/{run['phase']}"] = {
             key: _stats([r.get(key) for r in fails])
             for key in ("detect_s", "regroup_s", "redo_s", "total_s")
@@ -301,6 +338,14 @@ def main() -> None:
             f"({over['overhead_cpu_pct']:+.2f}%; pairs "
             + ", ".join(f"{x:+.1f}%" for x in over["overhead_cpu_pct_per_pair"])
             + f"); wall {over['overhead_wall_pct']:+.2f}%"
+        )
+        acc = over["accounting"]
+        vote_ms, hooks_ms = 1e3 * acc["vote_protocol_s"]["p50"], 1e3 * acc["hooks_p50_s"]
+        threads_ms = 1e3 * acc["thread_cpu_per_iteration_s"]
+        print(
+            f"armed supervisor, accounted per iteration: vote {vote_ms:.2f} ms + hooks "
+            f"{hooks_ms:.2f} ms + threads {threads_ms:.2f} ms = {acc['armed_pct_of_step']:.2f}%"
+            f" of the {1e3 * acc['plain_step_s']:.0f} ms step"
         )
     print(f"recovery_latency: wrote {a.output}")
 

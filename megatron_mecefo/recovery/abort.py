@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from typing import Any, Callable, Iterable, Optional
 
 
@@ -72,7 +73,6 @@ class WorldAborter:
                 and all(isinstance(v, dist.ProcessGroup) for v in value)
             ):
                 setattr(ps, name, None)
-        import time
 
         t_pg = time.time()
         if dist.is_initialized():
@@ -152,14 +152,17 @@ def build_aborter(backend: str, store_port: int = -1) -> WorldAborter:
 
 
 class GenerationWatchdog:
-    """Calls ``aborter.abort()`` when the store's generation moves past ``generation`` while
-    the rank is busy (NCCL: releases a rank blocked on a dead peer; gloo: a no-op abort).
+    """Calls ``aborter.abort()`` when the store's generation moves past ``generation`` to a
+    failure while the rank is busy (NCCL: aborts the communicators; gloo: shuts the sockets).
 
     Args:
         current: Returns the store's current generation number.
         generation: This world's generation.
         aborter: What to call.
-        interval_s: Poll interval.
+        interval_s: Poll interval (with ``wait_after``: the longest single wait).
+        is_failure: Whether a generation number is a failure (planned ones do not abort).
+        wait_after: Blocks until a generation above its first argument exists or its second
+            argument (seconds) passes, e.g. :meth:`.MembershipStore.wait_generation_after`.
     """
 
     def __init__(
@@ -169,15 +172,21 @@ class GenerationWatchdog:
         aborter: WorldAborter,
         interval_s: float,
         is_failure: Callable[[int], bool] = lambda number: True,
+        wait_after: Optional[Callable[[int, float], None]] = None,
     ) -> None:
         self.current, self.generation, self.aborter = current, generation, aborter
         self.interval_s = interval_s
         self.is_failure = is_failure
         self._stop = threading.Event()
+        # Blocks until a generation above the given one appears (or the interval passes);
+        # by default a plain sleep, i.e. polling every interval.
+        self.wait_after = wait_after or (lambda number, timeout: self._stop.wait(timeout))
         self._lock = threading.Lock()
         self.fired: Optional[int] = None
         self.latest = generation
         """The store's generation number at the last poll."""
+        self.cpu_s = 0.0
+        """CPU seconds this thread has used (the supervisor's overhead accounting)."""
         self.thread = threading.Thread(target=self._run, name="mecefo-watchdog", daemon=True)
 
     def start(self) -> GenerationWatchdog:
@@ -185,24 +194,22 @@ class GenerationWatchdog:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        fired = False
+        while not self._stop.is_set():
             try:
+                self.wait_after(self.latest, self.interval_s)
                 now = self.current()
                 self.latest = now
-                if now == self.generation or not self.is_failure(now):
-                    continue
+                self.cpu_s = time.thread_time()
+                if fired or now == self.generation or not self.is_failure(now):
+                    continue  # after firing: only keep ``latest`` fresh
             except Exception:
                 return
             with self._lock:
                 if self._stop.is_set():
                     return
-                self.fired = now
+                self.fired, fired = now, True
                 self.aborter.abort()
-            while not self._stop.wait(self.interval_s):  # keep ``latest`` fresh
-                try:
-                    self.latest = self.current()
-                except Exception:
-                    return
 
     def stop(self) -> None:
         """After this returns the watchdog never aborts (it may be mid-abort until then)."""

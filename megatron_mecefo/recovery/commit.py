@@ -12,7 +12,7 @@ same samples, under the takeover plan.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Sequence
+from typing import Dict, Optional, Sequence
 
 from torch.distributed import DistStoreError
 
@@ -32,6 +32,7 @@ def vote(
     slot: int,
     members: Sequence[int],
     poll_interval_s: float,
+    outcome: Optional[Dict[str, bool]] = None,
 ) -> bool:
     """Vote for ``iteration`` in ``generation``; True when the step may be applied.
 
@@ -39,10 +40,14 @@ def vote(
     writes the commit. Everyone blocks in ``wait`` on the decision key (woken by the store the
     moment it is written, no polling); every ``poll_interval_s * 50`` it looks whether a
     failure generation has superseded this one, and then writes the abort. ``compare_set``
-    keeps the first decision written, so all members apply the same one.
+    keeps the first decision written, so all members apply the same one. ``outcome["last"]``
+    (when given) tells whether this member's vote completed the count: its vote never waited
+    for a peer, so its duration is the protocol's own cost.
     """
     decision_key = f"decision/{generation}/{iteration}"
     count = int(ms.store.add(f"votes/{generation}/{iteration}", 1))
+    if outcome is not None:
+        outcome["last"] = count == len(members)
     if count == len(members):
         ms.store.compare_set(decision_key, "", COMMIT)
     wait = timedelta(seconds=max(poll_interval_s * 50, 0.05))

@@ -8,6 +8,7 @@ sockets, so gloo releases the survivors blocked on it. The thread has its own st
 from __future__ import annotations
 
 import threading
+import time
 
 from megatron_mecefo.recovery.membership import MembershipStore
 
@@ -26,6 +27,8 @@ class Heartbeat:
         self.ms = MembershipStore.connect(address)
         self.slot, self.inc, self.interval_s = slot, inc, interval_s
         self._stop = threading.Event()
+        self.cpu_s = 0.0
+        """CPU seconds this thread has used (the supervisor's overhead accounting)."""
         self.thread = threading.Thread(target=self._run, name="mecefo-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
@@ -39,6 +42,7 @@ class Heartbeat:
                 self.ms.heartbeat(self.slot, self.inc)
             except Exception:  # the store is gone: the job is over
                 return
+            self.cpu_s = time.thread_time()
 
     def stop(self) -> None:
         self._stop.set()

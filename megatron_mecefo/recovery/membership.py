@@ -168,6 +168,17 @@ class MembershipStore:
     def generation(self, number: int) -> Generation:
         return Generation.from_json(self.store.get(f"gen/{number}"))
 
+    def wait_generation_after(self, number: int, timeout_s: float) -> None:
+        """Block until generation ``number + 1`` is published or ``timeout_s`` passes; the
+        store wakes the caller when the key appears (no polling). Holds this client's lock
+        while it waits: use a client of its own."""
+        from torch.distributed import DistStoreError
+
+        try:
+            self.store.wait([f"gen/{number + 1}"], timedelta(seconds=timeout_s))
+        except DistStoreError:
+            pass
+
     def publish(self, gen: Generation) -> None:
         """Write ``gen`` and make it current (the coordinator only)."""
         self.store.set(f"gen/{gen.number}", gen.to_json())

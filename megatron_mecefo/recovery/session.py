@@ -80,7 +80,6 @@ class RecoverySession:
         self.slot = int(os.environ["MECEFO_RECOVERY_SLOT"])
         self.inc = int(os.environ.get("MECEFO_RECOVERY_INC", "0"))
         self.ms = MembershipStore.connect(config.store, config.init_timeout_s)
-        self.ms_watch = MembershipStore.connect(config.store, config.init_timeout_s)
         self.heartbeat = Heartbeat(
             config.store, self.slot, self.inc, config.heartbeat_interval_s
         ).start()
@@ -114,7 +113,13 @@ class RecoverySession:
         self.record_pending = False
         self.redone = False
         self.vote_s: List[float] = []
-        """Seconds each commit vote took (the per-iteration cost of the supervisor)."""
+        """Seconds each commit vote took (waiting for the slowest member included)."""
+        self.vote_last_s: List[float] = []
+        """Seconds of the votes this rank completed (no waiting: the protocol's own cost)."""
+        self.hooks_s: List[float] = []
+        """Seconds per iteration in the boundary hooks (:meth:`committed`, :meth:`at_boundary`)."""
+        self.watchdog_cpu_s = 0.0
+        """CPU seconds of the finished generations' watchdog threads."""
         self.backend = "gloo" if args.device == "cpu" else "nccl"
         self.aborter = build_aborter(self.backend, int(config.store.rsplit(":", 1)[1]))
         self.watchdog: Optional[GenerationWatchdog] = None
@@ -280,12 +285,17 @@ class RecoverySession:
         self._hook(trainer)
         self.times["built"] = time.time()
         self.record_pending = gen.number > 0
+        # The watchdog sleeps in a store wait on the next generation's key (woken the moment
+        # it is published, no polling), on a client of its own: a waiting client holds its
+        # lock, and the previous generation's watchdog may still be in its last wait.
+        watch = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
         self.watchdog = GenerationWatchdog(
-            self.ms_watch.generation_number,
+            watch.generation_number,
             gen.number,
             self.aborter,
-            self.cfg.poll_interval_s * 5,
-            is_failure=lambda n: self.ms_watch.generation(n).at_iteration is None,
+            WATCHDOG_WAIT_S,
+            is_failure=lambda n: watch.generation(n).at_iteration is None,
+            wait_after=watch.wait_generation_after,
         ).start()
 
     def _check_replicas_identical(self, trainer: Any, dp_group: Any) -> None:
@@ -343,6 +353,7 @@ class RecoverySession:
             iteration = trainer.iteration + 1
             gen = session.gen
             t_vote = time.perf_counter()
+            outcome: Dict[str, bool] = {}
             if not vote(
                 session.ms,
                 gen.number,
@@ -350,9 +361,13 @@ class RecoverySession:
                 session.slot,
                 list(gen.members),
                 session.cfg.poll_interval_s,
+                outcome,
             ):
                 raise StepAborted(f"iteration {iteration}: not every member finished its sync")
-            session.vote_s.append(time.perf_counter() - t_vote)
+            took = time.perf_counter() - t_vote
+            session.vote_s.append(took)
+            if outcome["last"]:
+                session.vote_last_s.append(took)
             session.injector.phase("optimizer", iteration)
             return optimizer_step(*a, **k)
 
@@ -360,9 +375,11 @@ class RecoverySession:
 
     def committed(self, trainer: Any) -> None:
         """Right after a committed iteration: snapshot, progress, the pending record."""
+        t0 = time.perf_counter()
         self.boundary = boundary_snapshot(trainer)
         if self.rank == 0:
             self.ms.store.set("progress", str(trainer.iteration))
+        self.hooks_s.append(time.perf_counter() - t0)
         if self.record_pending:
             self.record_pending = False
             self.times["done"] = time.time()
@@ -370,6 +387,7 @@ class RecoverySession:
 
     def at_boundary(self, trainer: Any) -> None:
         """At the end of an iteration (after logging, eval, save): the generation check."""
+        t0 = time.perf_counter()
         it = trainer.iteration
         # The watchdog thread polls the generation; a planned switch is announced several
         # iterations ahead, so its cached value is recent enough (no store round trip here).
@@ -378,6 +396,8 @@ class RecoverySession:
             gen = self.ms.generation(number)
             if gen.at_iteration is None or it + 1 >= gen.at_iteration:
                 raise RegroupRequest(f"generation {number} ({gen.reason}) at iteration {it + 1}")
+        if self.hooks_s:
+            self.hooks_s[-1] += time.perf_counter() - t0
         self.injector.phase("between", it)
 
     def _write_record(self, trainer: Any) -> None:
@@ -450,11 +470,31 @@ class RecoverySession:
                 records.append(r)
         return rows + rec_mod.summary_rows(records)
 
+    def armed_cost(self, trainer: Any) -> Dict[str, Any]:
+        """What the armed supervisor cost this rank in a run without failures: the commit
+        votes this rank completed (no waiting, so the store round trips only), the boundary
+        hooks, and the CPU of the heartbeat and watchdog threads; with the step time beside.
+        ``benchmarks/recovery_latency.py`` aggregates these over the ranks."""
+        watchdog_cpu = self.watchdog_cpu_s + (self.watchdog.cpu_s if self.watchdog else 0.0)
+        steps = [r["step_time_s"] for r in trainer.history if r.get("type") == "train"]
+        return {
+            "type": "armed_cost",
+            "slot": self.slot,
+            "iterations": len(self.hooks_s),
+            "vote_s": self.vote_s,
+            "vote_last_s": self.vote_last_s,
+            "hooks_s": self.hooks_s,
+            "thread_cpu_s": self.heartbeat.cpu_s + watchdog_cpu,
+            "process_cpu_s": time.process_time(),
+            "step_time_s": steps,
+        }
+
     # ------------------------------------------------------------------ leaving a world
     def leave(self, trainer: Any, planned: bool) -> None:
         """Keep the state of the last boundary, drop every reference to the world's groups."""
         if self.watchdog is not None:
             self.watchdog.stop()
+            self.watchdog_cpu_s += self.watchdog.cpu_s
             self.watchdog = None
         if trainer is not None:
             if self.valid:
@@ -493,6 +533,10 @@ def _report_stale_groups(slot: int) -> None:
                     keys = (keys, [k for k, v in obj.items() if isinstance(v, dist.ProcessGroup)])
                 print(f"[stale group ref rank {slot}] {type(obj).__name__} {keys}", flush=True)
     print(f"[stale group ref rank {slot}] {found} holders", flush=True)
+
+
+WATCHDOG_WAIT_S = 1.0
+"""Longest single store wait of a generation watchdog (how long a stopped one lingers)."""
 
 
 def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -> Any:
@@ -555,6 +599,7 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
         if outcome == "done":
             session.ms.store.set("done", "1")
             session.heartbeat.stop()
+            rec_mod.append_jsonl(session.cfg.records_file, session.armed_cost(trainer))
             return trainer
         now = time.time()
         if outcome == "failed" and args.use_distributed_optimizer and session.valid:

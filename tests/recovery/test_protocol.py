@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from megatron_mecefo.recovery.abort import GenerationWatchdog, WorldAborter
 from megatron_mecefo.recovery.commit import vote
 from megatron_mecefo.recovery.config import RecoveryConfig, RecoveryConfigError
 from megatron_mecefo.recovery.coordinator import Coordinator
@@ -174,6 +175,15 @@ def test_commit_vote_is_all_or_nothing(store: str) -> None:
     # A planned generation (switch after this iteration) does not abort the vote.
     ms.publish(Generation(number=2, replicas=(), members={0: 0, 1: 0}, at_iteration=9))
     assert vote(ms, 1, 3, 0, [0], 0.005) is True
+    # The member that completes the count knows it (its vote never waited for a peer).
+    first, last = {}, {}
+    t = threading.Thread(target=lambda: vote(ms_first, 2, 4, 0, [0, 1], 0.005, first))
+    ms_first = MembershipStore.connect(store)
+    t.start()
+    time.sleep(0.1)
+    assert vote(ms, 2, 4, 1, [0, 1], 0.005, last) is True
+    t.join(10)
+    assert first == {"last": False} and last == {"last": True}
 
 
 def test_unformed_failure_generations_are_found(store: str) -> None:
@@ -199,3 +209,40 @@ def test_unformed_failure_generations_are_found(store: str) -> None:
     assert [g.number for g in ms.unformed_failures(3)] == [2]
     # Generation 1 formed: nothing below 2 is owed.
     assert ms.unformed_failures(2) == []
+
+
+def test_watchdog_wakes_on_the_generation_key(store: str) -> None:
+    """The watchdog sleeps in a store wait: a failure generation fires the abort at once
+    (its 30 s wait interval would miss the 2 s deadline if it polled), a planned one does
+    not, and ``latest`` follows both."""
+    fired: list = []
+
+    class Recorder(WorldAborter):
+        def abort(self) -> None:
+            fired.append(time.time())
+
+    ms = MembershipStore.connect(store)
+    ms.publish(Generation(number=3, replicas=(0, 1), members={0: 0, 1: 0}))
+    watch = MembershipStore.connect(store)
+    dog = GenerationWatchdog(watch.generation_number, 3, Recorder(), 30.0,
+                             is_failure=lambda n: watch.generation(n).at_iteration is None,
+                             wait_after=watch.wait_generation_after).start()  # fmt: skip
+    try:
+        time.sleep(0.2)
+        ms.publish(Generation(number=4, replicas=(0, 1), members={0: 0, 1: 0}, at_iteration=9))
+        deadline = time.time() + 2
+        while dog.latest != 4:
+            assert time.time() < deadline, "the planned generation was not seen"
+            time.sleep(0.01)
+        assert fired == []
+        t0 = time.time()
+        ms.publish(Generation(number=5, replicas=(0,), members={0: 0}, lost=(1,)))
+        while not fired:
+            assert time.time() < t0 + 2, "the failure generation did not fire the abort"
+            time.sleep(0.01)
+        assert dog.fired == 5 and dog.latest == 5
+    finally:
+        dog.stop()
+        ms.publish(Generation(number=6, replicas=(0,), members={0: 0}))  # wake its last wait
+        dog.thread.join(5)
+    assert not dog.thread.is_alive() and dog.fired == 5
