@@ -137,41 +137,41 @@ def load_profile(path: str = DEFAULT_PROFILE) -> CostProfile:
 def prediction_report(records: List[Dict[str, Any]], skip_first: int = 1) -> Dict[str, Any]:
     """Predicted vs measured step time over a run's ``train`` records with a decision.
 
-    The measured step is the critical path: the slowest rank's CPU seconds of
-    forward-backward plus its optimizer step (``rank_cpu_s``, ``--log-rank-cpu-time``), or the
-    wall step time when that is absent. The first ``skip_first`` steps after each decision
-    change hold the transition (basis computation) and are left out.
+    The measured step is the critical path: the slowest rank's CPU ms of forward-backward
+    plus optimizer (``mecefo.planner.measured_step_ms``, the example trainer), else the wall
+    step time. Steps before the start-up calibration are left out when the run calibrated,
+    and so are the first ``skip_first`` steps after each decision change (the transition:
+    a basis computation).
     """
+    plans = [
+        (rec, (rec.get("mecefo") or {}).get("planner"))
+        for rec in records
+        if rec.get("type") == "train"
+    ]
+    plans = [(rec, p) for rec, p in plans if p]
+    if any(p.get("calibration_factor") for _, p in plans):
+        plans = [(rec, p) for rec, p in plans if p.get("calibration_factor")]
     rows = []
     last = None
     since = 0
-    for rec in records:
-        plan = (rec.get("mecefo") or {}).get("planner")
-        if rec.get("type") != "train" or not plan:
-            continue
+    for rec, plan in plans:
         key = (plan.get("policy"), tuple(rec["mecefo"].get("failed_replicas", [])))
         since = since + 1 if key == last else 0
         last = key
         if since < skip_first:
             continue
-        cpu = rec.get("rank_cpu_s")
-        if cpu:
-            measured = 1e3 * max(
-                f + o for f, o in zip(cpu["fwd_bwd"], cpu["optimizer"], strict=True)
-            )
-        else:
-            measured = 1e3 * rec["step_time_s"]
-        rows.append((plan["predicted_step_ms"], measured, plan["policy"]))
+        measured = plan.get("measured_step_ms", 1e3 * rec["step_time_s"])
+        rows.append((plan["predicted_step_ms"], measured))
     if not rows:
         return {"steps": 0}
-    errs = [m / p - 1.0 for p, m, _ in rows]
+    errs = [m / p - 1.0 for p, m in rows]
     return {
         "steps": len(rows),
         "median_rel_error": statistics.median(errs),
         "median_abs_rel_error": statistics.median(abs(e) for e in errs),
         "max_abs_rel_error": max(abs(e) for e in errs),
-        "predicted_ms_median": statistics.median(p for p, _, _ in rows),
-        "measured_ms_median": statistics.median(m for _, m, _ in rows),
+        "predicted_ms_median": statistics.median(p for p, _ in rows),
+        "measured_ms_median": statistics.median(m for _, m in rows),
     }
 
 
