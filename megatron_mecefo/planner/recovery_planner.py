@@ -288,11 +288,55 @@ class _PlanShape:
     notes: Tuple[str, ...] = field(default=())
 
 
+REAL_PLAN_LIMIT = 256
+"""Largest ``n M`` whose plans are built with the real policy objects; above it (cluster-scale
+simulation) :func:`analytic_shape` gives the same counts in O(1) (a test checks they agree)."""
+
+
+def analytic_shape(policy: str, n: int, k: int, m: int) -> Optional[_PlanShape]:
+    """A policy's plan counts from (n, k, M) alone, or None where they depend on which
+    replicas are down (more replicas down than up: ring neighbours collide).
+
+    With ``k <= n - k`` the ring rule gives every failed replica its own absorber, so
+    ``neighbor`` and ``exact`` have k absorbers of 2M micro-batches; ``spread`` and
+    ``shrink`` deal the kM micro-batches round-robin (``floor`` or ``ceil`` of kM/(n-k) each).
+    """
+    alive = n - k
+    if k == 0 or alive <= 0:
+        return None
+    q, rem = divmod(k * m, alive)
+    if policy == "drop":
+        return _PlanShape(((m, 0),), alive * m, 0, n)
+    if policy in ("spread", "shrink"):
+        counts = {q + 1} if rem else set()
+        if alive - rem > 0:
+            counts.add(q)
+        if policy == "spread":
+            pairs = tuple(sorted((m, c) for c in counts))
+            return _PlanShape(pairs, n * m, k * m, n)
+        return _PlanShape(tuple(sorted((m + c, 0) for c in counts)), n * m, 0, alive)
+    if k > alive:
+        return None
+    normal = alive - k
+    if policy == "exact":
+        pairs = {(2 * m, 0)} | ({(m, 0)} if normal else set())
+        return _PlanShape(tuple(sorted(pairs)), n * m, 0, n)
+    if policy == "neighbor":
+        if normal:
+            return _PlanShape(tuple(sorted({(0, 2 * m), (m, 0)})), n * m, 2 * k * m, n)
+        return _PlanShape(((m, m),), n * m, k * m, n)
+    return None
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan_shape(
     policy: str, failed: FrozenSet[int], n: int, m: int, skip_attention: bool
 ) -> _PlanShape:
     """The real policy's plan, reduced (cached: the simulator asks for it many times)."""
+    if n * m > REAL_PLAN_LIMIT:
+        shape = analytic_shape(policy, n, len(failed), m)
+        if shape is not None:
+            return shape
     plan = build_choice(policy, skip_attention).plan(1, failed, n, m)
     pairs = set()
     for r, work in enumerate(plan.work):

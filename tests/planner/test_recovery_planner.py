@@ -230,3 +230,29 @@ def test_every_rank_gets_the_same_decision_and_bad_budgets_are_refused() -> None
     assert d.policy == "exact" and d.peak_memory_bytes == 2 * d.failure_free_peak_bytes
     none: Optional[str] = plan_recovery(FailureState(8, frozenset(), 4), PROFILE, cfg).policy
     assert none == "none"
+
+
+def test_the_analytic_plan_counts_equal_the_real_policies() -> None:
+    from megatron_mecefo.planner.recovery_planner import _plan_shape, analytic_shape
+
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(200):
+        n = rng.choice([2, 3, 5, 8, 13, 32, 64])
+        k = rng.randint(1, n - 1)
+        m = rng.choice([1, 2, 3, 4])
+        failed = frozenset(rng.sample(range(n), k))
+        for policy in CHOICES:
+            fast = analytic_shape(policy, n, k, m)
+            if fast is None:
+                assert policy in ("neighbor", "exact") and k > n - k
+                continue
+            real = _plan_shape.__wrapped__(policy, failed, n, m, True)
+            assert (fast.pairs, fast.processed, fast.takeover, fast.replicas_after) == (
+                real.pairs,
+                real.processed,
+                real.takeover,
+                real.replicas_after,
+            ), (policy, n, sorted(failed), m)
+            checked += 1
+    assert checked > 800
