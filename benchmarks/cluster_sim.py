@@ -81,9 +81,10 @@ from megatron_mecefo.takeover.failure_schedule import (  # noqa: E402
 PAPER_DROP_PCT = 4.18  # MeCeFO Table 2, LLaMA-7B, 32 A100s, high frequency
 META_GPU_HOURS_PER_FAILURE = 7.9 * 1024  # Meta RSC: MTTF 7.9 h at 1,024 GPUs
 LLAMA7B_STEP_S = 1024 * 256 / 111.1e3  # paper: 111.1k tokens/s failure-free
-POLICIES = CHOICES + ("auto", "auto-exact")
-"""Fixed choices, ``auto`` (default budgets, shrink allowed) and ``auto-exact`` (approx
-budget 0: no takeover micro-batch, only exact, shrink or nothing)."""
+POLICIES = CHOICES + ("auto", "auto-exact", "auto-loss")
+"""Fixed choices, ``auto`` (default budgets: no sample lost; shrink allowed), ``auto-exact``
+(approx budget 0: no takeover micro-batch) and ``auto-loss`` (up to 1% of a step's samples
+may be skipped)."""
 
 
 # ------------------------------------------------------------------------------ profiles
@@ -183,6 +184,8 @@ def decide(
         return plan_recovery(state, prof, cfg)
     if policy == "auto-exact":
         return plan_recovery(state, prof, replace(cfg, approx_budget=0.0))
+    if policy == "auto-loss":
+        return plan_recovery(state, prof, replace(cfg, sample_loss_budget=0.01))
     return fixed_decision(policy, state, prof, cfg)
 
 
@@ -319,6 +322,36 @@ def paper_table(calibrated: CostProfile, hours: float, seeds: List[int]) -> Dict
     }
 
 
+def grid_states(prof: CostProfile, m: int = 4) -> List[Dict[str, Any]]:
+    """Degraded states (k spaced replicas of n down): each fixed choice's amortised throughput
+    (horizon at the paper's high rates) beside ``auto``'s, with its choice."""
+    out = []
+    for n in (4, 8, 32, 128):
+        for k in (1, 2, 4):
+            if k >= n:
+                continue
+            failed = frozenset(i * n // k for i in range(k))
+            cfg = planner_config(0.5 * 32, 2.0)
+            state = FailureState(n, failed, m)
+            fixed = {p: fixed_decision(p, state, prof, cfg) for p in CHOICES}
+            auto = plan_recovery(state, prof, cfg)
+            lossless = max((d.throughput_rel, p) for p, d in fixed.items() if p != "drop")
+            out.append(
+                {
+                    "n": n,
+                    "k": k,
+                    "fixed": {p: d.throughput_rel for p, d in fixed.items()},
+                    "fixed_step_ms": {p: d.step_time_ms for p, d in fixed.items()},
+                    "auto": auto.throughput_rel,
+                    "auto_choice": f"{auto.policy}" + (" +recompute" if auto.recompute_ffn else ""),
+                    "best_lossless_fixed": lossless[1],
+                    "best_lossless_fixed_throughput": lossless[0],
+                    "auto_minus_best_lossless": auto.throughput_rel - lossless[0],
+                }
+            )
+    return out
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Flags; the defaults are what ``make bench`` runs."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -366,6 +399,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                     rows.append(r)
         timings[str(n)] = time.perf_counter() - t0
     paper = paper_table(calibrated, hours, args.seeds)
+    grid = grid_states(calibrated)
     result = {
         "benchmark": "cluster_sim",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -380,6 +414,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         },
         "rows": rows,
         "paper_7b_high": paper,
+        "grid_states_cpu_demo": grid,
         "paper_drop_pct": PAPER_DROP_PCT,
         "wall_time_s_per_n": timings,
         "wall_time_s": time.perf_counter() - started,
@@ -429,6 +464,16 @@ def format_tables(result: Dict[str, Any]) -> str:
             + " | ".join(f"{d[p]['drop_pct']:.2f}" for p in POLICIES)
             + f" | {d['drop']['samples_lost_pct']:.2f} | {a['takeover_share_pct']:.2f} | "
             f"{a['transition_time_pct']:.3f} |"
+        )
+    lines += ["", "Grid states (cpu-demo profile, M = 4): amortised throughput / failure-free",
+              "| n | k | " + " | ".join(CHOICES)
+              + " | auto | auto's choice | best lossless fixed |",
+              "|---|---|" + "---|" * len(CHOICES) + "---|---|---|"]  # fmt: skip
+    for g in result["grid_states_cpu_demo"]:
+        lines.append(
+            f"| {g['n']} | {g['k']} | "
+            + " | ".join(f"{g['fixed'][p]:.3f}" for p in CHOICES)
+            + f" | {g['auto']:.3f} | {g['auto_choice']} | {g['best_lossless_fixed']} |"
         )
     return "\n".join(lines)
 
