@@ -3,7 +3,8 @@
 For every trace, replica count n and policy (each fixed policy and ``auto``), the trace is cut
 into segments where the failed set is constant. Each segment is costed by the recovery planner
 (:mod:`megatron_mecefo.planner.recovery_planner`): the policy's plan (the real policy objects up
-to ``REAL_PLAN_LIMIT`` micro-batches, their O(1) counts above, tested equal), its step time,
+to ``REAL_PLAN_LIMIT`` micro-batches, their O(1) counts above, tested equal; with at most half
+the replicas down the counts depend on k alone, so one decision per k), its step time,
 the samples it skips, its takeover share and its transition cost (basis computation on entering
 takeover; measured regroup + rejoin for ``shrink``). ``auto`` is
 :func:`~megatron_mecefo.planner.recovery_planner.plan_recovery` with the trace's failure and
@@ -62,7 +63,6 @@ from takeover_cost import SHAPES, flop_model, memory_model  # noqa: E402
 from megatron_mecefo.planner.calibration import load_profile  # noqa: E402
 from megatron_mecefo.planner.recovery_planner import (  # noqa: E402
     CHOICES,
-    REAL_PLAN_LIMIT,
     CostProfile,
     Decision,
     FailureState,
@@ -209,8 +209,9 @@ def simulate(
         for a, b, failed in segs:
             k = len(failed)
             dur = (b - a) * step_s
-            # Above REAL_PLAN_LIMIT the counts depend on k alone (k <= n - k): cache by k.
-            key = k if (n * m > REAL_PLAN_LIMIT and 2 * k <= n) else failed
+            # With k <= n - k every plan's counts depend on k alone (analytic_shape, tested
+            # equal to the real policies' plans): one decision per k.
+            key = k if 2 * k <= n else failed
             d = cache.get(key)
             if d is None:
                 d = cache[key] = decide(policy, failed, n, m, prof, cfg)
