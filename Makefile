@@ -80,7 +80,8 @@ test-all: venv
 	$(PY) -m pytest -q --timeout=1800 tests
 
 # The CPU evidence suite (README "Results"), about 25 minutes on 2 cores: costs, ABFT overhead, degraded
-# throughput (model + real DP4 runs), failure traces, convergence runs, plots. JSON, logs and
+# throughput (model + real DP4 runs), failure traces, the planner's profile and the cluster
+# simulator, convergence runs, plots. JSON, logs and
 # PNGs go to results/. Not run here: the GPU shapes (llama-1b / llama-7b), see benchmarks/README.
 BENCH_LOG := results/logs
 bench: data
@@ -90,6 +91,8 @@ bench: data
 	set -o pipefail; $(PY) benchmarks/takeover_cost.py --shape cpu-small --output results/takeover_cost_cpu-small.json | tee $(BENCH_LOG)/takeover_cost_cpu-small.txt
 	set -o pipefail; $(PY) benchmarks/degraded_throughput.py | tee $(BENCH_LOG)/degraded_throughput.txt
 	set -o pipefail; $(PY) benchmarks/failure_trace.py | tee $(BENCH_LOG)/failure_trace.txt
+	$(PY) -m megatron_mecefo.planner.calibration --takeover-cost results/takeover_cost.json --output results/planner_profile.json > $(BENCH_LOG)/planner_profile.txt
+	set -o pipefail; $(PY) benchmarks/cluster_sim.py | tee $(BENCH_LOG)/cluster_sim.txt
 	set -o pipefail; $(PY) examples/pretrain_gpt/convergence.py | tee $(BENCH_LOG)/convergence.txt
 	set -o pipefail; $(PY) benchmarks/abft_overhead.py | tee $(BENCH_LOG)/abft_overhead.txt
 	$(PY) benchmarks/plots.py

@@ -9,6 +9,8 @@ micro-batch of random hidden states ``[seq, mbs, hidden]`` in five modes:
 - ``recompute``: takeover with ``recompute_ffn`` only;
 - ``lowrank``: takeover with ``lowrank_ffn`` only;
 - ``all``: takeover with all three (MeCeFO's neighbour mode).
+- ``skip_lowrank``: takeover without FFN recomputation (what the recovery planner runs when
+  memory allows it).
 
 The modes run round-robin in every round on the same block and the same input, so each ratio
 ``c = time(mode) / time(exact)`` is measured side by side: ``c`` is the median over rounds of
@@ -54,7 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from megatron_mecefo.runtime import CpuRuntime, quiet_cpu_warnings  # noqa: E402
 
-MODES: Tuple[str, ...] = ("exact", "skip", "recompute", "lowrank", "all")
+MODES: Tuple[str, ...] = ("exact", "skip", "recompute", "lowrank", "all", "skip_lowrank")
 
 # MecefoConfig switches of each mode; "exact" runs exact micro-batches, the rest takeovers.
 MODE_TECHNIQUES: Dict[str, Dict[str, bool]] = {
@@ -63,6 +65,8 @@ MODE_TECHNIQUES: Dict[str, Dict[str, bool]] = {
     "recompute": dict(skip_attention=False, recompute_ffn=True, lowrank_ffn=False),
     "lowrank": dict(skip_attention=False, recompute_ffn=False, lowrank_ffn=True),
     "all": dict(skip_attention=True, recompute_ffn=True, lowrank_ffn=True),
+    # A takeover without FFN recomputation: the recovery planner's choice when memory allows.
+    "skip_lowrank": dict(skip_attention=True, recompute_ffn=False, lowrank_ffn=True),
 }
 
 # Mean count of other processes' runnable threads above which CPU timings are flagged.
@@ -155,6 +159,7 @@ def flop_model(shape: Shape, core_attention_factor: float) -> Dict[str, Any]:
         "recompute": 3 * attn_fwd + 4 * ffn_fwd,
         "lowrank": 3 * attn_fwd + (ffn_fwd + xv) + ffn_dgrad + lowrank_wgrad,
         "all": attn_fwd + 2 * (ffn_fwd + xv) + ffn_dgrad + lowrank_wgrad,
+        "skip_lowrank": attn_fwd + (ffn_fwd + xv) + ffn_dgrad + lowrank_wgrad,
     }
     flops = {mode: shape.num_layers * f for mode, f in per_layer.items()}
     return {
@@ -218,6 +223,7 @@ def memory_model(shape: Shape, probs_factor: int = 1) -> Dict[str, Any]:
         "recompute": L * (attn + ffn_in) + final,
         "lowrank": L * (attn + ffn_in + ffn_lowrank) + final,
         "all": L * ffn_in + final,
+        "skip_lowrank": L * (ffn_in + ffn_lowrank) + final,
     }
     elements = {mode: T * e for mode, e in per_token.items()}
     return {
@@ -734,6 +740,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     per_microbatch = {
         "exact_ms": median["exact"] + head_ms,
         "takeover_ms": paired_c(step_ms, "all") * median["exact"] + head_ms,
+        "takeover_no_recompute_ms": paired_c(step_ms, "skip_lowrank") * median["exact"] + head_ms,
     }
     per_microbatch["c"] = per_microbatch["takeover_ms"] / per_microbatch["exact_ms"]
     for mode in ("all", "lowrank"):

@@ -110,6 +110,8 @@ class Trainer:
         if args.load:
             self._load()
         self._build_data()
+        self._activation_peak = 0  # auto: decoder activation bytes, largest micro-batch
+        self._calibration: list[float] = []  # auto: measured / predicted, failure-free steps
         self.controller = self._build_controller() if args.mecefo else None
         self.abft = None
         if args.abft_config is not None:  # --mecefo-abft / --mecefo-abft-inject
@@ -364,7 +366,6 @@ class Trainer:
 
         from megatron_mecefo.takeover.controller import MecefoController
         from megatron_mecefo.takeover.data_remap import GlobalBatchLayout
-        from megatron_mecefo.takeover.policies import build_policy
         from megatron_mecefo.techniques.apply import apply_mecefo, mha_group_parameters
         from megatron_mecefo.techniques.state import MecefoState
 
@@ -376,7 +377,7 @@ class Trainer:
             schedule = self.recovery.wrap_schedule(schedule)
         controller = MecefoController(
             schedule=schedule,
-            policy=build_policy(ft.policy, ft.techniques.skip_attention),
+            policy=ft.build_policy(self.dp_size, state, self.model_chunks),
             state=state,
             replica=self.dp_rank,
             layout=GlobalBatchLayout(a.global_batch_size, a.micro_batch_size, self.dp_size),
@@ -424,8 +425,62 @@ class Trainer:
         if self.abft is not None:
             self.abft.begin_microbatch(model)
         batch = {k: v.to(self.device) for k, v in next(data_iterator).items()}
+        if self._planner_active():  # auto: measure what the planner predicts (activations)
+            from megatron_mecefo.techniques.activation_bytes import SavedActivationBytes
+
+            inner = model
+            while hasattr(inner, "module"):
+                inner = inner.module
+            with SavedActivationBytes(inner, scope=getattr(inner, "decoder", None)) as saved:
+                output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            self._activation_peak = max(self._activation_peak, saved.nbytes)
+            return output, partial(_loss_func, batch["loss_mask"])
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         return output, partial(_loss_func, batch["loss_mask"])
+
+    def _planner_active(self) -> bool:
+        """Whether ``--mecefo-policy auto`` runs (its decisions are logged with measurements)."""
+        ctrl = getattr(self, "controller", None)
+        return ctrl is not None and hasattr(ctrl.policy, "decisions")
+
+    def _planner_measure(self, planner: dict[str, Any], cpu: tuple[float, float]) -> None:
+        """Add the measured values next to the decision's predictions (``mecefo.planner``):
+        the slowest rank's CPU ms of forward-backward plus optimizer (the critical path) and
+        the largest decoder activation bytes one micro-batch saved, both the max over ranks.
+
+        During the first ``--mecefo-planner-calibrate-steps`` failure-free steps (after the
+        first) it also collects the critical path; then the profile is rescaled by the median
+        measured / predicted ratio, identically on every rank (the values are all-reduced).
+        """
+        import statistics
+
+        import torch
+        import torch.distributed as dist
+
+        both = torch.tensor(
+            [float(self._activation_peak), 1e3 * (cpu[0] + cpu[1])],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        self._activation_peak = 0
+        planner["measured_peak_activation_bytes"] = int(both[0].item())
+        planner["measured_step_ms"] = float(both[1].item())
+        policy = self.controller.policy
+        steps = self.args.mecefo_config.planner_calibrate_steps
+        it = self.iteration + 1
+        if steps and it >= 2 and not policy.rescaled:
+            if planner["policy"] == "none" and not self.controller.plan.failed:
+                self._calibration.append(planner["measured_step_ms"] / planner["predicted_step_ms"])
+            if len(self._calibration) >= steps or self.controller.plan.failed:
+                if self._calibration:
+                    factor = statistics.median(self._calibration)
+                    policy.rescale(factor)
+                    self._print(
+                        f"> MeCeFO planner: calibrated on {len(self._calibration)} failure-free "
+                        f"steps: measured critical path / profile = {factor:.3f}; predictions "
+                        "are rescaled by it from the next decision on"
+                    )
 
     def _run_schedule(self, data_iterator: Any, forward_only: bool) -> float:
         """One global batch through the pipeline schedule; returns the mean lm loss."""
@@ -469,6 +524,7 @@ class Trainer:
             mecefo = ctrl.record()
             for line in ctrl.announcements():
                 self._print(line)
+        self._activation_peak = 0  # not the gradient-error probe's exact micro-batches
         self._zero_grads()
         if self.abft is not None:
             self.abft.start_step(self.iteration + 1)
@@ -488,6 +544,8 @@ class Trainer:
         else:
             ok, grad_norm, _ = self.optimizer.step()
         cpu = (cpu1 - cpu0, time.process_time() - cpu2)
+        if "planner" in mecefo:  # measured next to the decision's prediction
+            self._planner_measure(mecefo["planner"], cpu)
         if ok:  # as Megatron-LM: a skipped iteration does not advance the LR schedule
             self.scheduler.step(increment=1)
         if self.device.type == "cuda":

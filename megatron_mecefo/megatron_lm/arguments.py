@@ -18,7 +18,7 @@ from typing import Any, List, NoReturn, Optional
 
 from megatron_mecefo.techniques.config import BASIS_METHODS, MecefoConfig
 
-POLICY_NAMES = ("neighbor", "spread", "exact", "drop")
+POLICY_NAMES = ("neighbor", "spread", "exact", "drop", "auto")
 SCHEDULES = ("none", "scripted", "low", "mid", "high", "poisson", "replay")
 MAX_NOMINAL_STEP_TIME_S = 3600.0
 """Largest ``--mecefo-nominal-step-time``: an iteration longer than an hour is a unit mistake
@@ -44,7 +44,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Who takes over a failed replica's micro-batches: neighbor (the paper: the next "
         "alive replica, all its work in takeover mode), spread (dealt over all alive "
         "replicas, only absorbed ones in takeover mode), exact (neighbour runs both exactly), "
-        "drop (skip the failed replica's samples).",
+        "drop (skip the failed replica's samples), auto (the recovery planner picks one per "
+        "failure event within the budgets below).",
+    )
+    g.add_argument(
+        "--mecefo-sample-loss-budget",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="auto: share of a step's samples that may be skipped (drop). Default 0: the "
+        "global batch is always kept.",
+    )
+    g.add_argument(
+        "--mecefo-approx-budget",
+        type=float,
+        default=1.0,
+        metavar="SHARE",
+        help="auto: most takeover (approximate) micro-batches per step, as a share of the "
+        "global batch; bounds the gradient error. Default 1 (no bound); 0: exact choices only.",
+    )
+    g.add_argument(
+        "--mecefo-rank-min",
+        type=int,
+        default=None,
+        help="auto: smallest low-rank r the planner may pick (default: --mecefo-rank).",
+    )
+    g.add_argument(
+        "--mecefo-rank-max",
+        type=int,
+        default=None,
+        help="auto: largest low-rank r the planner may pick (default: --mecefo-rank).",
+    )
+    g.add_argument(
+        "--mecefo-memory-headroom-mb",
+        type=float,
+        default=0.0,
+        help="auto: activation memory (MiB) a replica may use above the failure-free peak "
+        "before takeover micro-batches recompute the FFN.",
+    )
+    g.add_argument(
+        "--mecefo-planner-profile",
+        default="results/planner_profile.json",
+        metavar="JSON",
+        help="auto: the calibrated cost profile (python -m megatron_mecefo.planner.calibration).",
+    )
+    g.add_argument(
+        "--mecefo-planner-calibrate-steps",
+        type=int,
+        default=3,
+        metavar="N",
+        help="auto, example trainer: rescale the profile to this machine by the measured / "
+        "predicted critical path of the first N failure-free steps after the first (0: off).",
+    )
+    g.add_argument(
+        "--mecefo-allow-shrink",
+        action="store_true",
+        help="auto: shrinking data parallelism to the survivors (charged the measured regroup "
+        "and rejoin) is a choice.",
     )
     g.add_argument("--mecefo-rank", type=int, default=128, help="r of the low-rank FFN wgrad.")
     g.add_argument(
@@ -149,6 +205,81 @@ class FaultToleranceConfig:
     grad_error_interval: int = 0
     """Every K-th degraded iteration, log the gradient's error against the failure-free one."""
 
+    sample_loss_budget: float = 0.0
+    """``auto``: share of a step's samples that may be skipped."""
+
+    approx_budget: float = 1.0
+    """``auto``: most takeover micro-batches per step, as a share of the global batch."""
+
+    rank_min: Optional[int] = None
+    """``auto``: smallest r the planner may pick (None: ``techniques.rank``)."""
+
+    rank_max: Optional[int] = None
+    """``auto``: largest r the planner may pick (None: ``techniques.rank``)."""
+
+    memory_headroom_mb: float = 0.0
+    """``auto``: activation MiB allowed above the failure-free peak before FFN recompute."""
+
+    planner_profile: str = "results/planner_profile.json"
+    """``auto``: the cost profile file."""
+
+    allow_shrink: bool = False
+    """``auto``: whether shrinking data parallelism is a choice."""
+
+    planner_calibrate_steps: int = 3
+    """``auto`` (example trainer): failure-free steps that rescale the profile to this machine."""
+
+    def planner_config(self, data_parallel_size: int = 1) -> Any:
+        """The :class:`~megatron_mecefo.planner.recovery_planner.PlannerConfig` of the flags.
+
+        The failure-rate prior is the schedule's when it has one (Poisson's MTBF and MTTR; a
+        paper scenario's cluster interval times the replica count), else the planner's.
+        """
+        from megatron_mecefo.planner.recovery_planner import CHOICES, PlannerConfig
+        from megatron_mecefo.takeover.failure_schedule import PAPER_SCENARIOS
+
+        mtbf, mttr = self.mtbf_hours, self.mttr_hours
+        if self.failure_schedule in PAPER_SCENARIOS:
+            every, recover = PAPER_SCENARIOS[self.failure_schedule]
+            mtbf, mttr = every * data_parallel_size, recover
+        t = self.techniques
+        policies = CHOICES if t.any_technique else ("exact", "shrink", "drop")
+        return PlannerConfig(
+            sample_loss_budget=self.sample_loss_budget,
+            approx_budget=self.approx_budget,
+            rank_min=self.rank_min or t.rank,
+            rank_max=self.rank_max or t.rank,
+            memory_headroom_bytes=self.memory_headroom_mb * 2**20,
+            recompute_ffn=t.recompute_ffn,
+            allow_shrink=self.allow_shrink,
+            policies=policies,
+            basis_interval=t.basis_interval,
+            skip_attention=t.skip_attention,
+            mtbf_hours=mtbf or PlannerConfig.mtbf_hours,
+            mttr_hours=mttr or PlannerConfig.mttr_hours,
+        )
+
+    def build_policy(
+        self, data_parallel_size: int = 1, state: Any = None, modules: Any = None
+    ) -> Any:
+        """The takeover policy object; for ``auto`` an
+        :class:`~megatron_mecefo.planner.auto_policy.AutoPolicy` whose decisions set the FFN
+        recompute and the rank of ``state`` (and drop the bases of ``modules`` on a new r)."""
+        from megatron_mecefo.takeover.policies import build_policy
+
+        if self.policy != "auto":
+            return build_policy(self.policy, self.techniques.skip_attention)
+        from megatron_mecefo.planner.auto_policy import AutoPolicy, technique_hook
+        from megatron_mecefo.planner.calibration import load_profile
+
+        hook = technique_hook(state, modules) if state is not None else None
+        return AutoPolicy(
+            load_profile(self.planner_profile),
+            self.planner_config(data_parallel_size),
+            self.techniques.skip_attention,
+            hook,
+        )
+
     @classmethod
     def from_args(cls, args: Any) -> FaultToleranceConfig:
         """The config of parsed flags (``args.seed`` is the default seed)."""
@@ -182,6 +313,14 @@ class FaultToleranceConfig:
             failure_trace=args.mecefo_failure_trace,
             seed=seed,
             grad_error_interval=args.mecefo_grad_error_interval,
+            sample_loss_budget=args.mecefo_sample_loss_budget,
+            approx_budget=args.mecefo_approx_budget,
+            rank_min=args.mecefo_rank_min,
+            rank_max=args.mecefo_rank_max,
+            memory_headroom_mb=args.mecefo_memory_headroom_mb,
+            planner_profile=args.mecefo_planner_profile,
+            allow_shrink=args.mecefo_allow_shrink,
+            planner_calibrate_steps=args.mecefo_planner_calibrate_steps,
         )
 
     def validate(
@@ -215,7 +354,10 @@ class FaultToleranceConfig:
             return warnings
         from megatron_mecefo.takeover.policies import POLICIES
 
-        policy = POLICIES.get(self.policy)
+        self._validate_planner(data_parallel_size, hidden_size, virtual_pipeline)
+        policy = POLICIES.get(self.policy) or (
+            POLICIES["neighbor"] if self.policy == "auto" else None
+        )
         if policy is None:
             raise MecefoConfigError(
                 f"--mecefo-policy={self.policy}: unknown; use one of {sorted(POLICIES)}"
@@ -257,21 +399,22 @@ class FaultToleranceConfig:
                 "distributed optimizer's reduce-scatter does not leave; drop one of the two "
                 "flags (--use-distributed-optimizer)"
             )
-        if self.policy in ("neighbor", "spread") and t.skip_attention:
+        if self.policy in ("neighbor", "spread", "auto") and t.skip_attention:
             if calculate_per_token_loss:
                 raise MecefoConfigError(
                     f"--mecefo-policy={self.policy} with --calculate-per-token-loss is not "
                     "supported yet (the MHA re-weighting is per micro-batch); use the mean "
                     "loss, or --mecefo-policy exact/drop"
                 )
-        if self.policy in ("neighbor", "spread") and t.any_technique and full_recompute:
+        if self.policy in ("neighbor", "spread", "auto") and t.any_technique and full_recompute:
             raise MecefoConfigError(
                 f"--mecefo-policy={self.policy} mixes exact and takeover micro-batches, which "
                 "--recompute-granularity=full cannot do; use selective recompute or none"
             )
-        if virtual_pipeline and self.policy == "spread":
+        if virtual_pipeline and self.policy in ("spread", "auto"):
             raise MecefoConfigError(
-                "--mecefo-policy=spread gives replicas different micro-batch counts, which the "
+                f"--mecefo-policy={self.policy} gives replicas different micro-batch counts "
+                "(spread, shrink), which the "
                 "interleaved schedule (--num-layers-per-virtual-pipeline-stage) cannot run; use "
                 "--mecefo-policy neighbor/exact/drop or no virtual pipeline"
             )
@@ -287,6 +430,71 @@ class FaultToleranceConfig:
                 f"(--train-iters={train_iters}) and never happen: {named}{more}"
             )
         return warnings
+
+    def _validate_planner(self, dp: int, hidden_size: int, virtual_pipeline: bool) -> None:
+        """The ``auto`` flags: budgets in [0, 1], rank bounds, a readable profile."""
+        given = []
+        if self.sample_loss_budget != 0.0:
+            given.append(f"--mecefo-sample-loss-budget={self.sample_loss_budget}")
+        if self.approx_budget != 1.0:
+            given.append(f"--mecefo-approx-budget={self.approx_budget}")
+        for flag, value in (("--mecefo-rank-min", self.rank_min),
+                            ("--mecefo-rank-max", self.rank_max)):  # fmt: skip
+            if value is not None:
+                given.append(f"{flag}={value}")
+        if self.memory_headroom_mb:
+            given.append(f"--mecefo-memory-headroom-mb={self.memory_headroom_mb}")
+        if self.allow_shrink:
+            given.append("--mecefo-allow-shrink")
+        if self.planner_calibrate_steps != 3:
+            given.append(f"--mecefo-planner-calibrate-steps={self.planner_calibrate_steps}")
+        if self.policy != "auto":
+            if given:
+                raise MecefoConfigError(
+                    f"{given[0]} is read only by --mecefo-policy auto (the recovery planner), "
+                    f"not {self.policy}; add --mecefo-policy auto or drop it"
+                )
+            return
+        for flag, value in (
+            ("--mecefo-sample-loss-budget", self.sample_loss_budget),
+            ("--mecefo-approx-budget", self.approx_budget),
+        ):
+            if not 0.0 <= value <= 1.0:
+                raise MecefoConfigError(
+                    f"{flag}={value}: a share of the global batch, between 0 and 1"
+                )
+        lo = self.rank_min or self.techniques.rank
+        hi = self.rank_max or self.techniques.rank
+        if not 1 <= lo <= hi:
+            raise MecefoConfigError(
+                f"--mecefo-rank-min={lo} / --mecefo-rank-max={hi}: need 1 <= min <= max "
+                "(each defaults to --mecefo-rank)"
+            )
+        if self.techniques.lowrank_ffn and hi > hidden_size:
+            raise MecefoConfigError(
+                f"--mecefo-rank-max={hi} exceeds --hidden-size={hidden_size}; use at most "
+                f"{hidden_size}"
+            )
+        if self.planner_calibrate_steps < 0:
+            raise MecefoConfigError(
+                f"--mecefo-planner-calibrate-steps={self.planner_calibrate_steps}: must be >= 0"
+            )
+        if self.memory_headroom_mb < 0:
+            raise MecefoConfigError(
+                f"--mecefo-memory-headroom-mb={self.memory_headroom_mb}: must be >= 0"
+            )
+        if dp < 2:
+            raise MecefoConfigError(
+                "--mecefo-policy=auto needs at least 2 data-parallel replicas to hand a failed "
+                f"replica's work to, but the data-parallel size is {dp}; launch more ranks or "
+                "lower the TP/PP sizes"
+            )
+        from megatron_mecefo.planner.calibration import load_profile
+
+        try:
+            load_profile(self.planner_profile)
+        except (FileNotFoundError, ValueError) as err:
+            raise MecefoConfigError(f"--mecefo-planner-profile: {err}") from None
 
     def build_schedule(self, data_parallel_size: int, train_iters: int) -> Any:
         """The :class:`~megatron_mecefo.takeover.failure_schedule.FailureSchedule` of the flags."""

@@ -407,7 +407,6 @@ class MegatronLMIntegration:
 
         from megatron_mecefo.takeover.controller import MecefoController
         from megatron_mecefo.takeover.data_remap import GlobalBatchLayout
-        from megatron_mecefo.takeover.policies import build_policy
         from megatron_mecefo.techniques.apply import mha_group_parameters
 
         args = get_args()
@@ -415,7 +414,7 @@ class MegatronLMIntegration:
         dp = ps.get_data_parallel_world_size()
         self.controller = MecefoController(
             schedule=ft.build_schedule(dp, _train_iters(args)),
-            policy=build_policy(ft.policy, ft.techniques.skip_attention),
+            policy=ft.build_policy(dp, self.state, self.chunks),
             state=self.state,
             replica=ps.get_data_parallel_rank(),
             layout=GlobalBatchLayout(args.global_batch_size, args.micro_batch_size, dp),

@@ -6,6 +6,12 @@ exact and a takeover method. The benchmarks calibrate it and check it against re
 runs (``benchmarks/degraded_throughput.py``) and walk failure traces through it
 (``benchmarks/failure_trace.py``).
 
+:mod:`.recovery_planner` is ``--mecefo-policy auto``: a pure function that picks, per failure
+event, the policy (neighbor / spread / exact / drop / shrink), FFN recomputation and the
+low-rank r within the user's budgets, with the predicted step time and transition cost;
+:mod:`.auto_policy` runs it inside the controller; :mod:`.calibration` builds its cost profile
+from the benchmark results and reports prediction against measurement.
+
 Uses: :mod:`megatron_mecefo.takeover` (the real plans of the real policies). Used by: the
-benchmarks.
+benchmarks, ``benchmarks/cluster_sim.py`` and the trainers (``--mecefo-policy auto``).
 """

@@ -80,6 +80,10 @@ class MecefoController:
         self.consumed_samples = 0
         self._counts: Dict[str, int] = {}
         self._announced: tuple = ((), ())  # (failed, notes) of the last plan announced
+        self._decisions_announced = 0  # planner decisions (auto) announced so far
+        reset_policy = getattr(self.policy, "reset", None)
+        if reset_policy is not None:
+            reset_policy()
         self._sampler_checked: Optional[frozenset] = None  # failed set of the last check
         self.degraded_iterations = 0
         self.fallback_iterations = 0
@@ -89,10 +93,12 @@ class MecefoController:
     # ------------------------------------------------------------------ per iteration
     def plan_for(self, iteration: int, failure_free: bool = False) -> StepPlan:
         """The plan of (1-based) ``iteration``; ``failure_free`` ignores the schedule."""
-        failed = frozenset() if failure_free else self.schedule.failed_at(iteration)
-        return self.policy.plan(
-            iteration, failed, self.layout.num_replicas, self.layout.microbatches
-        )
+        n, m = self.layout.num_replicas, self.layout.microbatches
+        if failure_free:
+            # Every policy's plan with no failure is all-exact; the base class builds it
+            # without telling a stateful policy (auto) of a failure event that is not one.
+            return TakeoverPolicy.plan(self.policy, iteration, frozenset(), n, m)
+        return self.policy.plan(iteration, self.schedule.failed_at(iteration), n, m)
 
     def begin_iteration(
         self, iteration: int, consumed_samples: int, failure_free: bool = False
@@ -123,6 +129,9 @@ class MecefoController:
         fields.update(self._counts)
         fields["degraded"] = plan.degraded
         fields["no_update"] = plan.no_update
+        planner = getattr(self.policy, "record", None)  # --mecefo-policy auto: its decision
+        if planner is not None:
+            fields["planner"] = planner()
         return fields
 
     def announcements(self) -> List[str]:
@@ -130,10 +139,15 @@ class MecefoController:
         from the last plan announced (nothing while they stay the same)."""
         plan = self._require_plan()
         key = (plan.failed, plan.notes)
+        lines: List[str] = []
+        decisions = getattr(self.policy, "decisions", None)
+        if decisions is not None and len(decisions) != self._decisions_announced:
+            self._decisions_announced = len(decisions)
+            lines.append(self.policy.log_line(plan.iteration))
         if key == self._announced:
-            return []
+            return lines
         self._announced = key
-        return plan_log_lines(plan.iteration, self.record())
+        return plan_log_lines(plan.iteration, self.record()) + lines
 
     def _require_plan(self) -> StepPlan:
         if self.plan is None:
