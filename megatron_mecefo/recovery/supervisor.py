@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="warm standby processes per node (imported, waiting): a replacement then takes "
         "over a dead rank's slot in about a second instead of a cold start",
     )
+    p.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="this node replaces a lost one in a running job (same --node-rank, --store of "
+        "node 0): its ranks start as the next incarnation once the old ones are known dead",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args]")
     return p
 
@@ -267,6 +273,37 @@ class Supervisor:
                     self.replacements[slot] += 1
                     self.pending.append((time.monotonic() + delay, slot, child.inc + 1))
 
+    def _rejoin_incarnation(self, slot: int) -> int:
+        """The incarnation a rejoining node starts ``slot`` as: one above the last, once that
+        one is known dead (reported by its supervisor, or declared by the coordinator after
+        two heartbeat timeouts when the supervisor died with it)."""
+        deadline = time.monotonic() + self.cfg.init_timeout_s
+        said = False
+        while True:
+            if self._abort() is not None or self.ms.get_str("done") is not None:
+                raise SystemExit(self._rejoin_refused(slot, "the job has already ended"))
+            inc = int(self.ms.get_str(f"inc/{slot}") or 0)
+            if self.ms.dead_info(slot, inc) is not None:
+                self.replacements[slot] += 1
+                self.log(f"rejoin: rank {slot} starts as incarnation {inc + 1}")
+                return inc + 1
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    self._rejoin_refused(
+                        slot,
+                        f"its process (incarnation {inc}) is still alive after --init-timeout="
+                        f"{self.cfg.init_timeout_s:g} s; is node {self.node} really lost?",
+                    )
+                )
+            if not said:
+                said = True
+                self.log(f"rejoin: waiting until rank {slot} (incarnation {inc}) is known dead")
+            time.sleep(0.2)
+
+    def _rejoin_refused(self, slot: int, why: str) -> int:
+        self.log(f"rejoin refused for rank {slot}: {why}")
+        return 1
+
     def _kill_requests(self) -> None:
         for slot, child in self.children.items():
             key = (slot, child.inc)
@@ -291,7 +328,7 @@ class Supervisor:
         self.open_store()
         self.command = self.args.command
         for slot in self.slots:
-            self.spawn(slot, 0)
+            self.spawn(slot, self._rejoin_incarnation(slot) if self.args.rejoin else 0)
         for _ in range(self.args.standby):
             self.spawn_standby()
         last_kill_check = 0.0
@@ -378,6 +415,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise RecoveryConfigError(
                 f"--nproc-per-node={args.nproc_per_node} --nnodes={args.nnodes} --node-rank="
                 f"{args.node_rank}: need >= 1 process, >= 1 node and 0 <= node rank < nodes"
+            )
+        if args.rejoin and (args.node_rank == 0 or not args.store):
+            raise RecoveryConfigError(
+                f"--rejoin --node-rank={args.node_rank}: a rejoining node needs --store "
+                "HOST:PORT of node 0 and a node rank > 0 (node 0 hosts the store, so it cannot "
+                "be lost and come back)"
             )
         if args.node_rank > 0 and not args.store:
             raise RecoveryConfigError(
