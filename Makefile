@@ -10,7 +10,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo demo-simulated demo-abft test test-all bench bench-long lint clean
+.PHONY: venv data demo demo-simulated demo-abft test test-all test-slurm bench bench-long lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -78,6 +78,13 @@ test: venv
 
 test-all: venv
 	$(PY) -m pytest -q --timeout=1800 tests
+
+# The Slurm scripts (examples/slurm/) under a real slurmctld + slurmd on this host (README
+# "Running on a cluster"): installs slurm-wlm, munge and shellcheck with apt when missing
+# (root), a node lost and brought back during the example trainer's run, the Megatron-LM
+# script fully only with MEGATRON_LM_DIR set. Every daemon is stopped on exit.
+test-slurm: venv
+	tests/slurm/run_slurm_test.sh
 
 # The CPU evidence suite (README "Results"), about 25 minutes on 2 cores: costs, ABFT overhead, degraded
 # throughput (model + real DP4 runs), failure traces, convergence runs, plots. JSON, logs and

@@ -327,9 +327,14 @@ class Supervisor:
     def run(self) -> int:
         self.open_store()
         self.command = self.args.command
+        if self.args.rejoin:
+            # Standbys first: they import while the node waits for its old ranks' death, and
+            # then take the slots in about a second (a hot spare node).
+            for _ in range(self.args.standby):
+                self.spawn_standby()
         for slot in self.slots:
             self.spawn(slot, self._rejoin_incarnation(slot) if self.args.rejoin else 0)
-        for _ in range(self.args.standby):
+        for _ in range(0 if self.args.rejoin else self.args.standby):
             self.spawn_standby()
         last_kill_check = 0.0
         try:
