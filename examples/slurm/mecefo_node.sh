@@ -8,6 +8,7 @@
 #   MECEFO_GPUS_PER_NODE   ranks each supervisor starts
 #   MECEFO_STORE           HOST:PORT of node 0's membership store (node 0 serves it)
 #   MECEFO_RUN_DIR         where node<K>.exit and supervisor.node<K>.pid are written
+#                          (node<K>.rejoin.exit, supervisor.node<K>.rejoin.pid for a rejoin)
 #   MECEFO_NODE_RANK       optional; default $SLURM_PROCID (rejoin_node.sh sets it)
 #   MECEFO_REJOIN          optional; 1 = this node replaces a lost one (supervisor --rejoin)
 #   PYTHON                 the interpreter with megatron_mecefo installed
@@ -34,11 +35,15 @@ echo "[mecefo_node] $(hostname): node $node of $MECEFO_NNODES, $MECEFO_GPUS_PER_
     "store $MECEFO_STORE${MECEFO_REJOIN:+ (rejoin)}"
 # In the background so that its PID can be recorded (a test kills it to stand in for a lost
 # node: its ranks die with it, PR_SET_PDEATHSIG).
+tag=node$node
+if [ "${MECEFO_REJOIN:-0}" = 1 ]; then
+    tag=node$node.rejoin
+fi
 "${PYTHON:-python}" -m megatron_mecefo.recovery.supervisor "${args[@]}" "$@" &
 pid=$!
-echo "$pid" > "$MECEFO_RUN_DIR/supervisor.node$node.pid"
+echo "$pid" > "$MECEFO_RUN_DIR/supervisor.$tag.pid"
 wait "$pid"
 rc=$?
-echo "$rc" > "$MECEFO_RUN_DIR/node$node.exit"
+echo "$rc" > "$MECEFO_RUN_DIR/$tag.exit"
 echo "[mecefo_node] $(hostname): node $node supervisor exited with status $rc"
 exit "$rc"
