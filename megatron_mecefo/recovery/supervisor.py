@@ -238,6 +238,13 @@ class Supervisor:
             if code is None:
                 continue
             del self.children[slot]
+            # What the rank left in its process group (e.g. the multiprocessing helpers of a
+            # checkpoint save: a supervised rank ends with os._exit, before their finalizers)
+            # would hold the launcher's stdout open: Slurm's srun step would never end.
+            try:
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             finished = self.ms.get_str("done") is not None
             info = {
                 "exit_code": code,
@@ -276,33 +283,22 @@ class Supervisor:
     def _rejoin_incarnation(self, slot: int) -> int:
         """The incarnation a rejoining node starts ``slot`` as: one above the last, once that
         one is known dead (reported by its supervisor, or declared by the coordinator after
-        two heartbeat timeouts when the supervisor died with it)."""
-        deadline = time.monotonic() + self.cfg.init_timeout_s
+        two heartbeat timeouts when the supervisor died with it). It waits as long as the
+        job runs, so a hot spare can be started before any failure."""
         said = False
         while True:
             if self._abort() is not None or self.ms.get_str("done") is not None:
-                raise SystemExit(self._rejoin_refused(slot, "the job has already ended"))
+                self.log(f"rejoin: rank {slot} not started: the job has already ended")
+                raise SystemExit(1)
             inc = int(self.ms.get_str(f"inc/{slot}") or 0)
             if self.ms.dead_info(slot, inc) is not None:
                 self.replacements[slot] += 1
                 self.log(f"rejoin: rank {slot} starts as incarnation {inc + 1}")
                 return inc + 1
-            if time.monotonic() > deadline:
-                raise SystemExit(
-                    self._rejoin_refused(
-                        slot,
-                        f"its process (incarnation {inc}) is still alive after --init-timeout="
-                        f"{self.cfg.init_timeout_s:g} s; is node {self.node} really lost?",
-                    )
-                )
             if not said:
                 said = True
                 self.log(f"rejoin: waiting until rank {slot} (incarnation {inc}) is known dead")
             time.sleep(0.2)
-
-    def _rejoin_refused(self, slot: int, why: str) -> int:
-        self.log(f"rejoin refused for rank {slot}: {why}")
-        return 1
 
     def _kill_requests(self) -> None:
         for slot, child in self.children.items():

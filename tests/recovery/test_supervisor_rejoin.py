@@ -31,14 +31,14 @@ def test_rejoin_needs_a_store_and_a_node_rank_above_zero(flags, capsys) -> None:
     assert "--rejoin --node-rank=" in capsys.readouterr().err
 
 
-def _rejoiner(store: str, init_timeout: float = 30.0) -> supervisor.Supervisor:
+def _rejoiner(store: str) -> supervisor.Supervisor:
     args = supervisor.build_parser().parse_args(
         ["--nproc-per-node", "1", "--nnodes", "4", "--node-rank", "3", "--store", store,
          "--rejoin", "--", "train.py"]  # fmt: skip
     )
     cfg = RecoveryConfig(
         heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, collective_timeout_s=1.0,
-        init_timeout_s=init_timeout,
+        init_timeout_s=2.0,
     )  # fmt: skip
     sup = supervisor.Supervisor(args, cfg.validate())
     sup.ms = MembershipStore.connect(store, 10)
@@ -56,13 +56,18 @@ def test_rejoin_starts_the_next_incarnation_once_the_last_is_dead(store: str) ->
     assert time.monotonic() - t0 < 5
 
 
-def test_rejoin_refused_while_the_old_process_lives_or_after_the_end(store: str) -> None:
+def test_rejoin_waits_for_the_death_then_gives_up_when_the_job_ends(store: str) -> None:
+    import threading
+
     ms = MembershipStore.connect(store, 10)
     ms.store.set("inc/3", "0")
-    sup = _rejoiner(store, init_timeout=2.0)
-    with pytest.raises(SystemExit) as exc:
-        sup._rejoin_incarnation(3)
-    assert exc.value.code == 1
+    declared = threading.Timer(1.0, ms.report_dead, (3, 0, {"exit_code": None}))
+    declared.start()
+    t0 = time.monotonic()
+    assert _rejoiner(store)._rejoin_incarnation(3) == 1  # a hot spare waits for the death
+    assert time.monotonic() - t0 >= 0.9
+    ms.store.set("inc/3", "1")
     ms.store.set("done", "1")
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         _rejoiner(store)._rejoin_incarnation(3)
+    assert exc.value.code == 1

@@ -54,13 +54,18 @@ JOBS=()
 cleanup() {
     local rc=$?
     set +e
-    for job in "${JOBS[@]}"; do scancel "$job" 2> /dev/null; done
+    local pids=()
+    for job in "${JOBS[@]}"; do  # every process of the job's steps (proctrack/linuxproc)
+        mapfile -t -O "${#pids[@]}" pids < <(scontrol listpids "$job" 2> /dev/null | awk 'NR > 1 {print $1}')
+        scancel "$job" 2> /dev/null
+    done
     for job in "${JOBS[@]}"; do  # its processes end before slurmd does
-        for _ in $(seq 50); do
+        for _ in $(seq 100); do
             squeue -h -j "$job" 2> /dev/null | grep -q . || break
             sleep 0.2
         done
     done
+    for pid in "${pids[@]}"; do kill -9 "$pid" 2> /dev/null; done
     for pid in "${DAEMONS[@]}"; do kill "$pid" 2> /dev/null; done
     for pid in "${DAEMONS[@]}"; do
         for _ in $(seq 50); do kill -0 "$pid" 2> /dev/null || break; sleep 0.1; done
@@ -137,14 +142,14 @@ done
 say "munged, slurmctld, slurmd up (pids ${DAEMONS[*]}), node $HOST with $CPUS CPUs"
 
 job_state() { scontrol show job "$1" 2> /dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
-wait_job_end() {  # JOB TIMEOUT_S
-    local end=$(($(date +%s) + $2)) state
+wait_job_end() {  # JOB TIMEOUT_S -> $STATE (not a $(...) subshell: a signal reaches the trap)
+    local end=$(($(date +%s) + $2))
     while [ "$(date +%s)" -lt "$end" ]; do
-        state=$(job_state "$1")
-        case $state in COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) echo "$state"; return;; esac
+        STATE=$(job_state "$1")
+        case $STATE in COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) return;; esac
         sleep 1
     done
-    echo "STILL-$state"
+    STATE="STILL-$STATE"
 }
 wait_for_text() {  # FILE TEXT TIMEOUT_S
     local end=$(($(date +%s) + $3))
@@ -172,19 +177,21 @@ ITERS=${SLURM_TEST_ITERS:-120}
 RUN=$TMP/runs/gpt
 OUT=$TMP/runs/gpt.out
 export RUN_DIR=$RUN MECEFO_DIR=$REPO TRAINER=$REPO/tests/recovery/dump_trainer.py \
-    MECEFO_TEST_STEP_SLEEP=${SLURM_TEST_STEP_SLEEP:-0.25} DATA_PATH=mock PRECISION_ARGS="" \
+    MECEFO_TEST_STEP_SLEEP=${SLURM_TEST_STEP_SLEEP:-0.3} DATA_PATH=mock PRECISION_ARGS="" \
     MODEL_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64" \
     MICRO_BATCH=2 GLOBAL_BATCH=16 TRAIN_ITERS=$ITERS SAVE_INTERVAL=$ITERS \
     EXTRA_ARGS="--mecefo-rank 16 --log-interval 1 --eval-iters 0 --split 98,2,0 --lr 3e-3 \
 --lr-decay-style constant --check-weight-hash-across-dp-replicas-interval 10"
 JOB=$(submit "$OUT" "$REPO/examples/slurm/pretrain_gpt_mecefo.sbatch")
 say "job $JOB: pretrain_gpt_mecefo.sbatch, 8 tasks, $ITERS iterations"
-wait_for_text "$OUT" "iteration        3/" 300 || { tail -n 30 "$OUT"; fail "job $JOB never reached iteration 3"; }
-victim=$(cat "$RUN/supervisor.node3.pid")
-# The replacement node first (a hot spare): its supervisor starts a warm standby that imports
-# everything, then waits until node 3's rank is known dead.
+# The replacement node is started with the job (a hot spare): its supervisor starts a warm
+# standby that imports everything while the job starts, then waits until node 3's rank is
+# known dead, and takes its slot about a second later.
+wait_for_text "$OUT" "membership store at" 300 || { tail -n 30 "$OUT"; fail "job $JOB never started"; }
 "$REPO/examples/slurm/rejoin_node.sh" --standby 1 "$RUN" 3 > "$TMP/runs/rejoin.out" 2>&1 &
 rejoin=$!
+wait_for_text "$OUT" "iteration        3/" 300 || { tail -n 30 "$OUT"; fail "job $JOB never reached iteration 3"; }
+victim=$(cat "$RUN/supervisor.node3.pid")
 standby_warm() {  # the standby has connected to the store once its imports are done
     local pid
     pid=$(awk '$1 == -1 {print $3}' "$RUN/pids.node3" 2> /dev/null | tail -n 1)
@@ -195,7 +202,8 @@ standby_warm || { cat "$TMP/runs/rejoin.out"; fail "the rejoining node's standby
 grep "iteration " "$OUT" | tail -n 1 | cut -c1-60
 kill -9 "$victim"
 say "SIGKILLed node 3's supervisor (pid $victim; its rank 3 dies with it): a lost node"
-state=$(wait_job_end "$JOB" 600)
+wait_job_end "$JOB" 600
+state=$STATE
 wait "$rejoin" && rejoin_rc=0 || rejoin_rc=$?
 say "job $JOB: $state; rejoin step exit status $rejoin_rc"
 echo "---- job output (recovery lines)"
@@ -233,7 +241,8 @@ OUT=$TMP/runs/mlm.out
 export RUN_DIR=$RUN
 if [ -z "${MEGATRON_LM_DIR:-}" ]; then
     JOB=$(submit "$OUT" "$REPO/examples/slurm/megatron_lm_mecefo.sbatch")
-    state=$(wait_job_end "$JOB" 60)
+    wait_job_end "$JOB" 60
+    state=$STATE
     cat "$OUT"
     [ "$state" = FAILED ] || fail "megatron_lm_mecefo.sbatch without MEGATRON_LM_DIR ended $state, not FAILED"
     grep -q "error: MEGATRON_LM_DIR=<unset>: no Megatron-LM pretrain_gpt.py there" "$OUT" \
@@ -266,7 +275,8 @@ else
         sleep 1
     done
     scontrol update JobId="$JOB" StartTime=now
-    state=$(wait_job_end "$JOB" 900)
+    wait_job_end "$JOB" 900
+    state=$STATE
     echo "---- job output (without the iteration lines)"
     grep -v "^ *\[.*\] iteration\|^ *iteration" "$OUT" | grep -E "MeCeFO|supervisor|error|loading|load" | cut -c1-240 || true
     [ "$state" = COMPLETED ] || { tail -n 40 "$OUT"; fail "job $JOB ended $state"; }
