@@ -159,9 +159,9 @@ wait_for_text() {  # FILE TEXT TIMEOUT_S
     done
     return 1
 }
-submit() {  # OUT SCRIPT  (env passed through)
+submit() {  # OUT SCRIPT  (env passed through; each job gets a free port for its store)
     local id
-    id=$(sbatch --parsable -N1 -n8 --ntasks-per-node=8 --gpus-per-node=0 -o "$1" "$2")
+    id=$(STORE_PORT=$(free_port) sbatch --parsable -N1 -n8 --ntasks-per-node=8 --gpus-per-node=0 -o "$1" "$2")
     JOBS+=("$id")
     echo "$id"
 }
@@ -173,7 +173,7 @@ export SUPERVISOR_ARGS="--heartbeat-interval 0.5 --heartbeat-timeout 6 --collect
 # ------------------------------------------------------------------ 1. the example trainer
 # The example trainer through tests/recovery/dump_trainer.py, which only adds a sleep per
 # iteration (MECEFO_TEST_STEP_SLEEP) so that the run outlasts the node's loss and return.
-ITERS=${SLURM_TEST_ITERS:-120}
+ITERS=${SLURM_TEST_ITERS:-80}
 RUN=$TMP/runs/gpt
 OUT=$TMP/runs/gpt.out
 export RUN_DIR=$RUN MECEFO_DIR=$REPO TRAINER=$REPO/tests/recovery/dump_trainer.py \
