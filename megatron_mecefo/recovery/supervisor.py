@@ -354,6 +354,10 @@ class Supervisor:
                 if not self.children and not self.pending:
                     if self.ms.get_str("done") is not None:
                         return self._finish_node()
+                    if self.ms.get_str("layout") is None and self._abort() is None:
+                        # A trainer without MeCeFO's session (Megatron-LM): no rank sets
+                        # "done"; every rank of this node exited 0 and none died (no fatal).
+                        return self._finish_node()
                     deadline = time.monotonic() + self.cfg.heartbeat_timeout_s
                     while time.monotonic() < deadline:  # the coordinator's verdict, if any
                         abort = self._abort()

@@ -171,6 +171,9 @@ export PYTHON=$PY GPUS_PER_NODE=1 TP=1 PP=2 DEVICE=cpu OMP_NUM_THREADS=1
 export SUPERVISOR_ARGS="--heartbeat-interval 0.5 --heartbeat-timeout 6 --collective-timeout 25 --init-timeout 90"
 
 # ------------------------------------------------------------------ 1. the example trainer
+# SLURM_TEST_PARTS=gpt,mlm (default both) runs one part only.
+PARTS=${SLURM_TEST_PARTS:-gpt,mlm}
+if [[ ,$PARTS, == *,gpt,* ]]; then
 # The example trainer through tests/recovery/dump_trainer.py, which only adds a sleep per
 # iteration (MECEFO_TEST_STEP_SLEEP) so that the run outlasts the node's loss and return.
 ITERS=${SLURM_TEST_ITERS:-80}
@@ -234,8 +237,10 @@ print(f"[test-slurm] example trainer: {iters} iterations each logged once; failu
       f"weight-hash checks identical (last at iteration {iters})")
 PYCHECK
 say "pretrain_gpt_mecefo.sbatch: PASSED"
+fi
 
 # ------------------------------------------------------------------ 2. Megatron-LM
+if [[ ,$PARTS, == *,mlm,* ]]; then
 RUN=$TMP/runs/mlm
 OUT=$TMP/runs/mlm.out
 export RUN_DIR=$RUN
@@ -288,5 +293,6 @@ else
         || fail "the requeued job did not resume from the checkpoint"
     cat "$RUN/restarts.jsonl"
     say "megatron_lm_mecefo.sbatch ($MEGATRON_LM_DIR): PASSED (killed, requeued, resumed)"
+fi
 fi
 say "make test-slurm: PASSED in $(($(date +%s) - T0)) s"
