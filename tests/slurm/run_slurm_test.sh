@@ -212,7 +212,7 @@ say "job $JOB: $state; rejoin step exit status $rejoin_rc"
 echo "---- job output (recovery lines)"
 grep -E "MeCeFO (recovery|job)|supervisor node|rejoin|coordinator|dp weight" "$OUT" | cut -c1-220 || true
 echo "---- rejoin step"
-cut -c1-220 "$TMP/runs/rejoin.out" | grep -v "^ *iteration" || true
+grep -v "^ *\[.*iteration\|Warning\|warnings.warn" "$TMP/runs/rejoin.out" | cut -c1-220 || true
 [ "$state" = COMPLETED ] || { tail -n 40 "$OUT"; fail "job $JOB ended $state"; }
 [ "$rejoin_rc" -eq 0 ] || fail "the rejoin step exited $rejoin_rc"
 "$PY" - "$RUN/metrics.jsonl" "$ITERS" "$OUT" "$TMP/runs/rejoin.out" << 'PYCHECK'
