@@ -10,7 +10,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo demo-simulated demo-abft test test-all bench bench-long lint clean
+.PHONY: venv data demo demo-simulated demo-abft test test-all test-slurm bench bench-long lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -79,6 +79,13 @@ test: venv
 test-all: venv
 	$(PY) -m pytest -q --timeout=1800 tests
 
+# The Slurm scripts (examples/slurm/) under a real slurmctld + slurmd on this host (README
+# "Running on a cluster"): installs slurm-wlm, munge and shellcheck with apt when missing
+# (root), a node lost and brought back during the example trainer's run, the Megatron-LM
+# script fully only with MEGATRON_LM_DIR set. Every daemon is stopped on exit.
+test-slurm: venv
+	tests/slurm/run_slurm_test.sh
+
 # The CPU evidence suite (README "Results"), about 25 minutes on 2 cores: costs, ABFT overhead, degraded
 # throughput (model + real DP4 runs), failure traces, the planner's profile and the cluster
 # simulator, convergence runs, plots. JSON, logs and
@@ -111,6 +118,9 @@ lint: venv
 	$(PIP) install -q -c constraints.txt ruff black
 	$(VENV)/bin/ruff check megatron_mecefo examples tests benchmarks patches
 	$(VENV)/bin/black --check megatron_mecefo examples tests benchmarks patches
+	@if command -v shellcheck > /dev/null; then \
+	    shellcheck examples/slurm/*.sh examples/slurm/*.sbatch tests/slurm/*.sh; \
+	else echo "make lint: shellcheck not installed; make test-slurm installs it and checks the Slurm scripts"; fi
 
 # results/ holds committed benchmark outputs (see .gitignore); only the run folders go.
 clean:

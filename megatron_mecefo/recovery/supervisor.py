@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="warm standby processes per node (imported, waiting): a replacement then takes "
         "over a dead rank's slot in about a second instead of a cold start",
     )
+    p.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="this node replaces a lost one in a running job (same --node-rank, --store of "
+        "node 0): its ranks start as the next incarnation once the old ones are known dead",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args]")
     return p
 
@@ -232,6 +238,13 @@ class Supervisor:
             if code is None:
                 continue
             del self.children[slot]
+            # What the rank left in its process group (e.g. the multiprocessing helpers of a
+            # checkpoint save: a supervised rank ends with os._exit, before their finalizers)
+            # would hold the launcher's stdout open: Slurm's srun step would never end.
+            try:
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             finished = self.ms.get_str("done") is not None
             info = {
                 "exit_code": code,
@@ -267,6 +280,26 @@ class Supervisor:
                     self.replacements[slot] += 1
                     self.pending.append((time.monotonic() + delay, slot, child.inc + 1))
 
+    def _rejoin_incarnation(self, slot: int) -> int:
+        """The incarnation a rejoining node starts ``slot`` as: one above the last, once that
+        one is known dead (reported by its supervisor, or declared by the coordinator after
+        two heartbeat timeouts when the supervisor died with it). It waits as long as the
+        job runs, so a hot spare can be started before any failure."""
+        said = False
+        while True:
+            if self._abort() is not None or self.ms.get_str("done") is not None:
+                self.log(f"rejoin: rank {slot} not started: the job has already ended")
+                raise SystemExit(1)
+            inc = int(self.ms.get_str(f"inc/{slot}") or 0)
+            if self.ms.dead_info(slot, inc) is not None:
+                self.replacements[slot] += 1
+                self.log(f"rejoin: rank {slot} starts as incarnation {inc + 1}")
+                return inc + 1
+            if not said:
+                said = True
+                self.log(f"rejoin: waiting until rank {slot} (incarnation {inc}) is known dead")
+            time.sleep(0.2)
+
     def _kill_requests(self) -> None:
         for slot, child in self.children.items():
             key = (slot, child.inc)
@@ -290,9 +323,14 @@ class Supervisor:
     def run(self) -> int:
         self.open_store()
         self.command = self.args.command
+        if self.args.rejoin:
+            # Standbys first: they import while the node waits for its old ranks' death, and
+            # then take the slots in about a second (a hot spare node).
+            for _ in range(self.args.standby):
+                self.spawn_standby()
         for slot in self.slots:
-            self.spawn(slot, 0)
-        for _ in range(self.args.standby):
+            self.spawn(slot, self._rejoin_incarnation(slot) if self.args.rejoin else 0)
+        for _ in range(0 if self.args.rejoin else self.args.standby):
             self.spawn_standby()
         last_kill_check = 0.0
         try:
@@ -315,6 +353,10 @@ class Supervisor:
                         self.spawn_standby()
                 if not self.children and not self.pending:
                     if self.ms.get_str("done") is not None:
+                        return self._finish_node()
+                    if self.ms.get_str("layout") is None and self._abort() is None:
+                        # A trainer without MeCeFO's session (Megatron-LM): no rank sets
+                        # "done"; every rank of this node exited 0 and none died (no fatal).
                         return self._finish_node()
                     deadline = time.monotonic() + self.cfg.heartbeat_timeout_s
                     while time.monotonic() < deadline:  # the coordinator's verdict, if any
@@ -378,6 +420,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise RecoveryConfigError(
                 f"--nproc-per-node={args.nproc_per_node} --nnodes={args.nnodes} --node-rank="
                 f"{args.node_rank}: need >= 1 process, >= 1 node and 0 <= node rank < nodes"
+            )
+        if args.rejoin and (args.node_rank == 0 or not args.store):
+            raise RecoveryConfigError(
+                f"--rejoin --node-rank={args.node_rank}: a rejoining node needs --store "
+                "HOST:PORT of node 0 and a node rank > 0 (node 0 hosts the store, so it cannot "
+                "be lost and come back)"
             )
         if args.node_rank > 0 and not args.store:
             raise RecoveryConfigError(

@@ -1,0 +1,49 @@
+#!/bin/bash
+# One srun task = one node's MeCeFO recovery supervisor, which starts that node's training ranks.
+#
+# Started by the sbatch scripts in this folder (srun runs one copy per node) and by
+# rejoin_node.sh (one copy for a node that comes back). Everything else comes from the
+# environment the sbatch script exports:
+#   MECEFO_NNODES          supervisors (= nodes) of the job
+#   MECEFO_GPUS_PER_NODE   ranks each supervisor starts
+#   MECEFO_STORE           HOST:PORT of node 0's membership store (node 0 serves it)
+#   MECEFO_RUN_DIR         where node<K>.exit and supervisor.node<K>.pid are written
+#                          (node<K>.rejoin.exit, supervisor.node<K>.rejoin.pid for a rejoin)
+#   MECEFO_NODE_RANK       optional; default $SLURM_PROCID (rejoin_node.sh sets it)
+#   MECEFO_REJOIN          optional; 1 = this node replaces a lost one (supervisor --rejoin)
+#   PYTHON                 the interpreter with megatron_mecefo installed
+# Arguments: supervisor flags, then -- and the trainer command.
+set -uo pipefail
+
+node=${MECEFO_NODE_RANK:-${SLURM_PROCID:?mecefo_node.sh runs under srun (no SLURM_PROCID)}}
+store_host=${MECEFO_STORE%:*}
+store_port=${MECEFO_STORE##*:}
+args=(
+    --nproc-per-node "$MECEFO_GPUS_PER_NODE" --nnodes "$MECEFO_NNODES" --node-rank "$node"
+    --pid-file "$MECEFO_RUN_DIR/pids.node$node"
+)
+if [ "$node" -eq 0 ]; then
+    args+=(--store-host "$store_host" --store-port "$store_port")
+else
+    args+=(--store "$MECEFO_STORE")
+fi
+if [ "${MECEFO_REJOIN:-0}" = 1 ]; then
+    args+=(--rejoin)
+fi
+
+echo "[mecefo_node] $(hostname): node $node of $MECEFO_NNODES, $MECEFO_GPUS_PER_NODE ranks," \
+    "store $MECEFO_STORE${MECEFO_REJOIN:+ (rejoin)}"
+# In the background so that its PID can be recorded (a test kills it to stand in for a lost
+# node: its ranks die with it, PR_SET_PDEATHSIG).
+tag=node$node
+if [ "${MECEFO_REJOIN:-0}" = 1 ]; then
+    tag=node$node.rejoin
+fi
+"${PYTHON:-python}" -m megatron_mecefo.recovery.supervisor "${args[@]}" "$@" &
+pid=$!
+echo "$pid" > "$MECEFO_RUN_DIR/supervisor.$tag.pid"
+wait "$pid"
+rc=$?
+echo "$rc" > "$MECEFO_RUN_DIR/$tag.exit"
+echo "[mecefo_node] $(hostname): node $node supervisor exited with status $rc"
+exit "$rc"

@@ -1,0 +1,102 @@
+"""``supervisor --rejoin`` (a lost node that comes back, examples/slurm/rejoin_node.sh) without
+training: its flag checks, and the incarnation it starts a slot as, on a real TCPStore. The
+whole path (Slurm, a node killed, the rejoin step healed) is ``make test-slurm``."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from megatron_mecefo.recovery import supervisor
+from megatron_mecefo.recovery.config import RecoveryConfig
+from megatron_mecefo.recovery.membership import MembershipStore
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10),
+                           wait_for_workers=False)  # fmt: skip
+    yield f"127.0.0.1:{server.port}"
+    del server
+
+
+@pytest.mark.parametrize("flags", [["--nnodes", "2", "--node-rank", "0"], ["--nnodes", "2",
+                                   "--node-rank", "1"]])  # fmt: skip
+def test_rejoin_needs_a_store_and_a_node_rank_above_zero(flags, capsys) -> None:
+    argv = ["--nproc-per-node", "1", *flags, "--rejoin", "--", "train.py"]
+    assert supervisor.main(argv) == 2
+    assert "--rejoin --node-rank=" in capsys.readouterr().err
+
+
+def _rejoiner(store: str) -> supervisor.Supervisor:
+    args = supervisor.build_parser().parse_args(
+        ["--nproc-per-node", "1", "--nnodes", "4", "--node-rank", "3", "--store", store,
+         "--rejoin", "--", "train.py"]  # fmt: skip
+    )
+    cfg = RecoveryConfig(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, collective_timeout_s=1.0,
+        init_timeout_s=2.0,
+    )  # fmt: skip
+    sup = supervisor.Supervisor(args, cfg.validate())
+    sup.ms = MembershipStore.connect(store, 10)
+    return sup
+
+
+def test_rejoin_starts_the_next_incarnation_once_the_last_is_dead(store: str) -> None:
+    ms = MembershipStore.connect(store, 10)
+    ms.store.set("inc/3", "1")  # incarnation 1 replaced 0 earlier; now the node is lost
+    ms.report_dead(3, 0, {"exit_code": -9})
+    sup = _rejoiner(store)
+    t0 = time.monotonic()
+    ms.report_dead(3, 1, {"exit_code": None, "reason": "heartbeat, no supervisor"})
+    assert sup._rejoin_incarnation(3) == 2
+    assert time.monotonic() - t0 < 5
+
+
+def test_rejoin_waits_for_the_death_then_gives_up_when_the_job_ends(store: str) -> None:
+    import threading
+
+    ms = MembershipStore.connect(store, 10)
+    ms.store.set("inc/3", "0")
+    declared = threading.Timer(1.0, ms.report_dead, (3, 0, {"exit_code": None}))
+    declared.start()
+    t0 = time.monotonic()
+    assert _rejoiner(store)._rejoin_incarnation(3) == 1  # a hot spare waits for the death
+    assert time.monotonic() - t0 >= 0.9
+    ms.store.set("inc/3", "1")
+    ms.store.set("done", "1")
+    with pytest.raises(SystemExit) as exc:
+        _rejoiner(store)._rejoin_incarnation(3)
+    assert exc.value.code == 1
+
+
+def test_trainer_without_session_that_finishes_exits_zero(tmp_path) -> None:
+    """Megatron-LM's pretrain_gpt.py sets no "done": every rank exiting 0 is a finished run
+    (the Slurm script would otherwise requeue a finished job)."""
+    import subprocess
+    import sys
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.all_reduce(torch.ones(2))\n"
+        "dist.destroy_process_group()\n"
+    )
+    cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor", "--nproc-per-node", "2",
+           "--", str(worker)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            import os
+            import signal
+
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert "training is not done" not in out
