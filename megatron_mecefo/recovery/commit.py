@@ -49,7 +49,8 @@ def vote(
     if outcome is not None:
         outcome["last"] = count == len(members)
     if count == len(members):
-        ms.store.compare_set(decision_key, "", COMMIT)
+        # compare_set answers with the value now stored: the decision, with no wait or get.
+        return ms.store.compare_set(decision_key, "", COMMIT).decode() == COMMIT
     wait = timedelta(seconds=max(poll_interval_s * 50, 0.05))
     while True:
         try:
