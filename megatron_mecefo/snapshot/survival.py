@@ -32,6 +32,18 @@ def group_survival(n: int, m: int, p: float) -> float:
     return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(m + 1))
 
 
+def group_loss(n: int, m: int, p: float) -> float:
+    """``1 - group_survival``, summed directly so that tiny values keep their precision."""
+    if not 0 <= m < n:
+        raise ValueError(f"redundancy m={m} must be in [0, {n - 1}] for a group of {n}")
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(m + 1, n + 1))
+
+
+def job_loss(dp: int, m: int, p: float, nodes_per_replica: int = 1) -> float:
+    """Probability that some group of the job loses its newest snapshot in one interval."""
+    return -math.expm1(nodes_per_replica * math.log1p(-group_loss(dp, m, p)))
+
+
 def job_survival(dp: int, m: int, p: float, nodes_per_replica: int = 1) -> float:
     """Probability that every group of the job keeps its newest snapshot."""
     return group_survival(dp, m, p) ** nodes_per_replica
@@ -54,7 +66,8 @@ def table(
     ]
     for m in range(dp):
         s = job_survival(dp, m, p, nodes_per_replica)
-        lines.append(f"{m:>3} {s:>22.12f} {1 - s:>22.3e} {memory_overhead(dp, m):>13.0%}")
+        lost = job_loss(dp, m, p, nodes_per_replica)
+        lines.append(f"{m:>3} {s:>22.12f} {lost:>22.3e} {memory_overhead(dp, m):>13.0%}")
     return lines
 
 
