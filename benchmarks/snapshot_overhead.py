@@ -175,6 +175,13 @@ def ec_throughput(mib: int) -> Dict[str, Any]:
     have[k] = parity[0]
     row("xor (torch int64)", 1, "decode 1 lost", lambda: xor.decode(have),
         lambda out: np.array_equal(out[1], blocks[1]))  # fmt: skip
+    from pyeclib.ec_iface import ECDriver
+
+    joined = data.tobytes()
+    for m in (1, 2):  # the library alone, on one buffer (our codec adds framing around it)
+        driver = ECDriver(k=k, m=m, ec_type="isa_l_rs_vand")
+        row("pyeclib isa_l_rs_vand (raw driver)", m, "encode", lambda: driver.encode(joined),
+            lambda _: True)  # fmt: skip
     for ec_type in ("isa_l_rs_vand", "liberasurecode_rs_vand"):
         for m in (1, 2):
             codec = ReedSolomonCodec(k, m, ec_type)

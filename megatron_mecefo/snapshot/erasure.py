@@ -14,9 +14,12 @@ most ``m`` blocks of every stripe: the code (MDS, ``k = n - m`` data + ``m`` par
 them. Each member stores ``m`` parity blocks of ``|S| / (n - m)`` bytes: ``m / (n - m)`` of
 its own snapshot.
 
-**Codes.** ``XorCodec`` (m = 1, torch int64 XOR) and ``ReedSolomonCodec`` (pyeclib's
-``isa_l_rs_vand``: ISA-L bundled in pyeclib's wheel; the choice is measured in
-``benchmarks/snapshot_overhead.py``). Every block carries a CRC-32; a block whose CRC does not
+**Codes.** ``XorCodec`` (m = 1, torch int64 XOR) and, for m >= 2, ``ZfecCodec`` (zfec's
+Reed-Solomon on raw blocks); ``ReedSolomonCodec`` (pyeclib's ``isa_l_rs_vand``) is the
+measured alternative. ``benchmarks/snapshot_overhead.py`` measured them side by side at
+64 MiB, k = 4, one thread (CPU time): zfec m = 2 encode 655 MB/s against pyeclib ISA-L's
+482 MB/s (the library alone, 298 MB/s through this module's framing), XOR m = 1 3192 MB/s.
+Every block carries a CRC-32; a block whose CRC does not
 match is treated as lost. More than ``m`` lost blocks in a stripe raise
 :class:`SnapshotLost`, whose message says the snapshot cannot be rebuilt and the job falls
 back to its disk checkpoint.
@@ -134,7 +137,8 @@ class ReedSolomonCodec:
         fragments = self.driver.encode(np.concatenate(data).tobytes())
         header = len(fragments[0]) - length
         payloads = [np.frombuffer(f, dtype=np.uint8, offset=header) for f in fragments]
-        for i in range(self.k):
+        # The layout is checked on the first encode (it depends only on the library).
+        for i in range(self.k) if self.headers is None else ():
             if payloads[i].size != length or not np.array_equal(payloads[i], data[i]):
                 raise RuntimeError(
                     f"{self.name}: data fragment {i} does not hold its piece verbatim; this "
@@ -154,10 +158,38 @@ class ReedSolomonCodec:
         return [flat[i * length : (i + 1) * length] for i in range(self.k)]
 
 
+class ZfecCodec:
+    """Reed-Solomon through zfec on raw blocks (no framing): any k of k + m blocks."""
+
+    name = "zfec"
+
+    def __init__(self, k: int, m: int) -> None:
+        import zfec
+
+        self.k, self.m = k, m
+        self._encoder = zfec.Encoder(k, k + m)
+        self._decoder = zfec.Decoder(k, k + m)
+
+    def encode(self, data: Sequence[np.ndarray]) -> List[np.ndarray]:
+        checks = self._encoder.encode(
+            [d.tobytes() for d in data], list(range(self.k, self.k + self.m))
+        )
+        return [np.frombuffer(c, dtype=np.uint8).copy() for c in checks]
+
+    def decode(self, blocks: Dict[int, np.ndarray]) -> List[np.ndarray]:
+        nums = sorted(blocks)[: self.k]
+        # Fresh lists on every call: zfec's decode reorders the lists it is given in place.
+        out = self._decoder.decode([blocks[i].tobytes() for i in nums], list(nums))
+        return [np.frombuffer(b, dtype=np.uint8) for b in out]
+
+
 def make_codec(k: int, m: int, prefer: str = "auto"):
-    """XOR for m = 1 (fastest), else pyeclib's ISA-L Reed-Solomon."""
+    """``auto``: XOR for m = 1, zfec for m >= 2 (the fastest measured here); or by name:
+    ``xor``, ``zfec``, ``isa_l`` (pyeclib)."""
     if prefer == "xor" or (prefer == "auto" and m == 1):
         return XorCodec(k, m)
+    if prefer in ("auto", "zfec"):
+        return ZfecCodec(k, m)
     return ReedSolomonCodec(k, m)
 
 

@@ -1,6 +1,7 @@
 """Snapshots in the example trainer (DP2 on gloo, real processes, a real holder process):
-a SIGKILLed trainer restarted on the same node, and a whole-job crash, resume from the
-holder's memory and end with the parameters of an uninterrupted run, bit for bit."""
+after a SIGKILLed trainer and after a whole-job crash, the job restarted on the same node
+resumes from the holder's memory and ends with the parameters of an uninterrupted run, bit
+for bit."""
 
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _launch(args: list[str], metrics: Path, workdir: Path, restarts: int = 0) -> subprocess.Popen:
+def _launch(args: list[str], metrics: Path, workdir: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", f"--max-restarts={restarts}", str(TRAINER), *args,
+           f"--master_port={free_port()}", str(TRAINER), *args,
            "--metrics-file", str(metrics)]  # fmt: skip
     return subprocess.Popen(
         cmd, cwd=workdir, env=child_env(), start_new_session=True,
@@ -84,15 +85,19 @@ def test_killed_trainer_and_crashed_job_resume_from_holder(
     holder = start_holder(shm_dir)
     procs: list[subprocess.Popen] = []
     try:
-        # 1. One trainer SIGKILLed after iteration 5; torchrun restarts the workers on the
-        #    same node, and they resume from the holder (snapshot of iteration 4 or 6).
+        # 1. One trainer SIGKILLed after iteration 5: torchrun tears its sibling down (SIGTERM,
+        #    maybe mid-copy) and exits; the job restarted on the same node resumes from the
+        #    holder (snapshot of iteration 4 or 6), not from disk (no --load).
         args = base + ["--mecefo-snapshot-dir", str(shm_dir), "--save", str(tmp_path / "one")]
         metrics = tmp_path / "one.jsonl"
-        procs.append(_launch(args, metrics, tmp_path, restarts=1))
+        procs.append(_launch(args, metrics, tmp_path))
         _wait_iteration(procs[-1], metrics, 5)
         workers = _children(procs[-1].pid)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
+        procs[-1].communicate(timeout=600)
+        assert procs[-1].returncode != 0
+        procs.append(_launch(args, metrics, tmp_path))
         out, _ = procs[-1].communicate(timeout=600)
         assert procs[-1].returncode == 0, out[-4000:]
         assert "recovery path local (holder memory)" in out, out[-4000:]
