@@ -238,6 +238,9 @@ def memory_vs_disk(mib: int) -> Dict[str, Any]:
     store = dist.TCPStore("127.0.0.1", 0, 1, True)
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    from megatron_mecefo.runtime import enable_cpu_runtime
+
+    enable_cpu_runtime()  # dist_checkpointing's writer calls torch.cuda.synchronize()
     torch.manual_seed(0)
     n = (mib << 20) // 4 // 3  # params + two Adam moments
     model = torch.nn.Linear(n // 1024, 1024, bias=False)

@@ -174,13 +174,15 @@ class SnapshotManager:
         return self.last_committed
 
     # ------------------------------------------------------------------ restoring
-    def local_snapshots(self) -> Dict[int, Tuple[Slot, Dict[str, Any]]]:
-        """This rank's intact snapshots (header present, checksum matching), by iteration."""
+    def local_snapshots(self, verify: bool = True) -> Dict[int, Tuple[Slot, Dict[str, Any]]]:
+        """This rank's snapshots by iteration: sealed (header present) and, with ``verify``,
+        intact (checksum matching)."""
         out = {}
         for slot in self.slots:
-            header = slot.verify()
-            if header is not None:
-                out[int(header["iteration"])] = (slot, header)
+            header = slot.verify() if verify else slot.header()
+            if header is not None and (verify or slot.attach()):
+                if slot.buffer.numel() >= header["nbytes"]:
+                    out[int(header["iteration"])] = (slot, header)
         return out
 
     def restore(
@@ -193,19 +195,30 @@ class SnapshotManager:
             common intact snapshot (the caller falls back to disk).
         """
         t0 = time.perf_counter()
-        mine = self.local_snapshots()
-        every: List[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, sorted(mine), group=group)
-        common = set(every[0]).intersection(*map(set, every[1:]))
-        if not common:
-            held = sum(1 for e in every if e)
+        # Sealed snapshots first; only the one chosen is checksummed (a full read).
+        mine = self.local_snapshots(verify=False)
+        while True:
+            every: List[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, sorted(mine), group=group)
+            common = set(every[0]).intersection(*map(set, every[1:]))
+            if not common:
+                held = sum(1 for e in every if e)
+                self.log(
+                    f"> MeCeFO snapshot: no snapshot held intact by every rank ({held} of "
+                    f"{len(every)} ranks hold one); falling back to disk"
+                )
+                return None
+            iteration = max(common)
+            slot, header = mine[iteration]
+            ok = torch.tensor([int(crc32(slot.buffer[: header["nbytes"]]) == header["crc32"])])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+            if int(ok):
+                break
             self.log(
-                f"> MeCeFO snapshot: no snapshot held intact by every rank ({held} of "
-                f"{len(every)} ranks hold one); falling back to disk"
+                f"> MeCeFO snapshot: iteration {iteration} failed its checksum on some rank; "
+                "trying an older one"
             )
-            return None
-        iteration = max(common)
-        slot, header = mine[iteration]
+            del mine[iteration]
         tensors = slot.read(header)
         restore(state, tensors, header["meta"])
         # The next snapshot must not overwrite the one just restored.
