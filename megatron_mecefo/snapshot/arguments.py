@@ -13,6 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("in-memory snapshots")
     g.add_argument(
         "--mecefo-snapshot-interval",
+        dest="snapshot_interval",  # not mecefo_*: snapshots do not need --mecefo
         type=int,
         default=0,
         help="K: snapshot each rank's state to host memory after every K-th optimizer step "
@@ -20,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--mecefo-snapshot-dir",
+        dest="snapshot_dir",
         default=None,
         help="Shared-memory directory of this node's snapshot holder (python -m "
         "megatron_mecefo.snapshot.holder --dir DIR): snapshots outlive a dead trainer, and a "
@@ -27,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--mecefo-snapshot-redundancy",
+        dest="snapshot_redundancy",
         type=int,
         default=0,
         help="m: parity shards per group of data-parallel peers (see python -m "
@@ -46,9 +49,9 @@ def validate(args: argparse.Namespace, dp_size: int) -> Optional[SnapshotConfig]
             interval, a redundancy of at least the DP size, or a directory with no live holder.
     """
     k, d, m = (
-        args.mecefo_snapshot_interval,
-        args.mecefo_snapshot_dir,
-        args.mecefo_snapshot_redundancy,
+        args.snapshot_interval,
+        args.snapshot_dir,
+        args.snapshot_redundancy,
     )
     if k < 0:
         raise SnapshotFlagError(

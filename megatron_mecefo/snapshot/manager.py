@@ -205,7 +205,7 @@ class SnapshotManager:
                 held = sum(1 for e in every if e)
                 self.log(
                     f"> MeCeFO snapshot: no snapshot held intact by every rank ({held} of "
-                    f"{len(every)} ranks hold one); falling back to disk"
+                    f"{len(every)} ranks hold one); starting from --load (disk) or from scratch"
                 )
                 return None
             iteration = max(common)
