@@ -727,6 +727,7 @@ class Trainer:
         from checkpointing import load_checkpoint
 
         a = self.args
+        t0 = time.perf_counter()
         try:
             loaded = load_checkpoint(
                 a.load,
@@ -743,7 +744,8 @@ class Trainer:
             self.recovery_path = "disk"
             self._print(
                 f"loaded checkpoint from {a.load} at iteration {self.iteration} "
-                f"(consumed samples {self.consumed_samples})"
+                f"(consumed samples {self.consumed_samples}); recovery path disk "
+                f"(dist_checkpointing), {time.perf_counter() - t0:.3f} s"
             )
 
     def _load_mecefo_basis(self) -> None:
