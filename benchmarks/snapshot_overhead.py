@@ -115,10 +115,17 @@ def step_overhead(data: str, iters: int, repeats: int) -> Dict[str, Any]:
                     if interval
                     else [0.0]
                 )
+                wait = [0.0]
+                if interval:
+                    pairs = zip(train, train[1:], strict=False)
+                    wait = [
+                        b["snapshot_commit_wait_s"] - a["snapshot_commit_wait_s"] for a, b in pairs
+                    ]
                 runs[name].append(
                     {
                         "step_time_s": statistics.median(t["step_time_s"] for t in train),
                         "snapshot_s_per_step": statistics.mean(snap),
+                        "commit_wait_s_per_step": statistics.mean(wait),
                     }
                 )
                 shutil.rmtree(metrics.parent, ignore_errors=True)
@@ -138,6 +145,7 @@ def step_overhead(data: str, iters: int, repeats: int) -> Dict[str, Any]:
             "step_time_vs_none": step / base,
             "snapshot_s_per_step": snap,
             "snapshot_share_of_step": snap / step,
+            "commit_wait_s_per_step": statistics.median(x["commit_wait_s_per_step"] for x in rs),
             "runs": rs,
         }
     return out

@@ -622,6 +622,7 @@ class Trainer:
                 self.snapshots.after_step(self._snapshot_state(), self.iteration)
                 # Cumulative seconds the training thread spent in snapshot code.
                 record["snapshot_s"] = self.snapshots.main_thread_s
+                record["snapshot_commit_wait_s"] = self.snapshots.commit_wait_s
             self.history.append(record)
             window.append(record)
             self._emit(record)

@@ -16,9 +16,9 @@ its own snapshot.
 
 **Codes.** ``XorCodec`` (m = 1, torch int64 XOR) and, for m >= 2, ``ZfecCodec`` (zfec's
 Reed-Solomon on raw blocks); ``ReedSolomonCodec`` (pyeclib's ``isa_l_rs_vand``) is the
-measured alternative. ``benchmarks/snapshot_overhead.py`` measured them side by side at
-64 MiB, k = 4, one thread (CPU time): zfec m = 2 encode 655 MB/s against pyeclib ISA-L's
-482 MB/s (the library alone, 298 MB/s through this module's framing), XOR m = 1 3192 MB/s.
+measured alternative. ``benchmarks/snapshot_overhead.py`` measures them side by side (64 MiB,
+k = 4, one thread): the libraries alone are close and swap places between runs, and pyeclib
+needs the stripe concatenated and its fragment headers kept, zfec takes raw blocks.
 Every block carries a CRC-32; a block whose CRC does not
 match is treated as lost. More than ``m`` lost blocks in a stripe raise
 :class:`SnapshotLost`, whose message says the snapshot cannot be rebuilt and the job falls

@@ -65,6 +65,8 @@ class SnapshotManager:
         self.taken: List[int] = []
         self.copy_wait_s = 0.0
         """Seconds the training thread spent waiting on copies (fences and joins)."""
+        self.commit_wait_s = 0.0
+        """Seconds the training thread waited for peers to commit (part of main_thread_s)."""
         self.main_thread_s = 0.0
         """Seconds the training thread spent in snapshot code (waits, commits, starting
         copies): the snapshots' whole cost on the training path."""
@@ -153,6 +155,7 @@ class SnapshotManager:
 
     def wait_committed(self, iteration: int) -> None:
         """Block until every rank has committed ``iteration``'s snapshot."""
+        t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.commit_timeout_s
         while self.commits(iteration) < self.world_size:
             if time.monotonic() > deadline:
@@ -162,6 +165,7 @@ class SnapshotManager:
                     f"{self.config.commit_timeout_s:.0f} s"
                 )
             time.sleep(0.001)
+        self.commit_wait_s += time.perf_counter() - t0
         self.last_committed = iteration
 
     def flush(self) -> Optional[int]:
