@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_mecefo.recovery.arguments import add_arguments as add_recovery_arguments
 
     add_recovery_arguments(p)  # --mecefo-kill (real deaths, under the recovery supervisor)
+    from megatron_mecefo.snapshot.arguments import add_arguments as add_snapshot_arguments
+
+    add_snapshot_arguments(p)  # --mecefo-snapshot-* (in-memory snapshots)
     return p
 
 
@@ -444,6 +447,13 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
         )
     if args.save and args.save_interval is None:
         args.save_interval = args.train_iters  # save once, at the end
+    from megatron_mecefo.snapshot.arguments import SnapshotFlagError
+    from megatron_mecefo.snapshot.arguments import validate as validate_snapshots
+
+    try:
+        args.snapshot_config = validate_snapshots(args, args.data_parallel_size)
+    except SnapshotFlagError as err:
+        raise ConfigError(str(err)) from None
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

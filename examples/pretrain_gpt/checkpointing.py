@@ -4,7 +4,10 @@ The layout follows Megatron-LM: ``<dir>/iter_0000100/`` holds one sharded checkp
 ``<dir>/latest_checkpointed_iteration.txt`` names the newest. Model and optimizer state are
 sharded tensors, so a checkpoint loads into another TP/PP layout; the iteration, consumed
 samples and LR-scheduler state are common state. Per-rank RNG states go to ``rng/`` and are
-restored only when the layout is unchanged (they only matter with dropout).
+restored only when the layout is unchanged (they only matter with dropout). With ``--mecefo``
+and low-rank FFN gradients, each rank's low-rank basis V and its refresh step go to
+``mecefo_basis/`` (same layout only), so a run resumed inside a failure window keeps the V of
+the uninterrupted run instead of recomputing it from the resumed weights.
 
 Fallback: with ``--use-distributed-optimizer`` on megatron-core without Apex/TE (the CPU
 case), the optimizer state is saved per rank beside the sharded checkpoint (see
@@ -112,6 +115,21 @@ def _rng_path(ckpt_dir: str) -> str:
     return os.path.join(ckpt_dir, "rng", f"{layout}.pt")
 
 
+def _basis_path(ckpt_dir: str) -> str:
+    return os.path.join(ckpt_dir, "mecefo_basis", os.path.basename(_rng_path(ckpt_dir)))
+
+
+def load_mecefo_basis(ckpt_dir: str, model_chunks: list[torch.nn.Module]) -> Optional[int]:
+    """Restore this rank's low-rank bases from ``ckpt_dir``; returns how many, or None when
+    the checkpoint has none for this layout (V is then recomputed at the first takeover)."""
+    from megatron_mecefo.techniques.basis_checkpoint import load_basis_state_dict
+
+    path = _basis_path(ckpt_dir)
+    if not os.path.isfile(path):
+        return None
+    return load_basis_state_dict(model_chunks, torch.load(path, weights_only=True))
+
+
 def save_checkpoint(
     save_dir: str,
     iteration: int,
@@ -139,6 +157,12 @@ def save_checkpoint(
         _save_optimizer_per_rank(ckpt_dir, optimizer)
     os.makedirs(os.path.dirname(_rng_path(ckpt_dir)), exist_ok=True)
     torch.save({"torch": torch.get_rng_state()}, _rng_path(ckpt_dir))
+    from megatron_mecefo.techniques.basis_checkpoint import basis_state_dict
+
+    bases = basis_state_dict(model_chunks)
+    if bases:  # only models built from a low-rank MeCeFO spec have them
+        os.makedirs(os.path.dirname(_basis_path(ckpt_dir)), exist_ok=True)
+        torch.save(bases, _basis_path(ckpt_dir))
     dist.barrier()
     if dist.get_rank() == 0:  # written last: a crash mid-save never names a partial checkpoint
         with open(os.path.join(save_dir, TRACKER), "w") as f:

@@ -107,7 +107,11 @@ class Trainer:
         self.optimizer, self.scheduler = self._build_optimizer()
         self.tokens_per_step = args.global_batch_size * args.seq_length
         self.iteration, self.consumed_samples = 0, 0
-        if args.load:
+        self.snapshots = self._build_snapshots()
+        self.recovery_path = None  # which path restored the state: "local" (holder) or "disk"
+        if self.snapshots is not None and args.snapshot_config.directory:
+            self._restore_snapshot()
+        if args.load and self.recovery_path is None:
             self._load()
         self._build_data()
         self._activation_peak = 0  # auto: decoder activation bytes, largest micro-batch
@@ -123,9 +127,12 @@ class Trainer:
         self.metrics_file = None
         if self.rank == 0 and args.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-            mode = "a" if args.load else recovery.metrics_mode() if recovery else "w"
+            resumed = args.load or self.recovery_path  # a restart appends to the run's log
+            mode = "a" if resumed else recovery.metrics_mode() if recovery else "w"
             self.metrics_file = open(args.metrics_file, mode)
         self.tb = self._tensorboard()
+        if getattr(self, "_restore_record", None):
+            self._emit(self._restore_record)
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
         self.saved: list[int] = []
@@ -372,6 +379,8 @@ class Trainer:
         a, ft = self.args, self.args.mecefo_config
         state = MecefoState(ft.techniques)
         apply_mecefo(self.model_chunks, state)
+        if self.iteration and self.args.load:  # V and its refresh step, as saved
+            self._load_mecefo_basis()
         schedule = ft.build_schedule(self.dp_size, a.train_iters)
         if self.recovery is not None:  # plus the real failures, from membership
             schedule = self.recovery.wrap_schedule(schedule)
@@ -542,6 +551,8 @@ class Trainer:
         if no_update or (abft is not None and abft["skip"]):
             ok, grad_norm = False, None  # every replica down, or ABFT: no update, skipped
         else:
+            if self.snapshots is not None:  # the snapshot copy reads what the step writes
+                self.snapshots.before_optimizer_step()
             ok, grad_norm, _ = self.optimizer.step()
         cpu = (cpu1 - cpu0, time.process_time() - cpu2)
         if "planner" in mecefo:  # measured next to the decision's prediction
@@ -665,6 +676,11 @@ class Trainer:
         window: list[dict[str, Any]] = []
         while self.iteration < a.train_iters:
             record = self.train_step()
+            if self.snapshots is not None:
+                self.snapshots.after_step(self._snapshot_state(), self.iteration)
+                # Cumulative seconds the training thread spent in snapshot code.
+                record["snapshot_s"] = self.snapshots.main_thread_s
+                record["snapshot_commit_wait_s"] = self.snapshots.commit_wait_s
             self.history.append(record)
             window.append(record)
             self._emit(record)
@@ -688,6 +704,8 @@ class Trainer:
             self._log_eval(self.evaluate())
         if a.save and self.saved[-1:] != [self.iteration]:
             self._save()
+        if self.snapshots is not None:
+            self.snapshots.flush()
 
     def _check_dp_replicas(self) -> None:
         """Megatron-LM's weight-hash check: every DP replica must hold the same bits."""
@@ -733,11 +751,42 @@ class Trainer:
         self.saved.append(self.iteration)
         self._print(f"saved checkpoint at iteration {self.iteration} to {path}")
 
+    def _build_snapshots(self) -> Any:
+        config = self.args.snapshot_config
+        if config is None:
+            return None
+        from megatron_mecefo.snapshot.manager import SnapshotManager
+
+        # The commit counters go to the current world's store (the membership store's
+        # generation prefix under the recovery supervisor), so they follow a regroup.
+        return SnapshotManager(config, self.rank, log=self._print)
+
+    def _snapshot_state(self) -> Any:
+        from megatron_mecefo.snapshot.contents import TrainingState
+
+        return TrainingState(
+            self.model_chunks,
+            self.optimizer,
+            self.scheduler,
+            {"iteration": self.iteration, "consumed_samples": self.consumed_samples},
+        )
+
+    def _restore_snapshot(self) -> None:
+        """Resume from the holder's newest snapshot every rank holds intact, if any."""
+        state = self._snapshot_state()
+        served = self.snapshots.restore(state)
+        if served is not None:
+            self.iteration = int(state.counters["iteration"])
+            self.consumed_samples = int(state.counters["consumed_samples"])
+            self.recovery_path = "local"
+            self._restore_record = {"type": "snapshot_restore", **served}
+
     def _load(self) -> None:
         from arguments import ConfigError
         from checkpointing import load_checkpoint
 
         a = self.args
+        t0 = time.perf_counter()
         try:
             loaded = load_checkpoint(
                 a.load,
@@ -751,10 +800,25 @@ class Trainer:
             _fail(str(err))
         self.iteration, self.consumed_samples = loaded
         if self.iteration:
+            self.recovery_path = "disk"
             self._print(
                 f"loaded checkpoint from {a.load} at iteration {self.iteration} "
-                f"(consumed samples {self.consumed_samples})"
+                f"(consumed samples {self.consumed_samples}); recovery path disk "
+                f"(dist_checkpointing), {time.perf_counter() - t0:.3f} s"
             )
+
+    def _load_mecefo_basis(self) -> None:
+        from checkpointing import load_mecefo_basis
+
+        ckpt_dir = os.path.join(self.args.load, f"iter_{self.iteration:07d}")
+        restored = load_mecefo_basis(ckpt_dir, self.model_chunks)
+        if restored is None:
+            self._print(
+                "WARNING: the checkpoint holds no MeCeFO low-rank basis for this layout; V is "
+                "recomputed at the first takeover, so the run may differ from an uninterrupted one"
+            )
+        elif restored:
+            self._print(f"> MeCeFO: restored {restored} low-rank bases from the checkpoint")
 
     # ------------------------------------------------------------------ output
     def _print(self, line: str) -> None:

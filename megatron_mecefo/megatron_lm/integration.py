@@ -8,11 +8,12 @@ The patch for each Megatron-LM tag adds a few lines to ``pretrain_gpt.py`` and n
   core_v0.17 (``pretrain()`` builds the model through ``model_provider``), and through the
   model config's ``transformer_layer_spec`` and ``post_wrap_hooks`` from core_v0.19 on. A
   ``--spec`` given by the user is kept, and must be a MeCeFO spec;
-* three names in ``megatron.training.training`` are wrapped, only with ``--mecefo``:
+* five names in ``megatron.training.training`` are wrapped, only with ``--mecefo``:
   ``get_forward_backward_func`` (the replica runs its planned micro-batches),
   ``finalize_model_grads`` (the MHA-group re-weighting after the sync; ``train()`` installs
   it as ``config.finalize_model_grads_func``) and ``build_pretraining_data_loader`` (to read
-  a failed replica's samples from the training dataset).
+  a failed replica's samples from the training dataset); ``save_checkpoint`` and
+  ``load_checkpoint`` also keep each rank's low-rank basis V (:mod:`.basis_checkpoint`).
 
 ``--mecefo-abft`` (attention checksums, :mod:`megatron_mecefo.abft`) works with or without
 ``--mecefo``: the layer spec also goes through ``abft_spec``, and
@@ -374,6 +375,11 @@ class MegatronLMIntegration:
         training.get_forward_backward_func = get_forward_backward_func
         training.finalize_model_grads = self._finalize
         training.build_pretraining_data_loader = build_pretraining_data_loader
+        # The low-rank basis V (and its refresh step) in the checkpoints.
+        from megatron_mecefo.megatron_lm import basis_checkpoint
+
+        training.save_checkpoint = basis_checkpoint.wrap_save(training.save_checkpoint)
+        training.load_checkpoint = basis_checkpoint.wrap_load(training.load_checkpoint)
         self._hooks_installed = True
 
     def _wrap_finalize_lazily(self, finalize: Callable) -> Callable:

@@ -1,0 +1,90 @@
+"""``--mecefo-snapshot-*`` flags and their start-up checks (torch-free)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+from megatron_mecefo.snapshot.config import SnapshotConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("in-memory snapshots")
+    g.add_argument(
+        "--mecefo-snapshot-interval",
+        dest="snapshot_interval",  # not mecefo_*: snapshots do not need --mecefo
+        type=int,
+        default=0,
+        help="K: snapshot each rank's state to host memory after every K-th optimizer step "
+        "(0: off).",
+    )
+    g.add_argument(
+        "--mecefo-snapshot-dir",
+        dest="snapshot_dir",
+        default=None,
+        help="Shared-memory directory of this node's snapshot holder (python -m "
+        "megatron_mecefo.snapshot.holder --dir DIR): snapshots outlive a dead trainer, and a "
+        "restarted trainer resumes from them before trying --load.",
+    )
+    g.add_argument(
+        "--mecefo-snapshot-redundancy",
+        dest="snapshot_redundancy",
+        type=int,
+        default=0,
+        help="m: parity shards per group of data-parallel peers (see python -m "
+        "megatron_mecefo.snapshot.survival).",
+    )
+
+
+class SnapshotFlagError(ValueError):
+    """A bad ``--mecefo-snapshot-*`` value; the message names the flag and the fix."""
+
+
+def validate(args: argparse.Namespace, dp_size: int) -> Optional[SnapshotConfig]:
+    """The snapshot config, or None when snapshots are off.
+
+    Raises:
+        SnapshotFlagError: On a negative interval or redundancy, a directory flag without an
+            interval, a redundancy of at least the DP size, or a directory with no live holder.
+    """
+    k, d, m = (
+        args.snapshot_interval,
+        args.snapshot_dir,
+        args.snapshot_redundancy,
+    )
+    if k < 0:
+        raise SnapshotFlagError(
+            f"--mecefo-snapshot-interval={k}: must be >= 0 (0 turns snapshots off)"
+        )
+    if m < 0:
+        raise SnapshotFlagError(f"--mecefo-snapshot-redundancy={m}: must be >= 0")
+    if k == 0:
+        for flag, value in (("--mecefo-snapshot-dir", d), ("--mecefo-snapshot-redundancy", m)):
+            if value:
+                raise SnapshotFlagError(
+                    f"{flag}={value} needs --mecefo-snapshot-interval K > 0 (snapshots are off)"
+                )
+        return None
+    if m and m >= dp_size:
+        raise SnapshotFlagError(
+            f"--mecefo-snapshot-redundancy={m}: needs fewer parity shards than data-parallel "
+            f"replicas ({dp_size}); use at most {dp_size - 1}"
+        )
+    if m:
+        raise SnapshotFlagError(
+            f"--mecefo-snapshot-redundancy={m}: parity across data-parallel peers is not wired "
+            "into the training loop yet (megatron_mecefo.snapshot.erasure has the code and "
+            "placement; python -m megatron_mecefo.snapshot.survival helps choose m); drop the "
+            "flag: snapshots then survive trainer crashes (the holder), not node losses"
+        )
+    if d is not None:
+        from megatron_mecefo.snapshot.holder import holder_pid
+
+        if holder_pid(d) is None:
+            raise SnapshotFlagError(
+                f"--mecefo-snapshot-dir={d}: no live snapshot holder there; start one with "
+                f"`python -m megatron_mecefo.snapshot.holder --dir {d}` (one per node) first"
+            )
+        d = os.path.abspath(d)
+    return SnapshotConfig(interval=k, directory=d, redundancy=m)

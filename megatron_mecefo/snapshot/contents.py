@@ -1,0 +1,150 @@
+"""What a snapshot holds, and putting it back.
+
+Per rank: the model parameters; the optimizer's state as the inner torch optimizer holds it
+(with ``--use-distributed-optimizer`` that is this rank's shard: the fp32 main params and the
+Adam moments; without it, the full state); the torch RNG state and, on GPU, the CUDA RNG and
+Megatron's CUDA RNG tracker; and, as metadata, the iteration, consumed samples, the LR
+scheduler and the step of each low-rank basis V (whose tensor is in the snapshot too).
+
+Tensors are named, so ``restore`` can check that a snapshot fits the live model. Optimizer
+state that a fresh process has not created yet (torch Adam builds it at its first step) is
+allocated from the recorded shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+
+@dataclass
+class TrainingState:
+    """The live objects a snapshot is taken from and restored into."""
+
+    model_chunks: List[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any = None
+    counters: Dict[str, int] = field(default_factory=dict)
+    """``iteration`` and ``consumed_samples``, as the trainer keeps them."""
+
+
+def _parts(optimizer: Any) -> List[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _lowrank(model_chunks: List[torch.nn.Module]) -> Dict[str, torch.nn.Module]:
+    """MeCeFO's low-rank linears (``techniques.lowrank_wgrad``), found by their basis
+    attributes so that this module does not import megatron-core."""
+    return {
+        f"{i}.{name}": module
+        for i, chunk in enumerate(model_chunks)
+        for name, module in chunk.named_modules()
+        if hasattr(module, "mecefo_basis") and hasattr(module, "mecefo_basis_step")
+    }
+
+
+def _rng_tensors() -> Dict[str, torch.Tensor]:
+    out = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["rng.cuda"] = torch.cuda.get_rng_state()
+        try:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            for name, state in get_cuda_rng_tracker().get_states().items():
+                out[f"rng.tracker.{name}"] = state
+        except Exception:  # noqa: BLE001 (no tracker initialised: nothing to keep)
+            pass
+    return out
+
+
+def collect(state: TrainingState) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """The snapshot's tensors (live tensors, not copies: copy them before the next step
+    writes them) and its JSON-able metadata."""
+    tensors: Dict[str, torch.Tensor] = {}
+    for i, chunk in enumerate(state.model_chunks):
+        for name, param in chunk.named_parameters():
+            tensors[f"model{i}.{name}"] = param.data
+    for j, part in enumerate(_parts(state.optimizer)):
+        inner = part.optimizer
+        for g, group in enumerate(inner.param_groups):
+            for k, param in enumerate(group["params"]):
+                tensors[f"optim{j}.main.{g}.{k}"] = param.data
+                for key, value in inner.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"optim{j}.state.{g}.{k}.{key}"] = value
+    bases = {}
+    for key, module in _lowrank(state.model_chunks).items():
+        bases[key] = module.mecefo_basis_step
+        if module.mecefo_basis is not None:
+            tensors[f"basis.{key}"] = module.mecefo_basis
+    tensors.update(_rng_tensors())
+    meta = {
+        "counters": dict(state.counters),
+        "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
+        "basis_steps": bases,
+    }
+    return tensors, meta
+
+
+def restore(state: TrainingState, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
+    """Write a snapshot (CPU tensors by name, and its metadata) into the live objects.
+
+    Raises:
+        ValueError: If the snapshot's parameters do not match the model's (another model or
+            another layout).
+    """
+    live_names = {
+        f"model{i}.{name}"
+        for i, chunk in enumerate(state.model_chunks)
+        for name, _ in chunk.named_parameters()
+    }
+    saved_names = {n for n in tensors if n.startswith("model")}
+    if live_names != saved_names:
+        raise ValueError(
+            f"snapshot parameters do not match the model ({len(saved_names)} saved, "
+            f"{len(live_names)} live): it was taken by another model or layout"
+        )
+    with torch.no_grad():
+        for i, chunk in enumerate(state.model_chunks):
+            for name, param in chunk.named_parameters():
+                param.data.copy_(tensors[f"model{i}.{name}"])
+        for j, part in enumerate(_parts(state.optimizer)):
+            inner = part.optimizer
+            for g, group in enumerate(inner.param_groups):
+                for k, param in enumerate(group["params"]):
+                    param.data.copy_(tensors[f"optim{j}.main.{g}.{k}"])
+                    prefix = f"optim{j}.state.{g}.{k}."
+                    entries = {
+                        n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)
+                    }
+                    if entries:
+                        slot = inner.state.setdefault(param, {})
+                        for key, saved in entries.items():
+                            live: Optional[torch.Tensor] = slot.get(key)
+                            if live is None or live.shape != saved.shape:
+                                live = torch.empty_like(saved, device=param.device)
+                                slot[key] = live
+                            live.copy_(saved)
+    for key, module in _lowrank(state.model_chunks).items():
+        saved = tensors.get(f"basis.{key}")
+        module.mecefo_basis = None if saved is None else saved.to(module.weight.device, copy=True)
+        module.mecefo_basis_step = meta["basis_steps"].get(key)
+    if state.scheduler is not None and meta.get("scheduler") is not None:
+        state.scheduler.load_state_dict(meta["scheduler"])
+    state.counters.update(meta["counters"])
+    # Clones: the RNG setters need a tensor that owns its storage (a view into the slot's
+    # mapped buffer, at an offset, crashes torch.set_rng_state).
+    torch.set_rng_state(tensors["rng.torch"].clone())
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"].clone())
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        tracker = {
+            n[len("rng.tracker.") :]: t.clone()
+            for n, t in tensors.items()
+            if n.startswith("rng.tracker.")
+        }
+        if tracker:
+            get_cuda_rng_tracker().set_states(tracker)

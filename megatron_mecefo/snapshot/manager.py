@@ -1,0 +1,238 @@
+"""``SnapshotManager``: when to snapshot, the two-slot rotation, the commit and the restore."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_mecefo.snapshot.checksum import crc32
+from megatron_mecefo.snapshot.config import SnapshotConfig
+from megatron_mecefo.snapshot.contents import TrainingState, collect, restore
+from megatron_mecefo.snapshot.copier import Copier
+from megatron_mecefo.snapshot.slots import Slot, plan_layout
+
+
+def default_store() -> Any:
+    """The job's TCPStore (torch.distributed's default store, a prefix store over it)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+class SnapshotManager:
+    """One per rank. Call :meth:`before_optimizer_step` before every ``optimizer.step()`` and
+    :meth:`after_step` after it; :meth:`restore` at start-up.
+
+    Args:
+        config: Interval, holder directory, redundancy.
+        rank: This process's global rank (names its directory under the holder's).
+        world_size: Ranks that must commit a snapshot for it to count; None: the current
+            torch.distributed world's size, read at each commit.
+        store: A ``torch.distributed.Store`` shared by the job; None: the current world's
+            default store, read at each commit (under the recovery supervisor that is the
+            membership store, under the generation's prefix).
+        log: Where to print (rank 0 usually passes ``print``; others a no-op).
+    """
+
+    def __init__(
+        self,
+        config: SnapshotConfig,
+        rank: int,
+        world_size: Optional[int] = None,
+        store: Any = None,
+        log: Any = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self._world_size = world_size
+        self._store = store
+        self.log = log or (lambda line: None)
+        directory = None
+        if config.directory is not None:
+            directory = os.path.join(config.directory, f"rank{rank}")
+            os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.slots = [Slot(0, directory), Slot(1, directory)]
+        self.copier = Copier()
+        self._next = 0
+        self._in_flight: Optional[int] = None  # iteration being copied
+        self._uncounted: Optional[int] = None  # copied locally, not yet added to the store
+        self.last_committed: Optional[int] = None
+        self.taken: List[int] = []
+        self.copy_wait_s = 0.0
+        """Seconds the training thread spent waiting on copies (fences and joins)."""
+        self.commit_wait_s = 0.0
+        """Seconds the training thread waited for peers to commit (part of main_thread_s)."""
+        self.main_thread_s = 0.0
+        """Seconds the training thread spent in snapshot code (waits, commits, starting
+        copies): the snapshots' whole cost on the training path."""
+        # A restarted job must not read the previous incarnation's counters.
+        self._key_prefix = f"mecefo_snapshot/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+    @property
+    def store(self) -> Any:
+        return self._store if self._store is not None else default_store()
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size if self._world_size is not None else dist.get_world_size()
+
+    # ------------------------------------------------------------------ taking
+    def due(self, iteration: int) -> bool:
+        return self.config.enabled and iteration % self.config.interval == 0
+
+    def before_optimizer_step(self) -> None:
+        """The copy reads the live parameters and optimizer state, which the step writes."""
+        t0 = time.perf_counter()
+        self.copier.fence()
+        dt = time.perf_counter() - t0
+        self.copy_wait_s += dt
+        self.main_thread_s += dt
+
+    def after_step(self, state: TrainingState, iteration: int) -> bool:
+        """Snapshot ``state`` if ``iteration`` is due; returns whether one was started."""
+        if not self.due(iteration):
+            return False
+        t0 = time.perf_counter()
+        self.take(state, iteration)
+        self.main_thread_s += time.perf_counter() - t0
+        return True
+
+    def take(self, state: TrainingState, iteration: int) -> None:
+        """Start copying ``state`` into the slot not holding the newest snapshot."""
+        self._finish_local()
+        previous = self._uncounted_commit()
+        if previous is not None:
+            # The slot about to be written may hold the last snapshot every rank committed:
+            # only overwrite it once the newer one (``previous``) counts everywhere.
+            self.wait_committed(previous)
+        tensors, meta = collect(state)
+        meta["iteration"] = iteration
+        entries, nbytes = plan_layout(tensors)
+        slot = self.slots[self._next]
+        slot.invalidate()
+        buffer = slot.ensure(nbytes)
+        header = {
+            "iteration": iteration,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "nbytes": nbytes,
+            "entries": [[e.name, list(e.shape), e.dtype, e.offset, e.nbytes] for e in entries],
+            "meta": meta,
+        }
+
+        def finish() -> None:
+            header["crc32"] = crc32(buffer[:nbytes])
+            slot.seal(header)
+
+        self.copier.start(buffer, tensors, entries, finish)
+        self._in_flight = iteration
+        self._next = 1 - self._next
+        self.taken.append(iteration)
+
+    def _finish_local(self) -> None:
+        if self._in_flight is None:
+            return
+        t0 = time.perf_counter()
+        self.copier.join()
+        self.copy_wait_s += time.perf_counter() - t0
+        self._uncounted, self._in_flight = self._in_flight, None
+
+    def _uncounted_commit(self) -> Optional[int]:
+        """Add this rank's commit of the last finished snapshot to the store."""
+        iteration, self._uncounted = self._uncounted, None
+        if iteration is not None:
+            self.store.add(f"{self._key_prefix}/{iteration}", 1)
+        return iteration
+
+    def commits(self, iteration: int) -> int:
+        """How many ranks have committed the snapshot of ``iteration``."""
+        return int(self.store.add(f"{self._key_prefix}/{iteration}", 0))
+
+    def wait_committed(self, iteration: int) -> None:
+        """Block until every rank has committed ``iteration``'s snapshot."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.config.commit_timeout_s
+        while self.commits(iteration) < self.world_size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"snapshot of iteration {iteration}: only {self.commits(iteration)} of "
+                    f"{self.world_size} ranks committed it within "
+                    f"{self.config.commit_timeout_s:.0f} s"
+                )
+            time.sleep(0.001)
+        self.commit_wait_s += time.perf_counter() - t0
+        self.last_committed = iteration
+
+    def flush(self) -> Optional[int]:
+        """Finish the copy in flight and its commit (at the end of training); returns the
+        newest snapshot every rank committed."""
+        self._finish_local()
+        last = self._uncounted_commit()
+        if last is not None:
+            self.wait_committed(last)
+        return self.last_committed
+
+    # ------------------------------------------------------------------ restoring
+    def local_snapshots(self, verify: bool = True) -> Dict[int, Tuple[Slot, Dict[str, Any]]]:
+        """This rank's snapshots by iteration: sealed (header present) and, with ``verify``,
+        intact (checksum matching)."""
+        out = {}
+        for slot in self.slots:
+            header = slot.verify() if verify else slot.header()
+            if header is not None and (verify or slot.attach()):
+                if slot.buffer.numel() >= header["nbytes"]:
+                    out[int(header["iteration"])] = (slot, header)
+        return out
+
+    def restore(
+        self, state: TrainingState, group: Optional[dist.ProcessGroup] = None
+    ) -> Optional[Dict[str, Any]]:
+        """Collective over ``group``: restore the newest snapshot that every rank holds intact.
+
+        Returns:
+            ``{"path": "local", "iteration": N, "seconds": s}``, or None when the ranks have no
+            common intact snapshot (the caller falls back to disk).
+        """
+        t0 = time.perf_counter()
+        # Sealed snapshots first; only the one chosen is checksummed (a full read).
+        mine = self.local_snapshots(verify=False)
+        while True:
+            every: List[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, sorted(mine), group=group)
+            common = set(every[0]).intersection(*map(set, every[1:]))
+            if not common:
+                held = sum(1 for e in every if e)
+                self.log(
+                    f"> MeCeFO snapshot: no snapshot held intact by every rank ({held} of "
+                    f"{len(every)} ranks hold one); starting from --load (disk) or from scratch"
+                )
+                return None
+            iteration = max(common)
+            slot, header = mine[iteration]
+            ok = torch.tensor([int(crc32(slot.buffer[: header["nbytes"]]) == header["crc32"])])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+            if int(ok):
+                break
+            self.log(
+                f"> MeCeFO snapshot: iteration {iteration} failed its checksum on some rank; "
+                "trying an older one"
+            )
+            del mine[iteration]
+        tensors = slot.read(header)
+        restore(state, tensors, header["meta"])
+        # The next snapshot must not overwrite the one just restored.
+        self._next = 1 - slot.index
+        self.last_committed = iteration
+        seconds = time.perf_counter() - t0
+        nbytes = torch.tensor([header["nbytes"]], dtype=torch.int64)
+        dist.all_reduce(nbytes, group=group)
+        self.log(
+            f"> MeCeFO snapshot: recovery path local (holder memory): iteration {iteration}, "
+            f"{int(nbytes) / 2**20:.1f} MiB over {len(every)} ranks, {seconds:.3f} s"
+        )
+        return {"path": "local", "iteration": iteration, "seconds": seconds}
