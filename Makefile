@@ -74,7 +74,7 @@ demo-abft: data
 	$(PY) examples/pretrain_gpt/abft_demo.py
 
 test: venv
-	$(PY) -m pytest -q -m "not slow" --timeout=900 tests
+	$(PY) -m pytest -q -m "not slow" --timeout=900 --durations=15 tests
 
 test-all: venv
 	$(PY) -m pytest -q --timeout=1800 tests
