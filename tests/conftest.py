@@ -95,3 +95,16 @@ def text_data(tmp_path_factory: pytest.TempPathFactory) -> str:
     prefix = tmp_path_factory.mktemp("data") / "stdlib_text_document"
     prepare_stdlib_dataset(str(prefix), max_bytes=400_000)
     return str(prefix)
+
+
+@pytest.fixture
+def store():
+    """``HOST:PORT`` of a fresh in-process TCPStore (the membership store of one test)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10),
+                           wait_for_workers=False)  # fmt: skip
+    yield f"127.0.0.1:{server.port}"
+    del server

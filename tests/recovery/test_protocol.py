@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from megatron_mecefo.recovery.abort import GenerationWatchdog, WorldAborter
 from megatron_mecefo.recovery.commit import vote
@@ -24,14 +22,6 @@ from megatron_mecefo.recovery.membership import (
 from megatron_mecefo.recovery.membership_schedule import MembershipSchedule
 from megatron_mecefo.recovery.replacement import build_replacement
 from megatron_mecefo.takeover.failure_schedule import FailureSchedule
-
-
-@pytest.fixture
-def store():
-    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10),
-                           wait_for_workers=False)  # fmt: skip
-    yield f"127.0.0.1:{server.port}"
-    del server
 
 
 def test_timeout_hierarchy_is_checked_at_startup() -> None:

@@ -5,22 +5,12 @@ whole path (Slurm, a node killed, the rejoin step healed) is ``make test-slurm``
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from megatron_mecefo.recovery import supervisor
 from megatron_mecefo.recovery.config import RecoveryConfig
 from megatron_mecefo.recovery.membership import MembershipStore
-
-
-@pytest.fixture
-def store():
-    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10),
-                           wait_for_workers=False)  # fmt: skip
-    yield f"127.0.0.1:{server.port}"
-    del server
 
 
 @pytest.mark.parametrize("flags", [["--nnodes", "2", "--node-rank", "0"], ["--nnodes", "2",

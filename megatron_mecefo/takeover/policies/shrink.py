@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from megatron_mecefo.takeover.plan import EXACT, MicrobatchWork
-from megatron_mecefo.takeover.policies.base import TakeoverPolicy
+from megatron_mecefo.takeover.plan import EXACT
+from megatron_mecefo.takeover.policies.spread import SpreadPolicy
 
 
-class ShrinkPolicy(TakeoverPolicy):
+class ShrinkPolicy(SpreadPolicy):
     """The survivors split the global batch evenly and exactly, as a data-parallel group of
     ``n - k`` would: the failed replicas' micro-batches are dealt round-robin over every alive
-    replica in exact mode.
+    replica (``spread``'s deal) in exact mode.
 
     Not a ``--mecefo-policy`` value: only ``--mecefo-policy auto`` takes it, where a real
     failure's regroup makes it possible (:mod:`megatron_mecefo.planner.recovery_planner`).
@@ -18,14 +18,4 @@ class ShrinkPolicy(TakeoverPolicy):
     """
 
     name = "shrink"
-    min_replicas = 2
-
-    def assign(self, failed, alive, microbatches, work):  # noqa: D102
-        for r in alive:
-            work[r] += [MicrobatchWork(r, k, EXACT) for k in range(microbatches)]
-        deal = 0
-        for f in failed:
-            for k in range(microbatches):
-                work[alive[deal % len(alive)]].append(MicrobatchWork(f, k, EXACT))
-                deal += 1
-        return {}, [], []
+    absorbed_mode = EXACT

@@ -12,6 +12,8 @@ class SpreadPolicy(TakeoverPolicy):
 
     name = "spread"
     min_replicas = 2
+    absorbed_mode = TAKEOVER
+    """The mode the absorbed micro-batches run in."""
 
     def assign(self, failed, alive, microbatches, work):  # noqa: D102
         for r in alive:
@@ -19,6 +21,6 @@ class SpreadPolicy(TakeoverPolicy):
         deal = 0
         for f in failed:
             for k in range(microbatches):
-                work[alive[deal % len(alive)]].append(MicrobatchWork(f, k, TAKEOVER))
+                work[alive[deal % len(alive)]].append(MicrobatchWork(f, k, self.absorbed_mode))
                 deal += 1
         return {}, [], []
