@@ -102,12 +102,14 @@ def test_a_builder_installed_finalize_hook_is_wrapped() -> None:
 
 def _fake_megatron_training(monkeypatch: pytest.MonkeyPatch, args: Any) -> types.ModuleType:
     """``megatron.training`` and ``megatron.training.training`` as far as the plugin uses
-    them: the three wrapped names and ``get_args``."""
+    them: the five wrapped names and ``get_args``."""
     training = types.ModuleType("megatron.training.training")
     training.loaders = []
     training.get_forward_backward_func = lambda *a, **kw: None
     training.finalize_model_grads = lambda *a, **kw: None
     training.build_pretraining_data_loader = lambda ds, consumed: training.loaders.append(consumed)
+    training.save_checkpoint = lambda *a, **kw: None
+    training.load_checkpoint = lambda *a, **kw: (0, 0)
     package = types.ModuleType("megatron.training")
     package.get_args = lambda: args
     package.training = training
