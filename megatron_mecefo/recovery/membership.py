@@ -186,7 +186,8 @@ class MembershipStore:
 
     def unformed_failures(self, number: int) -> List[Generation]:
         """The failure generations just below ``number`` whose world never formed (not every
-        member arrived: a newer generation superseded them during the regroup), oldest first.
+        member arrived: a newer generation superseded them during the regroup) and that lost
+        ranks, oldest first.
         The scan stops at the first generation that formed or already has a record."""
         found = []
         for g in range(number - 1, 0, -1):
@@ -195,7 +196,9 @@ class MembershipStore:
                 break
             if self.get_str(f"record/{g}") is not None:
                 break
-            if old.at_iteration is None and not old.abort:
+            # A failure generation that lost no rank (a collective error seen before the
+            # death was known) is a step towards the next one, whose record covers the death.
+            if old.at_iteration is None and not old.abort and old.lost:
                 found.append(old)
         return found[::-1]
 

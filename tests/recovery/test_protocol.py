@@ -197,6 +197,12 @@ def test_unformed_failure_generations_are_found(store: str) -> None:
     ms.store.set("record/3", "{}")
     assert ms.unformed_failures(4) == []
     assert [g.number for g in ms.unformed_failures(3)] == [2]
+    # A collective-error generation that lost nobody (the death was not known yet) is a step
+    # towards the next generation, not a failure of its own.
+    ms.publish(Generation(5, (0, 2, 3), {0: 0, 2: 0, 3: 0}, layout=layout))
+    ms.publish(Generation(6, (0, 2), {0: 0, 2: 0}, lost=(3,), layout=layout))
+    ms.store.set("record/4", "{}")
+    assert ms.unformed_failures(6) == []
     # Generation 1 formed: nothing below 2 is owed.
     assert ms.unformed_failures(2) == []
 
