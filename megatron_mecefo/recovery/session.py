@@ -535,8 +535,10 @@ def _report_stale_groups(slot: int) -> None:
     print(f"[stale group ref rank {slot}] {found} holders", flush=True)
 
 
-WATCHDOG_WAIT_S = 1.0
-"""Longest single store wait of a generation watchdog (how long a stopped one lingers)."""
+WATCHDOG_WAIT_S = 600.0
+"""Longest single store wait of a generation watchdog. Long, because torch logs a warning at
+every store wait that times out; a stopped watchdog lingers in its wait until the next
+generation is published (which wakes it) or this passes, harmlessly (own client, no abort)."""
 
 
 def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -> Any:
