@@ -15,15 +15,10 @@ from typing import Any, Callable, List
 
 
 def basis_path(checkpoint_dir: str, iteration: int) -> str:
-    from megatron.core import parallel_state as ps
+    """This rank's basis file: ``iter_N/mecefo_basis/<layout>.pt``, beside the CPU shards."""
+    from megatron_mecefo.runtime.megatron_lm_cpu_checkpoint import shard_path
 
-    layout = (
-        f"tp{ps.get_tensor_model_parallel_rank()}of{ps.get_tensor_model_parallel_world_size()}"
-        f"_pp{ps.get_pipeline_model_parallel_rank()}of{ps.get_pipeline_model_parallel_world_size()}"
-        f"_dp{ps.get_data_parallel_rank(with_context_parallel=True)}"
-        f"of{ps.get_data_parallel_world_size(with_context_parallel=True)}"
-    )
-    return os.path.join(checkpoint_dir, f"iter_{iteration:07d}", "mecefo_basis", f"{layout}.pt")
+    return shard_path(checkpoint_dir, iteration, folder="mecefo_basis")
 
 
 def _chunks(model: Any) -> List[Any]:

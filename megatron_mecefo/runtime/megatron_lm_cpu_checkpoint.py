@@ -39,8 +39,8 @@ def _needs_fallback(args: Any, optimizer: Any) -> bool:
     return not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
 
 
-def shard_path(checkpoint_dir: str, iteration: int) -> str:
-    """This rank's file in ``checkpoint_dir/iter_N`` (named after its TP/PP/DP layout)."""
+def shard_path(checkpoint_dir: str, iteration: int, folder: str = FOLDER) -> str:
+    """This rank's file in ``checkpoint_dir/iter_N/folder`` (named after its TP/PP/DP layout)."""
     from megatron.core import parallel_state as ps
 
     layout = (
@@ -49,7 +49,7 @@ def shard_path(checkpoint_dir: str, iteration: int) -> str:
         f"_dp{ps.get_data_parallel_rank(with_context_parallel=True)}"
         f"of{ps.get_data_parallel_world_size(with_context_parallel=True)}"
     )
-    return os.path.join(checkpoint_dir, f"iter_{iteration:07d}", FOLDER, f"{layout}.pt")
+    return os.path.join(checkpoint_dir, f"iter_{iteration:07d}", folder, f"{layout}.pt")
 
 
 def _parts(optimizer: Any) -> list[Any]:
