@@ -29,8 +29,9 @@ import os
 import sys
 import time
 import traceback
+from collections import deque
 from dataclasses import asdict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 from megatron_mecefo.recovery import records as rec_mod
 from megatron_mecefo.recovery.abort import GenerationWatchdog, build_aborter, release_megatron
@@ -112,12 +113,15 @@ class RecoverySession:
         self.times: Dict[str, float] = {}
         self.record_pending = False
         self.redone = False
-        self.vote_s: List[float] = []
+        # Timings of the last TIMINGS_KEPT iterations (bounded: a run may be long).
+        self.vote_s: Deque[float] = deque(maxlen=TIMINGS_KEPT)
         """Seconds each commit vote took (waiting for the slowest member included)."""
-        self.vote_last_s: List[float] = []
+        self.vote_last_s: Deque[float] = deque(maxlen=TIMINGS_KEPT)
         """Seconds of the votes this rank completed (no waiting: the protocol's own cost)."""
-        self.hooks_s: List[float] = []
+        self.hooks_s: Deque[float] = deque(maxlen=TIMINGS_KEPT)
         """Seconds per iteration in the boundary hooks (:meth:`committed`, :meth:`at_boundary`)."""
+        self.iterations_run = 0
+        """Iterations this process committed (all of them, unlike the timings kept)."""
         self.watchdog_cpu_s = 0.0
         """CPU seconds of the finished generations' watchdog threads."""
         self.backend = "gloo" if args.device == "cpu" else "nccl"
@@ -380,6 +384,7 @@ class RecoverySession:
         if self.rank == 0:
             self.ms.store.set("progress", str(trainer.iteration))
         self.hooks_s.append(time.perf_counter() - t0)
+        self.iterations_run += 1
         if self.record_pending:
             self.record_pending = False
             self.times["done"] = time.time()
@@ -480,10 +485,10 @@ class RecoverySession:
         return {
             "type": "armed_cost",
             "slot": self.slot,
-            "iterations": len(self.hooks_s),
-            "vote_s": self.vote_s,
-            "vote_last_s": self.vote_last_s,
-            "hooks_s": self.hooks_s,
+            "iterations": self.iterations_run,
+            "vote_s": list(self.vote_s),
+            "vote_last_s": list(self.vote_last_s),
+            "hooks_s": list(self.hooks_s),
             "thread_cpu_s": self.heartbeat.cpu_s + watchdog_cpu,
             "process_cpu_s": time.process_time(),
             "step_time_s": steps,
@@ -534,6 +539,9 @@ def _report_stale_groups(slot: int) -> None:
                 print(f"[stale group ref rank {slot}] {type(obj).__name__} {keys}", flush=True)
     print(f"[stale group ref rank {slot}] {found} holders", flush=True)
 
+
+TIMINGS_KEPT = 10_000
+"""Per-iteration timings (votes, hooks) kept for the summary and the armed-cost report."""
 
 WATCHDOG_WAIT_S = 600.0
 """Longest single store wait of a generation watchdog. Long, because torch logs a warning at
