@@ -35,7 +35,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 
 from megatron_mecefo.recovery import records as rec_mod
 from megatron_mecefo.recovery.abort import GenerationWatchdog, build_aborter, release_megatron
-from megatron_mecefo.recovery.commit import StepAborted, vote
+from megatron_mecefo.recovery.commit import AsyncVoter, StepAborted, abort
 from megatron_mecefo.recovery.config import RecoveryConfig
 from megatron_mecefo.recovery.fault_injection import KillInjector, parse_kills
 from megatron_mecefo.recovery.heartbeat import Heartbeat
@@ -84,6 +84,7 @@ class RecoverySession:
         self.heartbeat = Heartbeat(
             config.store, self.slot, self.inc, config.heartbeat_interval_s
         ).start()
+        self.voter = AsyncVoter(config.store, config.poll_interval_s)
         self.layout = JobLayout(
             args.tensor_model_parallel_size,
             args.pipeline_model_parallel_size,
@@ -115,9 +116,14 @@ class RecoverySession:
         self.redone = False
         # Timings of the last TIMINGS_KEPT iterations (bounded: a run may be long).
         self.vote_s: Deque[float] = deque(maxlen=TIMINGS_KEPT)
-        """Seconds each commit vote took (waiting for the slowest member included)."""
+        """Seconds the training thread waited for each commit decision (after the gradient
+        preparation it overlaps; waiting for the slowest member included)."""
         self.vote_last_s: Deque[float] = deque(maxlen=TIMINGS_KEPT)
-        """Seconds of the votes this rank completed (no waiting: the protocol's own cost)."""
+        """The same wait, for the votes this rank completed: it never waited for a peer, so
+        this is the protocol's cost left after the overlap."""
+        self.vote_protocol_s: Deque[float] = deque(maxlen=TIMINGS_KEPT)
+        """Seconds of the store round trips of the votes this rank completed (overlapped or
+        not): what the vote would cost if nothing overlapped it."""
         self.hooks_s: Deque[float] = deque(maxlen=TIMINGS_KEPT)
         """Seconds per iteration in the boundary hooks (:meth:`committed`, :meth:`at_boundary`)."""
         self.iterations_run = 0
@@ -351,31 +357,46 @@ class RecoverySession:
             return finalize(*a, **k)
 
         trainer.config.finalize_model_grads_func = finalize_model_grads
-        optimizer_step = trainer.optimizer.step
+        optimizer = trainer.optimizer
+        optimizer_step, ready_step = optimizer.step, optimizer.step_with_ready_grads
+        pending: Dict[str, Any] = {}
+
+        def await_decision() -> None:
+            future, iteration = pending.pop("vote")
+            t_wait = time.perf_counter()
+            commit, completed, protocol_s = future.result()
+            waited = time.perf_counter() - t_wait
+            session.vote_s.append(waited)
+            if completed:
+                session.vote_last_s.append(waited)
+                session.vote_protocol_s.append(protocol_s)
+            if not commit:
+                raise StepAborted(f"iteration {iteration}: not every member finished its sync")
 
         def step_after_commit(*a: Any, **k: Any) -> Any:
-            iteration = trainer.iteration + 1
-            gen = session.gen
-            t_vote = time.perf_counter()
-            outcome: Dict[str, bool] = {}
-            if not vote(
-                session.ms,
-                gen.number,
-                iteration,
-                session.slot,
-                list(gen.members),
-                session.cfg.poll_interval_s,
-                outcome,
-            ):
-                raise StepAborted(f"iteration {iteration}: not every member finished its sync")
-            took = time.perf_counter() - t_vote
-            session.vote_s.append(took)
-            if outcome["last"]:
-                session.vote_last_s.append(took)
-            session.injector.phase("optimizer", iteration)
-            return optimizer_step(*a, **k)
+            # The vote runs while the optimizer prepares the gradients (main grads, norm,
+            # clipping: nothing a redo needs); the update itself waits for the decision.
+            iteration, gen = trainer.iteration + 1, session.gen
+            future = session.voter.start(gen.number, iteration, session.slot, gen.members)
+            pending["vote"] = (future, iteration)
+            try:
+                result = optimizer_step(*a, **k)
+                if "vote" in pending:  # no update (inf/nan in the grads): agree all the same
+                    await_decision()
+                return result
+            except BaseException:
+                if pending.pop("vote", None) is not None and not future.done():
+                    abort(session.ms, gen.number, iteration)  # wakes the peers' votes now
+                raise
 
-        trainer.optimizer.step = step_after_commit
+        def update_after_commit(*a: Any, **k: Any) -> Any:
+            if "vote" in pending:
+                iteration = pending["vote"][1]
+                await_decision()
+                session.injector.phase("optimizer", iteration)
+            return ready_step(*a, **k)
+
+        optimizer.step, optimizer.step_with_ready_grads = step_after_commit, update_after_commit
 
     def committed(self, trainer: Any) -> None:
         """Right after a committed iteration: snapshot, progress, the pending record."""
@@ -477,8 +498,9 @@ class RecoverySession:
 
     def armed_cost(self, trainer: Any) -> Dict[str, Any]:
         """What the armed supervisor cost this rank in a run without failures: the commit
-        votes this rank completed (no waiting, so the store round trips only), the boundary
-        hooks, and the CPU of the heartbeat and watchdog threads; with the step time beside.
+        votes this rank completed (no waiting for a peer: the training thread's wait for the
+        decision after the overlap, and the store round trips themselves), the boundary
+        hooks, and the CPU of the heartbeat, watchdog and vote threads; with the step time.
         ``benchmarks/recovery_latency.py`` aggregates these over the ranks."""
         watchdog_cpu = self.watchdog_cpu_s + (self.watchdog.cpu_s if self.watchdog else 0.0)
         steps = [r["step_time_s"] for r in trainer.history if r.get("type") == "train"]
@@ -488,8 +510,9 @@ class RecoverySession:
             "iterations": self.iterations_run,
             "vote_s": list(self.vote_s),
             "vote_last_s": list(self.vote_last_s),
+            "vote_protocol_s": list(self.vote_protocol_s),
             "hooks_s": list(self.hooks_s),
-            "thread_cpu_s": self.heartbeat.cpu_s + watchdog_cpu,
+            "thread_cpu_s": self.heartbeat.cpu_s + watchdog_cpu + self.voter.cpu_s,
             "process_cpu_s": time.process_time(),
             "step_time_s": steps,
         }

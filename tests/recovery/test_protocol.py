@@ -9,7 +9,7 @@ import time
 import pytest
 
 from megatron_mecefo.recovery.abort import GenerationWatchdog, WorldAborter
-from megatron_mecefo.recovery.commit import vote
+from megatron_mecefo.recovery.commit import AsyncVoter, abort, vote
 from megatron_mecefo.recovery.config import RecoveryConfig, RecoveryConfigError
 from megatron_mecefo.recovery.coordinator import Coordinator
 from megatron_mecefo.recovery.fault_injection import KillSpecError, parse_kills
@@ -174,6 +174,34 @@ def test_commit_vote_is_all_or_nothing(store: str) -> None:
     assert vote(ms, 2, 4, 1, [0, 1], 0.005, last) is True
     t.join(10)
     assert first == {"last": False} and last == {"last": True}
+
+
+def test_async_vote_overlaps_and_a_member_that_fails_aborts_everyone(store: str) -> None:
+    """The worker-thread vote decides like :func:`vote` while the caller keeps computing, and
+    leaves the store client's timeout as it was; a member whose optimizer step failed before
+    the count completed writes ABORT, which wakes the waiting peer with that decision at once
+    (not after its ``50 * poll`` look for a newer generation) and stands against a late vote."""
+    ms = MembershipStore.connect(store)
+    ms.publish(Generation(number=0, replicas=(), members={0: 0, 1: 0}))
+    voters = [AsyncVoter(store, 0.02), AsyncVoter(store, 0.02)]
+    futures = [v.start(0, 1, slot, [0, 1]) for slot, v in enumerate(voters)]
+    spins = 0
+    while not all(f.done() for f in futures):  # the caller is not blocked meanwhile
+        spins += 1
+    results = [f.result(10) for f in futures]
+    assert [r[0] for r in results] == [True, True] and spins > 0
+    assert sorted(r[1] for r in results) == [False, True]  # exactly one completed the count
+    # Iteration 2: member 0 votes, member 1's step fails first (it never votes): it aborts.
+    waiting = voters[0].start(0, 2, 0, [0, 1])
+    time.sleep(0.1)
+    assert not waiting.done()
+    t0 = time.perf_counter()
+    abort(ms, 0, 2)
+    assert waiting.result(10)[0] is False
+    assert time.perf_counter() - t0 < 0.5  # woken by the decision, not by its 1 s look
+    assert voters[1].start(0, 2, 1, [0, 1]).result(10)[0] is False  # the late vote adopts it
+    assert voters[0]._ms.store.timeout.total_seconds() > 1  # restored after the short waits
+    assert voters[0].cpu_s > 0
 
 
 def test_unformed_failure_generations_are_found(store: str) -> None:
