@@ -4,9 +4,12 @@ For each layout (DP4 on 4 ranks; TP2xPP2xDP2 on 8 ranks) and each kill phase (fo
 backward, grad-sync, optimizer, between), one supervised run of the example trainer
 (``examples/pretrain_gpt/pretrain_gpt.py``, the small model below, gloo on CPU) SIGKILLs a
 rank ``--kills-per-phase`` times with ``--mecefo-kill``, spaced ``--spacing`` iterations apart.
-Each dead rank is replaced at once from a warm standby (``--replace immediately --standby 2``)
-and rejoins at an iteration boundary, so every kill hits a full world. The recovery records
-(JSONL, one per event) give:
+Each dead rank is replaced from a warm standby after ``--replace`` (default ``after:2``, a
+repair of 2 s): the survivors first regroup without it and redo the failed iteration under the
+takeover plan, then the replacement rejoins at an iteration boundary and is healed, so every
+kill hits a full world. (With ``--replace immediately`` the standby is usually up before the
+survivors regroup, and the failure's new world includes it: the regroup then waits for it and
+heals it.) The recovery records (JSONL, one per event) give:
 
 * per failure: ``detect_s`` (kill -> the last survivor noticed), ``regroup_s`` (-> every member
   had the new world, Megatron state, model, DDP, optimizer and restored state), ``redo_s``
@@ -102,7 +105,9 @@ def _supervisor(world: int, pid_file: Path) -> List[str]:
     ]
 
 
-def kill_run(out: Path, layout: str, phase: str, kills: int, spacing: int, data: str) -> Dict:
+def kill_run(
+    out: Path, layout: str, phase: str, kills: int, spacing: int, data: str, replace: str
+) -> Dict:
     tp, pp, dp = LAYOUTS[layout]
     world = tp * pp * dp
     iters = 10 + kills * spacing
@@ -119,7 +124,7 @@ def kill_run(out: Path, layout: str, phase: str, kills: int, spacing: int, data:
         f.unlink(missing_ok=True)
     pid_file = run_dir / "pids.txt"
     pid_file.unlink(missing_ok=True)
-    cmd = [*_supervisor(world, pid_file), "--replace", "immediately", "--standby", "2",
+    cmd = [*_supervisor(world, pid_file), "--replace", replace, "--standby", "2",
            "--records", str(records), "--", str(TRAINER), *MODEL, "--data-path", data,
            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
            "--train-iters", str(iters), "--metrics-file", str(metrics), *specs]  # fmt: skip
@@ -302,6 +307,11 @@ def main() -> None:
         help="iterations between kills; keep the kill rate below the rate at which cold "
         "replacements come up (about 10 s each here), or the world shrinks to nothing",
     )
+    p.add_argument(
+        "--replace",
+        default="after:2",
+        help="the supervisor's replacement policy for the dead ranks (a warm standby serves)",
+    )
     p.add_argument("--overhead-repeats", type=int, default=3)
     p.add_argument("--overhead-iters", type=int, default=40)
     p.add_argument("--data-path", default=str(REPO / "data" / "stdlib_text_document"))
@@ -313,7 +323,7 @@ def main() -> None:
     runs = []
     for layout in filter(None, a.layouts.split(",")):
         for phase in filter(None, a.phases.split(",")):
-            run = kill_run(out, layout, phase, a.kills_per_phase, a.spacing, a.data_path)
+            run = kill_run(out, layout, phase, a.kills_per_phase, a.spacing, a.data_path, a.replace)
             runs.append(run)
             s = summarize([run])[f"{layout}/{phase}"]
             print(f"{layout:>10} {phase:>9}: failures {s['total_s'].get('n', 0)}/"
@@ -331,7 +341,8 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "loadavg_at_end": os.getloadavg()},  # fmt: skip
         "config": {"model": MODEL, "supervisor": SUPERVISOR_TIMEOUTS,
-                   "kills_per_phase": a.kills_per_phase, "spacing": a.spacing},  # fmt: skip
+                   "kills_per_phase": a.kills_per_phase, "spacing": a.spacing,
+                   "replace": a.replace},  # fmt: skip
         "table": summarize(runs),
         "overhead": over,
         "runs": runs,
