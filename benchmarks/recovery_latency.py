@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
@@ -192,18 +192,19 @@ def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
     cpu: Dict[str, List[float]] = {"plain": [], "supervised": []}
     wall: Dict[str, List[float]] = {"plain": [], "supervised": []}
     armed: List[Dict[str, Any]] = []
+    armed_short: List[Dict[str, Any]] = []
     for i in range(repeats):
         for kind in ("plain", "supervised"):
             sup = kind == "supervised"
-            short, _, _ = _launch(out, f"overhead_{kind}_{i}_short", sup,
-                                  args + ["--train-iters", str(iters)])  # fmt: skip
+            short, _, short_records = _launch(out, f"overhead_{kind}_{i}_short", sup,
+                                              args + ["--train-iters", str(iters)])  # fmt: skip
             long, metrics, records = _launch(out, f"overhead_{kind}_{i}_long", sup,
                                              args + ["--train-iters", str(4 * iters)])  # fmt: skip
             cpu[kind].append((long - short) / (3 * iters))
             wall[kind].append(step_time(metrics))
             if sup:
-                armed += [json.loads(ln) for ln in records.read_text().splitlines()
-                          if '"armed_cost"' in ln]  # fmt: skip
+                armed += _armed_records(records, i)
+                armed_short += _armed_records(short_records, i)
     med = {k: statistics.median(v) for k, v in cpu.items()}
     pairs = [100 * (s / p - 1) for p, s in zip(cpu["plain"], cpu["supervised"], strict=True)]
     return {
@@ -220,11 +221,19 @@ def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
         * (max(wall["plain"]) - min(wall["plain"]))
         / statistics.median(wall["plain"]),
         "vote_line": _vote_line(out, repeats),
-        "accounting": armed_accounting(armed, statistics.median(wall["plain"])),
+        "accounting": armed_accounting(armed, statistics.median(wall["plain"]), armed_short),
     }  # fmt: skip
 
 
-def armed_accounting(ranks: List[Dict[str, Any]], plain_step_s: float) -> Dict[str, Any]:
+def _armed_records(records: Path, repeat: int) -> List[Dict[str, Any]]:
+    """The ranks' ``armed_cost`` records of one supervised run, tagged with its repeat."""
+    return [dict(json.loads(ln), repeat=repeat) for ln in records.read_text().splitlines()
+            if '"armed_cost"' in ln]  # fmt: skip
+
+
+def armed_accounting(
+    ranks: List[Dict[str, Any]], plain_step_s: float, short: Optional[List[Dict[str, Any]]] = None
+) -> Dict[str, Any]:
     """The armed supervisor's own cost per iteration, summed from what it does, against the
     plain launcher's step time (a direct account, immune to the A/B noise of shared cores).
 
@@ -233,8 +242,11 @@ def armed_accounting(ranks: List[Dict[str, Any]], plain_step_s: float) -> Dict[s
     optimizer's gradient preparation; the other members wait for the slowest one's gradient
     sync, which without the vote they would wait for at the next collective), the boundary
     hooks (RNG/counter snapshot, progress key, generation check), and the CPU of the
-    heartbeat, watchdog and vote threads divided by the iterations. The worst rank's hooks and
-    threads are counted. The round trips themselves (before the overlap) are reported beside.
+    heartbeat, watchdog and vote threads per iteration: the difference between the long and the
+    short run of the same repeat and rank over the difference in iterations (the threads'
+    start-up, connecting their store clients, cancels out), or, without the short runs, their
+    CPU over the iterations. The worst rank's hooks and threads are counted. The round trips
+    themselves (before the overlap) are reported beside.
     """
     if not ranks:
         return {}
@@ -243,6 +255,16 @@ def armed_accounting(ranks: List[Dict[str, Any]], plain_step_s: float) -> Dict[s
     vote = statistics.median(votes)
     hooks = max(statistics.median(r["hooks_s"][5:]) for r in ranks)
     threads = max(r["thread_cpu_s"] / max(r["iterations"], 1) for r in ranks)
+    first = {(r.get("repeat"), r["slot"]): r for r in short or []}
+    per_rank: Dict[int, List[float]] = {}
+    for r in ranks:
+        s = first.get((r.get("repeat"), r["slot"]))
+        if s is not None and r["iterations"] > s["iterations"]:
+            per_rank.setdefault(r["slot"], []).append(
+                (r["thread_cpu_s"] - s["thread_cpu_s"]) / (r["iterations"] - s["iterations"])
+            )
+    if per_rank:
+        threads = max(statistics.median(v) for v in per_rank.values())
     total = vote + hooks + threads
     return {
         "ranks": len(ranks),
