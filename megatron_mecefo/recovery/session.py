@@ -359,7 +359,7 @@ class RecoverySession:
         trainer.iteration = int(state.counters["iteration"])
         trainer.consumed_samples = int(state.counters["consumed_samples"])
         trainer.history = [r for r in self.carry["history"] if r["iteration"] <= s]
-        trainer.evals = [r for r in self.carry["evals"] if r["iteration"] <= s]
+        trainer.evals = [r for r in self.carry["evals"] if r.get("iteration", 0) <= s]
         trainer.saved = [i for i in self.carry["saved"] if i <= s]
         ctrl = getattr(trainer, "controller", None)
         for key, value in state.extra.get("controller", {}).items():
@@ -368,7 +368,8 @@ class RecoverySession:
         self.takeover_info = {
             "recovery_path": "peers+parity",
             "rolled_back_to": s,
-            "replayed": carried - s,
+            "replayed_to": carried + 1,  # up to the iteration that was in flight
+            "samples_redone": (carried + 1 - s) * self.args.global_batch_size,
             "snapshot_restore_s": served["seconds"],
         }
         trainer._emit(

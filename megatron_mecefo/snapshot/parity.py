@@ -84,7 +84,6 @@ def exchange_parity(
     ranks = dist.get_process_group_ranks(group)
     n = len(ranks)
     me = ranks.index(dist.get_rank())
-    light = {k: v for k, v in header.items()}
     every: List[Any] = [None] * n
     dist.all_gather_object(every, (my_slot, header["nbytes"]), group=group)
     members = [int(s) for s, _ in every]
@@ -92,7 +91,7 @@ def exchange_parity(
     mine = split(_slot_bytes(buffer, header["nbytes"]), n, m, length)
     my_crcs = [crc(p) for p in mine]
     gathered: List[Any] = [None] * n
-    dist.all_gather_object(gathered, (light, my_crcs), group=group)
+    dist.all_gather_object(gathered, (header, my_crcs), group=group)
     out = SlotParity(int(header["iteration"]), m, members, [g[0] for g in gathered], length)
     for i, (_, crcs) in enumerate(gathered):
         for j, value in enumerate(crcs):
