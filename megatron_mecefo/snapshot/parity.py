@@ -6,7 +6,8 @@ one TP/PP position) compute the parity of their ``n`` slots with :mod:`.erasure`
 rule: each member contributes its ``n - m`` pieces and keeps the ``m`` parity blocks it is
 assigned, with every member's header (tensor layout, checksum, metadata, the
 distributed-optimizer shard map) and every piece's CRC-32. For m = 1 the parity of a stripe
-is one ``dist.reduce`` with ``ReduceOp.BXOR`` to its holder (the holder contributes zeros);
+goes to its holder by one ``reduce_scatter`` with ``ReduceOp.BXOR`` for all stripes at once
+(the holder of stripe ``t`` is member ``t``; it contributes zeros to its own stripe);
 for m >= 2 each holder gathers the stripe's pieces and encodes them with zfec. A snapshot
 counts as committed (:class:`~.manager.SnapshotManager`) only once its parity is stored.
 
@@ -84,10 +85,11 @@ def exchange_parity(
     ranks = dist.get_process_group_ranks(group)
     n = len(ranks)
     me = ranks.index(dist.get_rank())
-    every: List[Any] = [None] * n
-    dist.all_gather_object(every, (my_slot, header["nbytes"]), group=group)
-    members = [int(s) for s, _ in every]
-    length = piece_length(max(int(b) for _, b in every), n, m)
+    ids = torch.tensor([my_slot, header["nbytes"]], dtype=torch.int64)
+    every = [torch.empty_like(ids) for _ in range(n)]
+    dist.all_gather(every, ids, group=group)
+    members = [int(e[0]) for e in every]
+    length = piece_length(max(int(e[1]) for e in every), n, m)
     mine = split(_slot_bytes(buffer, header["nbytes"]), n, m, length)
     my_crcs = [crc(p) for p in mine]
     gathered: List[Any] = [None] * n
@@ -97,18 +99,24 @@ def exchange_parity(
         for j, value in enumerate(crcs):
             out.crcs[("data", i, j)] = int(value)
     zeros = np.zeros(length, dtype=np.uint8)
-    for stripe in placement(n, m):
+    stripes = placement(n, m)
+    if m == 1:
+        # XOR parity: stripe t's holder is member t, so one reduce-scatter with BXOR gives
+        # every member its stripe's parity (each member contributes zeros to its own stripe).
+        chunks = np.zeros((n, length), dtype=np.uint8)
+        for stripe in stripes:
+            if me in stripe.data_members:
+                chunks[stripe.index] = mine[stripe.pieces[stripe.data_members.index(me)]]
+        words = torch.from_numpy(chunks.reshape(-1)).view(torch.int64)
+        result = torch.empty(length // 8, dtype=torch.int64)
+        dist.reduce_scatter_tensor(result, words, op=dist.ReduceOp.BXOR, group=group)
+        (stripe,) = [t for t in stripes if t.parity_members == (me,)]
+        out.blocks[(stripe.index, 0)] = result.view(torch.uint8).numpy()
+        stripes = []
+    for stripe in stripes:
         piece = zeros
         if me in stripe.data_members:
             piece = mine[stripe.pieces[stripe.data_members.index(me)]]
-        if m == 1:
-            # XOR is the stripe's parity: one reduce to its holder (zeros from the holder).
-            words = torch.from_numpy(piece.copy()).view(torch.int64)
-            dist.reduce(words, dst=ranks[stripe.parity_members[0]], op=dist.ReduceOp.BXOR,
-                        group=group)  # fmt: skip
-            if me == stripe.parity_members[0]:
-                out.blocks[(stripe.index, 0)] = words.view(torch.uint8).numpy()
-            continue
         for j, holder in enumerate(stripe.parity_members):
             src = torch.from_numpy(piece.copy())
             bucket = [torch.empty_like(src) for _ in range(n)] if me == holder else None
