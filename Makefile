@@ -142,5 +142,5 @@ lint: venv
 
 # results/ holds committed benchmark outputs (see .gitignore); only the run folders go.
 clean:
-	rm -rf $(VENV) data .pytest_cache results/demo results/demo_abft results/degraded_throughput \
+	rm -rf $(VENV) data .pytest_cache results/demo results/demo-snapshot results/demo_abft results/degraded_throughput \
 	    results/convergence*/seed* results/convergence*/trace_* results/recovery_latency
