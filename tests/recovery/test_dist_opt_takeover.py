@@ -82,6 +82,7 @@ def _kill_one(tmp_path: Path, optimizer: List[str]) -> tuple:
     return job, s
 
 
+@pytest.mark.slow  # 71 s at a load average of ~10 (4 supervised ranks): over make test's budget
 def test_dp4_adam_kill_rebuilds_shard_from_parity(tmp_path: Path) -> None:
     """Adam: the rebuilt shard (fp32 main params, both moments, step) equals the dead rank's
     bitwise; training goes on under the takeover plan with every sample counted once."""
