@@ -10,7 +10,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo demo-simulated demo-abft test test-all test-slurm bench bench-long lint clean
+.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-all test-slurm bench bench-long lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -52,6 +52,24 @@ demo: data
 	    --mecefo --mecefo-rank 32 \
 	    --mecefo-kill 3:40:backward --mecefo-kill 5:80:grad-sync \
 	    --metrics-file results/demo/metrics.jsonl
+
+# The distributed-optimizer takeover (README "Snapshots"): the demo's model and layout with
+# --use-distributed-optimizer, a snapshot after every step with XOR parity across each
+# data-parallel group (m = 1); rank 3 is SIGKILLed in its backward at iteration 40. The
+# survivors roll back to the newest snapshot with parity, rebuild the dead replica's optimizer
+# shards from their peers and parity, re-shard the optimizer over DP-1 replicas and go on
+# with the takeover plan; the summary names the recovery path (peers+parity).
+demo-snapshot: data
+	@if [ $$(( $(NPROC) % 2 )) -ne 0 ] || [ $(NPROC) -lt 6 ]; then \
+	    echo "make demo-snapshot: NPROC=$(NPROC): use an even number >= 6 (PP2 x DP>=3)"; exit 2; fi
+	$(PY) -m megatron_mecefo.recovery.supervisor --nproc-per-node=$(NPROC) \
+	    --records results/demo-snapshot/recovery.jsonl \
+	    -- examples/pretrain_gpt/pretrain_gpt.py \
+	    $(DEMO_RUN) \
+	    --mecefo --mecefo-rank 32 --use-distributed-optimizer \
+	    --mecefo-snapshot-interval 1 --mecefo-snapshot-redundancy 1 \
+	    --mecefo-kill 3:40:backward \
+	    --metrics-file results/demo-snapshot/metrics.jsonl
 
 # PP2 x DP4 on 8 CPU ranks over gloo, training through three simulated replica failures
 # (MeCeFO's neighbor policy; iterations 50-59 have two replicas down at once). The failures
@@ -124,5 +142,5 @@ lint: venv
 
 # results/ holds committed benchmark outputs (see .gitignore); only the run folders go.
 clean:
-	rm -rf $(VENV) data .pytest_cache results/demo results/demo_abft results/degraded_throughput \
+	rm -rf $(VENV) data .pytest_cache results/demo results/demo-snapshot results/demo_abft results/degraded_throughput \
 	    results/convergence*/seed* results/convergence*/trace_* results/recovery_latency

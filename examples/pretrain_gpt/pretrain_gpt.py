@@ -109,7 +109,8 @@ class Trainer:
         self.iteration, self.consumed_samples = 0, 0
         self.snapshots = self._build_snapshots()
         self.recovery_path = None  # which path restored the state: "local" (holder) or "disk"
-        if self.snapshots is not None and args.snapshot_config.directory:
+        first_world = recovery is None or recovery.generation == 0
+        if self.snapshots is not None and args.snapshot_config.directory and first_world:
             self._restore_snapshot()
         if args.load and self.recovery_path is None:
             self._load()
@@ -681,6 +682,7 @@ class Trainer:
                 # Cumulative seconds the training thread spent in snapshot code.
                 record["snapshot_s"] = self.snapshots.main_thread_s
                 record["snapshot_commit_wait_s"] = self.snapshots.commit_wait_s
+                record["snapshot_parity_s"] = self.snapshots.parity_s
             self.history.append(record)
             window.append(record)
             self._emit(record)
@@ -755,20 +757,43 @@ class Trainer:
         config = self.args.snapshot_config
         if config is None:
             return None
+        rec = self.recovery
+        if rec is not None and rec.snapshots is not None:
+            return rec.snapshots  # the slots (and their parity) outlive a regroup
+        from megatron.core import parallel_state as ps
+
         from megatron_mecefo.snapshot.manager import SnapshotManager
+
+        def dp_group() -> Any:  # parity over gloo (on GPU too: the slots are host memory)
+            return ps.get_data_parallel_group_gloo() or ps.get_data_parallel_group()
 
         # The commit counters go to the current world's store (the membership store's
         # generation prefix under the recovery supervisor), so they follow a regroup.
-        return SnapshotManager(config, self.rank, log=self._print)
+        manager = SnapshotManager(
+            config,
+            rec.slot if rec is not None else self.rank,
+            log=self._print,
+            parity_group=dp_group if config.redundancy else None,
+        )
+        if rec is not None:
+            rec.snapshots = manager
+            manager.should_abort = rec.world_changed
+        manager.log = lambda line: rec.log(line) if rec is not None else self._print(line)
+        return manager
 
     def _snapshot_state(self) -> Any:
         from megatron_mecefo.snapshot.contents import TrainingState
 
+        extra = {}
+        ctrl = getattr(self, "controller", None)
+        if ctrl is not None:  # the takeover rolls back to the snapshot: these too
+            extra["controller"] = {k: getattr(ctrl, k) for k in CONTROLLER_COUNTERS}
         return TrainingState(
             self.model_chunks,
             self.optimizer,
             self.scheduler,
             {"iteration": self.iteration, "consumed_samples": self.consumed_samples},
+            extra,
         )
 
     def _restore_snapshot(self) -> None:
@@ -1001,6 +1026,15 @@ class Trainer:
             self.tb.close()
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+CONTROLLER_COUNTERS = (
+    "degraded_iterations",
+    "fallback_iterations",
+    "samples_processed",
+    "samples_skipped",
+)
+"""The MeCeFO controller's running counts, kept in snapshots."""
 
 
 def _first_last_loss(history: list[dict[str, Any]]) -> str:

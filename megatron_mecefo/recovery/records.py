@@ -127,10 +127,19 @@ def log_line(rec: Dict[str, Any]) -> str:
             f"({rec['world_size']} ranks); switch {rec['regroup_s']:.2f} s, heal "
             f"{rec['heal_s']:.2f} s, boundary -> first step {rec['rejoin_s']:.2f} s"
         )
+    if rec.get("recovery_path") == "peers+parity":  # the distributed-optimizer takeover
+        redone = (
+            f"rolled back to the snapshot of iteration {rec['rolled_back_to']} (recovery path "
+            f"peers+parity, {rec['snapshot_restore_s']:.2f} s), iterations "
+            f"{rec['rolled_back_to'] + 1}-{rec['replayed_to']} replayed ({rec['samples_redone']} "
+            "samples)"
+        )
+    else:
+        redone = f"iteration {rec['iteration']} redone ({rec['samples_redone']} samples)"
     return (
         f"> MeCeFO recovery: generation {rec['generation']}: ranks {rec['ranks_lost']} lost "
         f"(exit {rec['exit_codes']}); replicas {rec['replicas']} ({rec['world_size']} ranks) "
-        f"go on; iteration {rec['iteration']} redone ({rec['samples_redone']} samples); "
+        f"go on; {redone}; "
         f"detect {_fmt(rec['detect_s'])}, regroup {_fmt(rec['regroup_s'])}, redo "
         f"{_fmt(rec['redo_s'])}, kill -> redone {_fmt(rec['total_s'])}"
     )
@@ -146,8 +155,10 @@ def summary_rows(records: Sequence[Dict[str, Any]]) -> List[tuple]:
     failures = [r for r in records if r["kind"] == "failure"]
     rejoins = [r for r in records if r["kind"] == "rejoin"]
     for r in records:
+        path = r.get("recovery_path")
         what = (
             f"ranks {r['ranks_lost']} lost, {_fmt(r.get('total_s'))} kill -> redone"
+            + (f" (recovery path {path}, from iteration {r['rolled_back_to']})" if path else "")
             if r["kind"] == "failure"
             else f"ranks {r['ranks_joined']} rejoined, heal {_fmt(r.get('heal_s'))}"
         )

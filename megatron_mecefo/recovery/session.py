@@ -64,7 +64,15 @@ class RecoveryAbort(SystemExit):
 DIST_OPT_MESSAGE = (
     "a rank died while training with --use-distributed-optimizer: its optimizer shard died "
     "with it and MeCeFO will not continue with a lost shard. Resume from the last checkpoint "
-    "(--load), or train without --use-distributed-optimizer to survive rank deaths in-process"
+    "(--load); to survive rank deaths in-process, train with --mecefo-snapshot-interval K "
+    "--mecefo-snapshot-redundancy 1 (the survivors rebuild the shard from their snapshots and "
+    "parity) or without --use-distributed-optimizer"
+)
+
+DIST_OPT_REJOIN_MESSAGE = (
+    "a replica cannot rejoin a run with --use-distributed-optimizer (its optimizer shard would "
+    "have to be re-sharded over the grown world, which is not implemented); run the supervisor "
+    "with --replace never, or resume from the last checkpoint (--load) with every replica"
 )
 
 
@@ -134,6 +142,12 @@ class RecoverySession:
         self.aborter = build_aborter(self.backend, int(config.store.rsplit(":", 1)[1]))
         self.watchdog: Optional[GenerationWatchdog] = None
         self.rank = -1
+        self.snapshots: Any = None
+        """The trainer's ``SnapshotManager``: kept across worlds (its slots and parity)."""
+        self.takeover_pending = False
+        """A rank died under the distributed optimizer: the next world rolls back to the last
+        snapshot with parity and rebuilds the lost shards (:meth:`_take_over_from_snapshot`)."""
+        self.takeover_info: Optional[Dict[str, Any]] = None
 
     # ------------------------------------------------------------------ helpers
     def log(self, line: str, all_ranks: bool = False) -> None:
@@ -146,6 +160,19 @@ class RecoverySession:
     @property
     def generation(self) -> int:
         return -1 if self.gen is None else self.gen.number
+
+    def world_changed(self) -> bool:
+        """Whether a failure generation has been announced since this world was built (a
+        rank waiting on its peers, e.g. for a snapshot commit, stops waiting)."""
+        latest = self.watchdog.latest if self.watchdog is not None else self.generation
+        return latest != self.generation and self.ms.generation(latest).at_iteration is None
+
+    def fatal(self, message: str) -> None:
+        """End the job with one message (every rank: the store's ``fatal`` key)."""
+        self.ms.store.set("fatal", message)
+        if self.rank <= 0:
+            print(f"> MeCeFO recovery: error: {message}", flush=True)
+        raise RecoveryAbort(3)
 
     # ------------------------------------------------------------------ membership
     def wait_for_membership(self, after: int) -> Optional[Generation]:
@@ -255,7 +282,9 @@ class RecoverySession:
         # The carry is kept until this world is established: if it fails before (e.g. a
         # joiner dies during the heal), the next world imports it again.
         self.valid = self.carry is not None or (gen.number == 0 and self.inc == 0)
-        if self.carry is not None:
+        if self.carry is not None and self.takeover_pending:
+            self._take_over_from_snapshot(trainer)
+        elif self.carry is not None:
             import_state(trainer, self.carry)
         # Agree on the state: the members with valid state at the highest iteration are the
         # sources; everyone else in their data-parallel group is healed from them.
@@ -273,6 +302,8 @@ class RecoverySession:
         dp_ranks = dist.get_process_group_ranks(dp_group)
         needs = [not (infos[r][1] and infos[r][2] == target) for r in dp_ranks]
         any_heal = [not (ok and it == target) for _, ok, it in infos]
+        if any(any_heal) and self.args.use_distributed_optimizer:
+            self.fatal(DIST_OPT_REJOIN_MESSAGE)
         if any(any_heal):
             # Every data-parallel group runs the same number of broadcasts (one, or none).
             if any(needs):
@@ -307,6 +338,55 @@ class RecoverySession:
             is_failure=lambda n: watch.generation(n).at_iteration is None,
             wait_after=watch.wait_generation_after,
         ).start()
+
+    def _take_over_from_snapshot(self, trainer: Any) -> None:
+        """Distributed optimizer, after a real death: every member rolls back to the newest
+        snapshot held with parity by all, the lost members' slots are rebuilt from their
+        peers and parity, and the optimizer is re-sharded over this world's data-parallel
+        group. The iterations after the snapshot are then replayed with the dead replicas
+        failed from the snapshot's next iteration (the carry's history of them is dropped)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_mecefo.snapshot.erasure import SnapshotLost
+
+        manager = trainer.snapshots
+        if manager is None or not manager.config.redundancy:
+            self.fatal(DIST_OPT_MESSAGE)
+        state = trainer._snapshot_state()
+        # Megatron's OptimizerParamScheduler.load_state_dict adds the saved steps to its own.
+        trainer.scheduler.num_steps = 0
+        try:
+            served = manager.takeover(state, ps.get_data_parallel_group_gloo())
+        except SnapshotLost as err:
+            self.fatal(str(err))
+        if served is None:
+            self.fatal(DIST_OPT_MESSAGE + " (no snapshot with parity is held by every survivor)")
+        s, carried = served["iteration"], self.carry["iteration"]
+        trainer.iteration = int(state.counters["iteration"])
+        trainer.consumed_samples = int(state.counters["consumed_samples"])
+        trainer.history = [r for r in self.carry["history"] if r["iteration"] <= s]
+        trainer.evals = [r for r in self.carry["evals"] if r.get("iteration", 0) <= s]
+        trainer.saved = [i for i in self.carry["saved"] if i <= s]
+        ctrl = getattr(trainer, "controller", None)
+        for key, value in state.extra.get("controller", {}).items():
+            setattr(ctrl, key, value)
+        trainer.train_iter = trainer._iterators(trainer.train_ds, trainer.consumed_samples)
+        self.takeover_info = {
+            "recovery_path": "peers+parity",
+            "rolled_back_to": s,
+            "replayed_to": carried + 1,  # up to the iteration that was in flight
+            "samples_redone": (carried + 1 - s) * self.args.global_batch_size,
+            "snapshot_restore_s": served["seconds"],
+        }
+        trainer._emit(
+            {
+                "type": "snapshot_restore",
+                **served,
+                "generation": self.generation,
+                "discarded_iterations": list(range(s + 1, carried + 1)),
+            }
+        )
+        self.takeover_pending = False
 
     def _check_replicas_identical(self, trainer: Any, dp_group: Any) -> None:
         """After a heal: parameters and optimizer state hash alike on every DP replica."""
@@ -466,6 +546,9 @@ class RecoverySession:
         )
         if superseded_by:
             record["superseded_by"] = superseded_by
+        if self.takeover_info is not None and not superseded_by:
+            record.update(self.takeover_info)
+            self.takeover_info = None
         self.ms.set_json(f"record/{gen.number}", record)
         trainer._emit(record)
         rec_mod.append_jsonl(self.cfg.records_file, record)
@@ -524,6 +607,8 @@ class RecoverySession:
             self.watchdog.stop()
             self.watchdog_cpu_s += self.watchdog.cpu_s
             self.watchdog = None
+        if self.snapshots is not None:
+            self.snapshots.abandon()  # the copy in flight reads tensors released below
         if trainer is not None:
             if self.valid:
                 self.carry = export_state(trainer, self.boundary or boundary_snapshot(trainer))
@@ -636,9 +721,13 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
             return trainer
         now = time.time()
         if outcome == "failed" and args.use_distributed_optimizer and session.valid:
-            session.ms.store.set("fatal", DIST_OPT_MESSAGE)
-            print(f"> MeCeFO recovery: error: {DIST_OPT_MESSAGE}", flush=True)
-            raise RecoveryAbort(3)
+            snaps = session.snapshots
+            if snaps is None or not snaps.config.redundancy or not snaps.parity_snapshots():
+                session.ms.store.set("fatal", DIST_OPT_MESSAGE)
+                print(f"> MeCeFO recovery: error: {DIST_OPT_MESSAGE}", flush=True)
+                raise RecoveryAbort(3)
+            # The next world rebuilds the lost shards from the snapshots' parity.
+            session.takeover_pending = True
         session.times = {"detect": now, "left": now}
         if outcome == "failed":
             session.ms.report_error(gen.number, session.slot, error)

@@ -7,7 +7,9 @@ counts once every rank has committed it (agreed through the job's TCPStore). Wit
 ``--mecefo-snapshot-dir`` the slots live in shared memory owned by a per-node holder process
 (``python -m megatron_mecefo.snapshot.holder``), so they outlive a trainer that dies; a
 restarted trainer then resumes from memory instead of from disk. ``erasure`` adds parity across
-the data-parallel peers of a TP/PP position, ``survival`` tells how likely a snapshot survives.
+the data-parallel peers of a TP/PP position, ``parity`` exchanges it in the training loop and
+rebuilds a dead replica's slot (the distributed-optimizer takeover under the recovery
+supervisor), ``survival`` tells how likely a snapshot survives.
 
 Used by the example trainer (``examples/pretrain_gpt``) and ``benchmarks/snapshot_overhead.py``.
 """

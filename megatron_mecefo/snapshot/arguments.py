@@ -32,8 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="snapshot_redundancy",
         type=int,
         default=0,
-        help="m: parity shards per group of data-parallel peers (see python -m "
-        "megatron_mecefo.snapshot.survival).",
+        help="m: parity shards per group of data-parallel peers, with "
+        "--use-distributed-optimizer: a replica that dies for real has its optimizer shard "
+        "rebuilt from its peers' snapshots and parity (XOR for m = 1, zfec for m >= 2; see "
+        "python -m megatron_mecefo.snapshot.survival).",
     )
 
 
@@ -71,13 +73,21 @@ def validate(args: argparse.Namespace, dp_size: int) -> Optional[SnapshotConfig]
             f"--mecefo-snapshot-redundancy={m}: needs fewer parity shards than data-parallel "
             f"replicas ({dp_size}); use at most {dp_size - 1}"
         )
-    if m:
+    if m and not getattr(args, "use_distributed_optimizer", False):
         raise SnapshotFlagError(
-            f"--mecefo-snapshot-redundancy={m}: parity across data-parallel peers is not wired "
-            "into the training loop yet (megatron_mecefo.snapshot.erasure has the code and "
-            "placement; python -m megatron_mecefo.snapshot.survival helps choose m); drop the "
-            "flag: snapshots then survive trainer crashes (the holder), not node losses"
+            f"--mecefo-snapshot-redundancy={m}: parity protects the distributed optimizer's "
+            "shards (a lost replica's shard is rebuilt from its peers); without "
+            "--use-distributed-optimizer every replica holds the whole state and a real death "
+            "is survived without it: add --use-distributed-optimizer or drop the flag"
         )
+    if m >= 2:
+        try:
+            import zfec  # noqa: F401
+        except ImportError:
+            raise SnapshotFlagError(
+                f"--mecefo-snapshot-redundancy={m}: m >= 2 uses zfec's Reed-Solomon code, which "
+                "is not installed: pip install -e '.[snapshot]' (or use m = 1: XOR parity)"
+            ) from None
     if d is not None:
         from megatron_mecefo.snapshot.holder import holder_pid
 

@@ -28,6 +28,9 @@ class TrainingState:
     scheduler: Any = None
     counters: Dict[str, int] = field(default_factory=dict)
     """``iteration`` and ``consumed_samples``, as the trainer keeps them."""
+    extra: Dict[str, Any] = field(default_factory=dict)
+    """More JSON-able trainer state kept with the snapshot (e.g. the MeCeFO controller's
+    counters); :func:`restore` updates it in place."""
 
 
 def _parts(optimizer: Any) -> List[Any]:
@@ -84,6 +87,7 @@ def collect(state: TrainingState) -> tuple[Dict[str, torch.Tensor], Dict[str, An
         "counters": dict(state.counters),
         "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
         "basis_steps": bases,
+        "extra": dict(state.extra),
     }
     return tensors, meta
 
@@ -134,6 +138,7 @@ def restore(state: TrainingState, tensors: Dict[str, torch.Tensor], meta: Dict[s
     if state.scheduler is not None and meta.get("scheduler") is not None:
         state.scheduler.load_state_dict(meta["scheduler"])
     state.counters.update(meta["counters"])
+    state.extra.update(meta.get("extra", {}))
     # Clones: the RNG setters need a tensor that owns its storage (a view into the slot's
     # mapped buffer, at an offset, crashes torch.set_rng_state).
     torch.set_rng_state(tensors["rng.torch"].clone())
@@ -148,3 +153,86 @@ def restore(state: TrainingState, tensors: Dict[str, torch.Tensor], meta: Dict[s
         }
         if tracker:
             get_cuda_rng_tracker().set_states(tracker)
+
+
+def dist_opt_map(state: TrainingState) -> Optional[List[List[Any]]]:
+    """Which slice of which parameter each distributed-optimizer shard tensor holds, or None
+    without the distributed optimizer.
+
+    One row per shard tensor: ``[part, group, index, parameter name, start, end]``: the inner
+    optimizer's ``param_groups[group]["params"][index]`` of optimizer part ``part`` holds the
+    elements ``start:end`` of the flattened parameter (megatron-core's
+    ``_get_model_param_range_map(param)["param"]``). This depends on the data-parallel size,
+    so a snapshot records it: the shards of a lost layout can then be put back together.
+    """
+    names = {
+        id(param): f"model{i}.{name}"
+        for i, chunk in enumerate(state.model_chunks)
+        for name, param in chunk.named_parameters()
+    }
+    rows: List[List[Any]] = []
+    for j, part in enumerate(_parts(state.optimizer)):
+        index = getattr(part, "model_param_group_index_map", None)
+        if index is None:
+            return None
+        for param, (g, k) in index.items():
+            rng = part._get_model_param_range_map(param)["param"]
+            rows.append([j, g, k, names[id(param)], int(rng.start), int(rng.end)])
+    return sorted(rows)
+
+
+def reshard(
+    shards: List[tuple[Dict[str, Any], Dict[str, torch.Tensor]]],
+    new_map: List[List[Any]],
+    sizes: Dict[str, int],
+) -> Dict[str, torch.Tensor]:
+    """The distributed-optimizer tensors of a new layout, from every shard of an old one.
+
+    Args:
+        shards: ``(metadata, tensors)`` of every member of the old data-parallel group (each
+            with its ``dist_opt_map``).
+        new_map: :func:`dist_opt_map` of the live optimizer (the new layout).
+        sizes: Elements of each parameter, by name.
+
+    Returns:
+        ``optim{j}.main.{g}.{k}`` and ``optim{j}.state.{g}.{k}.{key}`` for the new layout, as
+        :func:`restore` reads them.
+
+    Raises:
+        ValueError: If the old shards do not cover every element of a needed parameter.
+    """
+    full: Dict[tuple, torch.Tensor] = {}  # (part, name, key) -> the whole flattened tensor
+    filled: Dict[tuple, torch.Tensor] = {}
+    scalars: Dict[tuple, torch.Tensor] = {}  # (part, name, key) -> e.g. Adam's step
+    for meta, tensors in shards:
+        for j, g, k, name, start, end in meta["dist_opt_map"]:
+            pieces = {"main": tensors[f"optim{j}.main.{g}.{k}"]}
+            prefix = f"optim{j}.state.{g}.{k}."
+            for n, t in tensors.items():
+                if n.startswith(prefix):
+                    pieces[n[len(prefix) :]] = t
+            for key, t in pieces.items():
+                if t.dim() == 0:
+                    scalars[(j, name, key)] = t
+                    continue
+                whole = full.get((j, name, key))
+                if whole is None:
+                    whole = full[(j, name, key)] = torch.zeros(sizes[name], dtype=t.dtype)
+                    filled[(j, name, key)] = torch.zeros(sizes[name], dtype=torch.bool)
+                whole[start:end] = t.reshape(-1)
+                filled[(j, name, key)][start:end] = True
+    out: Dict[str, torch.Tensor] = {}
+    for j, g, k, name, start, end in new_map:
+        for (pj, pname, key), whole in full.items():
+            if (pj, pname) != (j, name):
+                continue
+            if not bool(filled[(j, name, key)][start:end].all()):
+                raise ValueError(f"the old optimizer shards do not cover {name}[{start}:{end}]")
+            n = f"optim{j}.main.{g}.{k}" if key == "main" else f"optim{j}.state.{g}.{k}.{key}"
+            out[n] = whole[start:end].clone()
+        for (pj, pname, key), value in scalars.items():
+            if (pj, pname) == (j, name):
+                out[f"optim{j}.state.{g}.{k}.{key}"] = value.clone()
+        if f"optim{j}.main.{g}.{k}" not in out:
+            raise ValueError(f"no optimizer shard of the old layout holds {name}")
+    return out

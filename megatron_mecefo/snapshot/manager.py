@@ -11,7 +11,13 @@ import torch.distributed as dist
 
 from megatron_mecefo.snapshot.checksum import crc32
 from megatron_mecefo.snapshot.config import SnapshotConfig
-from megatron_mecefo.snapshot.contents import TrainingState, collect, restore
+from megatron_mecefo.snapshot.contents import (
+    TrainingState,
+    collect,
+    dist_opt_map,
+    reshard,
+    restore,
+)
 from megatron_mecefo.snapshot.copier import Copier
 from megatron_mecefo.snapshot.slots import Slot, plan_layout
 
@@ -36,6 +42,11 @@ class SnapshotManager:
             default store, read at each commit (under the recovery supervisor that is the
             membership store, under the generation's prefix).
         log: Where to print (rank 0 usually passes ``print``; others a no-op).
+        parity_group: With redundancy m > 0: returns the current data-parallel process group,
+            over which each snapshot's parity is exchanged (read at each exchange, so it
+            follows a regroup).
+        slot_id: This process's stable identity in parity records (the recovery slot, i.e.
+            the original global rank); default ``rank``.
     """
 
     def __init__(
@@ -45,9 +56,20 @@ class SnapshotManager:
         world_size: Optional[int] = None,
         store: Any = None,
         log: Any = None,
+        parity_group: Any = None,
+        slot_id: Optional[int] = None,
     ) -> None:
         self.config = config
         self.rank = rank
+        self.parity_group = parity_group
+        self.slot_id = rank if slot_id is None else slot_id
+        self.parity_s = 0.0
+        """Seconds the training thread spent exchanging parity (part of main_thread_s)."""
+        self.parity_bytes = 0
+        """Bytes of parity this rank holds for its newest snapshot."""
+        self.should_abort: Any = None
+        """Optional ``() -> bool``: stop waiting for peers' commits (e.g. the recovery
+        supervisor announced a new generation: a peer died)."""
         self._world_size = world_size
         self._store = store
         self.log = log or (lambda line: None)
@@ -60,6 +82,7 @@ class SnapshotManager:
         self.copier = Copier()
         self._next = 0
         self._in_flight: Optional[int] = None  # iteration being copied
+        self._in_flight_slot: Optional[Slot] = None
         self._uncounted: Optional[int] = None  # copied locally, not yet added to the store
         self.last_committed: Optional[int] = None
         self.taken: List[int] = []
@@ -112,6 +135,8 @@ class SnapshotManager:
             self.wait_committed(previous)
         tensors, meta = collect(state)
         meta["iteration"] = iteration
+        if self.config.redundancy:
+            meta["dist_opt_map"] = dist_opt_map(state)
         entries, nbytes = plan_layout(tensors)
         slot = self.slots[self._next]
         slot.invalidate()
@@ -130,7 +155,7 @@ class SnapshotManager:
             slot.seal(header)
 
         self.copier.start(buffer, tensors, entries, finish)
-        self._in_flight = iteration
+        self._in_flight, self._in_flight_slot = iteration, slot
         self._next = 1 - self._next
         self.taken.append(iteration)
 
@@ -141,6 +166,31 @@ class SnapshotManager:
         self.copier.join()
         self.copy_wait_s += time.perf_counter() - t0
         self._uncounted, self._in_flight = self._in_flight, None
+        if self.config.redundancy and self.parity_group is not None:
+            # Before the commit: a snapshot counts only once its parity is stored.
+            self._exchange_parity(self._in_flight_slot)
+
+    def _exchange_parity(self, slot: Slot) -> None:
+        from megatron_mecefo.snapshot.parity import exchange_parity
+
+        t0 = time.perf_counter()
+        header = slot.header()
+        slot.parity = exchange_parity(
+            slot.buffer, header, self.config.redundancy, self.parity_group(), self.slot_id
+        )
+        self.parity_bytes = slot.parity.nbytes
+        self.parity_s += time.perf_counter() - t0
+
+    def abandon(self) -> None:
+        """The world failed: wait for a copy in flight (it reads live tensors) and forget it;
+        a snapshot without its parity exchanged and committed never counts."""
+        try:
+            self.copier.join()
+        except RuntimeError:
+            pass
+        if self._in_flight_slot is not None and self._in_flight is not None:
+            self._in_flight_slot.invalidate()
+        self._in_flight, self._in_flight_slot, self._uncounted = None, None, None
 
     def _uncounted_commit(self) -> Optional[int]:
         """Add this rank's commit of the last finished snapshot to the store."""
@@ -158,6 +208,11 @@ class SnapshotManager:
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.commit_timeout_s
         while self.commits(iteration) < self.world_size:
+            if self.should_abort is not None and self.should_abort():
+                raise RuntimeError(
+                    f"snapshot of iteration {iteration}: the world changed while waiting for "
+                    "the peers' commits"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"snapshot of iteration {iteration}: only {self.commits(iteration)} of "
@@ -236,3 +291,79 @@ class SnapshotManager:
             f"{int(nbytes) / 2**20:.1f} MiB over {len(every)} ranks, {seconds:.3f} s"
         )
         return {"path": "local", "iteration": iteration, "seconds": seconds}
+
+    # ------------------------------------------------------------------ takeover
+    def parity_snapshots(self) -> Dict[int, Slot]:
+        """This rank's snapshots whose parity was exchanged, by iteration."""
+        out = {}
+        for slot in self.slots:
+            if slot.parity is not None and slot.header() is not None:
+                out[slot.parity.iteration] = slot
+        return out
+
+    def takeover(self, state: TrainingState, group: dist.ProcessGroup) -> Optional[Dict[str, Any]]:
+        """Collective over the world after a real death: roll every rank back to the newest
+        snapshot that every rank holds with its parity, rebuild the lost members' slots in each
+        data-parallel group (``group``, the new world's), and load the state, the optimizer
+        re-sharded over the new group.
+
+        Returns:
+            ``{"path": "peers+parity", "iteration": s, "seconds": t, "rebuilt": {slot: digest}}``,
+            or None when no snapshot with parity is held by every rank.
+
+        Raises:
+            SnapshotLost: More than m members of a group lost, or a rebuilt slot fails its
+                checksum.
+        """
+        from megatron_mecefo.snapshot.parity import optimizer_digest, read_tensors, rebuild_group
+
+        t0 = time.perf_counter()
+        mine = self.parity_snapshots()
+        every: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sorted(mine))
+        common = set(every[0]).intersection(*map(set, every[1:]))
+        if not common:
+            return None
+        iteration = max(common)
+        slot = mine[iteration]
+        shards = rebuild_group(slot.buffer, slot.parity, group, self.slot_id)
+        t_rebuilt = time.perf_counter()
+        own_header, own_bytes = shards[self.slot_id]
+        tensors = read_tensors(own_header, own_bytes)
+        sizes = {
+            f"model{i}.{name}": p.numel()
+            for i, chunk in enumerate(state.model_chunks)
+            for name, p in chunk.named_parameters()
+        }
+        new_map = dist_opt_map(state)
+        if new_map is None:
+            raise RuntimeError("takeover from parity needs the distributed optimizer")
+        optim = reshard(
+            [(h["meta"], read_tensors(h, data)) for h, data in shards.values()], new_map, sizes
+        )
+        merged = {n: t for n, t in tensors.items() if not n.startswith("optim")}
+        merged.update(optim)
+        restore(state, merged, own_header["meta"])
+        self._next = 1 - slot.index  # keep the snapshot rolled back to
+        self.last_committed = iteration
+        lost = [s for s in slot.parity.members if s not in self._survivors(group)]
+        rebuilt = {s: optimizer_digest(*shards[s]) for s in lost}
+        seconds = time.perf_counter() - t0
+        self.log(
+            f"> MeCeFO snapshot: recovery path peers+parity: iteration {iteration}, rebuilt "
+            f"the slots of ranks {lost} from {len(shards) - len(lost)} peers and "
+            f"m={slot.parity.m} parity (checksums verified) in {t_rebuilt - t0:.3f} s, "
+            f"optimizer re-sharded over {dist.get_world_size(group)} replicas; {seconds:.3f} s"
+        )
+        return {
+            "path": "peers+parity",
+            "iteration": iteration,
+            "seconds": seconds,
+            "rebuild_s": t_rebuilt - t0,
+            "rebuilt": rebuilt,
+        }
+
+    def _survivors(self, group: dist.ProcessGroup) -> List[int]:
+        every: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, self.slot_id, group=group)
+        return [int(s) for s in every]

@@ -67,6 +67,11 @@ class Slot:
         self.directory = directory
         self.buffer: Optional[torch.Tensor] = None
         self._header: Optional[Dict[str, Any]] = None  # in-memory slots only
+        self.parity: Any = None
+        """This member's share of the snapshot's parity (``parity.SlotParity``), once the
+        group has exchanged it; dropped with the snapshot. Kept in the trainer's memory: a
+        trainer restarted on its node gets its own slot back from the holder, and a lost
+        member's slot is rebuilt by the survivors, who hold their parity."""
 
     @property
     def data_path(self) -> Optional[str]:
@@ -103,6 +108,7 @@ class Slot:
     def invalidate(self) -> None:
         """Drop the header first: from here until :meth:`seal`, the slot holds no snapshot."""
         self._header = None
+        self.parity = None
         if self.header_path is not None and os.path.exists(self.header_path):
             os.remove(self.header_path)
 

@@ -59,5 +59,30 @@ def train_step(self):
 
 pretrain_gpt.Trainer.train_step = train_step
 
+
+def _digest_log() -> None:
+    """``MECEFO_TEST_DIGESTS=DIR``: before each parity exchange, every rank appends
+    ``iteration sha256`` of its slot's optimizer tensors to ``DIR/slot<slot>.txt``: the shard
+    it holds, to compare with the one the survivors rebuild after its death."""
+    out = os.environ.get("MECEFO_TEST_DIGESTS")
+    if not out:
+        return
+    from megatron_mecefo.snapshot import manager
+    from megatron_mecefo.snapshot.parity import optimizer_digest
+
+    exchange = manager.SnapshotManager._exchange_parity
+
+    def logged(self, slot):
+        header = slot.header()
+        digest = optimizer_digest(header, slot.buffer[: header["nbytes"]].numpy())
+        with open(Path(out) / f"slot{self.slot_id}.txt", "a") as f:
+            f.write(f"{header['iteration']} {digest}\n")
+        return exchange(self, slot)
+
+    manager.SnapshotManager._exchange_parity = logged
+
+
+_digest_log()
+
 if __name__ == "__main__":
     pretrain_gpt.main()

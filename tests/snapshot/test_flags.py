@@ -23,7 +23,8 @@ def _args(*argv: str) -> argparse.Namespace:
         (["--mecefo-snapshot-interval", "1", "--mecefo-snapshot-redundancy", "4"],
          r"--mecefo-snapshot-redundancy=4: needs fewer parity shards .* at most 3"),
         (["--mecefo-snapshot-interval", "1", "--mecefo-snapshot-redundancy", "1"],
-         r"not wired into the training loop yet"),
+         r"--mecefo-snapshot-redundancy=1: parity protects the distributed optimizer.*add "
+         r"--use-distributed-optimizer"),
         (["--mecefo-snapshot-interval", "1", "--mecefo-snapshot-dir", "/nonexistent/mecefo"],
          r"no live snapshot holder there; start one with `python -m "),
     ],
@@ -31,6 +32,13 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_bad_snapshot_flags(argv: list[str], match: str) -> None:
     with pytest.raises(SnapshotFlagError, match=match):
         validate(_args(*argv), dp_size=4)
+
+
+def test_redundancy_with_distributed_optimizer() -> None:
+    args = _args("--mecefo-snapshot-interval", "1", "--mecefo-snapshot-redundancy", "1")
+    args.use_distributed_optimizer = True
+    config = validate(args, dp_size=4)
+    assert config.redundancy == 1 and config.interval == 1
 
 
 def test_good_snapshot_flags() -> None:
