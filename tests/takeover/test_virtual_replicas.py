@@ -14,8 +14,9 @@ and every re-weighting (loss weights, the MHA group's ``P / E``) are exercised:
 
 Checked: the same samples are processed in every iteration; the synced, re-weighted gradient
 of a degraded iteration, every iteration's loss and gradient norm, and the parameters after
-the last iteration agree within ``RTOL``. Bitwise equality is not expected: gloo sums the four
-replicas' fp32 gradients in its ring order, the simulation sums them in fp64 and rounds once.
+the last iteration agree within the tolerances below. Bitwise equality is not expected: gloo
+sums the four replicas' fp32 gradients in its ring order, the simulation sums them in fp64 and
+rounds once; each V is an eigendecomposition of weights that then differ in the last bits.
 """
 
 from __future__ import annotations
@@ -48,12 +49,18 @@ CASES = {
     "drop": (["1:1:3"], 1),
 }
 
-# Measured (see the README, "Training through failures"): gradients within 2e-7 of a tensor's
-# largest entry, parameters after 6 Adam steps within 1e-7 of the largest parameter, losses and
-# gradient norms within 1e-7 relative. A real mistake is orders of magnitude larger: a missing
-# 1/n or P/E factor changes a gradient by 25-100%, one stale V (shared between replicas)
-# changes the FFN gradient at iteration 5 by more than 1e-2 of its largest entry.
+# Measured: the dumped gradients within 1.4e-6 of each tensor's largest entry (the low-rank FFN
+# gradients, through V; the others within 1e-7), losses and grad norms within 1.2e-7 relative
+# (1 ulp), parameters after 6 Adam steps within 1.1e-6 absolute (Adam turns last-bit gradient
+# differences of near-zero entries into up to 4e-4 of a step of lr 3e-3). A real mistake is far
+# larger: one V shared by all replicas instead of one per replica (replica 0 then uses replica
+# 2's V of step 1 at step 3) was measured at 0.17 of the FFN gradient's largest entry, 1.8e-4
+# relative on the grad norm and 1.1e-2 absolute on the parameters; a missing 1/n or P/E factor
+# changes the grad norm by 25-100%.
 RTOL = 1e-5
+"""Gradients (relative to each tensor's largest entry), losses and grad norms (relative)."""
+PARAM_ATOL = 1e-5
+"""Parameters after the last iteration, absolute."""
 
 
 def _launch(nproc: int, cases: List[Dict[str, Any]], out: Path) -> None:
@@ -97,13 +104,13 @@ def _ranks(out: Path, name: str) -> List[Dict[str, Any]]:
     return [torch.load(f, weights_only=False) for f in files]
 
 
-def _worst(a: Dict[Any, List], b: Dict[Any, List]) -> float:
-    """Largest |a - b| over all tensors, relative to each tensor's largest entry."""
+def _worst(a: Dict[Any, List], b: Dict[Any, List], relative: bool = True) -> float:
+    """Largest |a - b| over all tensors (relative to each tensor's largest entry)."""
     assert set(a) == set(b)
     worst = 0.0
     for key in a:
         (_, _, x), (_, _, y) = a[key][0], b[key][0]
-        scale = max(x.abs().max().item(), 1e-30)
+        scale = max(x.abs().max().item(), 1e-30) if relative else 1.0
         worst = max(worst, (x.double() - y.double()).abs().max().item() / scale)
     return worst
 
@@ -114,7 +121,7 @@ def test_simulation_equals_real_dp4(runs: Dict[str, Path], policy: str) -> None:
     assert len(real) == DP
     # Every real rank holds the same synced gradient and parameters (one DP group).
     grad_err = _worst(real[0]["grads"], virtual["grads"])
-    param_err = _worst(real[0]["params"], virtual["params"])
+    param_err = _worst(real[0]["params"], virtual["params"], relative=False)
     rec_real, rec_virtual = real[0]["records"], virtual["records"]
     for a, b in zip(rec_real, rec_virtual, strict=True):
         assert a["mecefo"]["failed_replicas"] == b["mecefo"]["failed_replicas"]
@@ -126,7 +133,7 @@ def test_simulation_equals_real_dp4(runs: Dict[str, Path], policy: str) -> None:
         seen = Counter(h for r in real for h in r["tokens"].get(it, []))
         assert seen == Counter(virtual["tokens"][it]), it
     print(f"{policy}: simulation vs real DP4: gradient {grad_err:.1e}, parameters {param_err:.1e}")
-    assert grad_err < RTOL and param_err < RTOL
+    assert grad_err < RTOL and param_err < PARAM_ATOL
     assert (
         sum(r["mecefo"]["takeover_microbatches"] for r in rec_virtual)
         == {
