@@ -92,12 +92,12 @@ test-slurm: venv
 # PNGs go to results/. Not run here: the GPU shapes (llama-1b / llama-7b), see benchmarks/README.
 BENCH_LOG := results/logs
 # The high scenario at the paper's 32 replicas, simulated in one process per run
-# (--mecefo-virtual-replicas), every fixed policy and auto, 2 seeds, 2 runs at once. Global
+# (--mecefo-virtual-replicas), every fixed policy and auto, 3 seeds, 2 runs at once. Global
 # batch 32 at micro-batch size 1 (one failure is 1/32 of the batch, as in the paper); 100
 # iterations, so a run sees the n = 4 study's 3,200 samples.
 CONVERGENCE_N32 = --virtual-replicas 32 --micro-batch-size 1 --global-batch-size 32 \
 	--train-iters 100 --scenarios high --policies neighbor spread exact drop auto \
-	--jobs 2 --master-port 29571 --output-dir results/convergence_n32
+	--seeds 1234 1235 1236 --jobs 2 --master-port 29571 --output-dir results/convergence_n32
 bench: data
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -q -c constraints.txt -e .[plot]
 	mkdir -p $(BENCH_LOG)
