@@ -184,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_mecefo.snapshot.arguments import add_arguments as add_snapshot_arguments
 
     add_snapshot_arguments(p)  # --mecefo-snapshot-* (in-memory snapshots)
+    p.add_argument_group("MeCeFO simulation (example trainer)").add_argument(
+        "--mecefo-virtual-replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Simulate N data-parallel replicas in one process: every replica's micro-batches "
+        "run in turn under the same takeover plan and re-weighting as a real DP-N run "
+        "(megatron_mecefo/takeover/virtual_replicas.py). Launch one process.",
+    )
     return p
 
 
@@ -229,6 +238,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         )
     args.world_size = world_size
     args.data_parallel_size = dp = world_size // (tp * pp)
+    if args.mecefo_virtual_replicas is not None:  # one process stands for N replicas
+        _validate_virtual_replicas(args, world_size)
+        args.data_parallel_size = dp = args.mecefo_virtual_replicas
     if args.num_layers % pp != 0:
         raise ConfigError(
             f"--num-layers={args.num_layers} is not divisible by "
@@ -325,6 +337,30 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr={args.min_lr} exceeds --lr={args.lr}")
     return args
+
+
+def _validate_virtual_replicas(args: argparse.Namespace, world_size: int) -> None:
+    from megatron_mecefo.takeover.virtual_replicas import check_virtual_replicas
+
+    given = {
+        f"--hidden-dropout={args.hidden_dropout}": args.hidden_dropout > 0,
+        f"--attention-dropout={args.attention_dropout}": args.attention_dropout > 0,
+        "--overlap-grad-reduce": args.overlap_grad_reduce,
+        "--use-distributed-optimizer": args.use_distributed_optimizer,
+        "--calculate-per-token-loss": args.calculate_per_token_loss,
+        "--save": bool(args.save),
+        "--load": bool(args.load),
+        "--log-rank-cpu-time": args.log_rank_cpu_time,
+        "--mecefo-abft": args.abft or bool(args.abft_inject),
+        "--mecefo-snapshot-interval": args.snapshot_interval > 0,
+        "--mecefo-kill": bool(args.mecefo_kill),
+        "the recovery supervisor (MECEFO_RECOVERY)": bool(os.environ.get("MECEFO_RECOVERY")),
+    }
+    problem = check_virtual_replicas(
+        args.mecefo_virtual_replicas, world_size, [flag for flag, on in given.items() if on]
+    )
+    if problem:
+        raise ConfigError(problem)
 
 
 def _validate_data(args: argparse.Namespace) -> None:

@@ -12,6 +12,13 @@ ranks over gloo, once failure-free and once per (policy, scenario):
   share of the batch that is taken over matches the paper's rather than being 8x larger.
   Every policy of one (scenario, seed) replays the same failure trace.
 
+``--virtual-replicas N`` runs the same study at the paper's scale without N processes: every
+run is one process with ``--mecefo-virtual-replicas N`` (the example trainer's single-process
+simulation of N replicas under the same plan and re-weighting,
+``megatron_mecefo/takeover/virtual_replicas.py``), the failure-free one included (with
+``--mecefo`` and no failure, every factor is 1). ``--jobs`` runs that many at once.
+``--policies`` may include ``auto`` (the recovery planner).
+
 Seeds (model init, data order and the failure victims): the failure-free runs and the
 ``--every-seed-scenarios`` (default: high) run with every seed; the other scenarios with the
 first seed only, which keeps ``make bench`` under 30 minutes on 2 cores. A gap is compared with
@@ -30,10 +37,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -51,6 +60,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Flags; the defaults are what ``make bench`` runs."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=4, help="ranks = DP replicas (PP = TP = 1)")
+    p.add_argument(
+        "--virtual-replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulate N DP replicas in one process per run (--mecefo-virtual-replicas) "
+        "instead of --nproc ranks",
+    )
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (each its own ranks)")
     p.add_argument("--train-iters", type=int, default=200)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=16)
@@ -75,7 +93,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="scenarios run with every seed; the others run with the first seed only (the "
         "failure-free run always uses every seed)",
     )
-    p.add_argument("--policies", nargs="+", choices=sorted(POLICIES), default=list(POLICIES))
+    p.add_argument(
+        "--policies", nargs="+", choices=sorted(POLICIES) + ["auto"], default=list(POLICIES)
+    )
     p.add_argument(
         "--scenarios", nargs="+", choices=list(PAPER_SCENARIOS), default=list(PAPER_SCENARIOS)
     )
@@ -96,11 +116,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--master-port", type=int, default=29561)
     p.add_argument("--reuse", action="store_true", help="keep runs whose metrics file exists")
     args = p.parse_args(argv)
-    if args.global_batch_size % (args.micro_batch_size * args.nproc):
+    replicas = args.virtual_replicas or args.nproc
+    which = "--virtual-replicas" if args.virtual_replicas else "--nproc"
+    if args.global_batch_size % (args.micro_batch_size * replicas):
         p.error(
             f"--global-batch-size={args.global_batch_size} must be a multiple of "
-            f"--micro-batch-size x --nproc = {args.micro_batch_size * args.nproc}"
+            f"--micro-batch-size x {which} = {args.micro_batch_size * replicas}"
         )
+    if args.jobs < 1:
+        p.error(f"--jobs={args.jobs}: must be at least 1")
     if not Path(args.data_path + ".bin").exists():
         p.error(f"--data-path={args.data_path}: no {args.data_path}.bin; run `make data` first")
     return args
@@ -130,12 +154,19 @@ def torchrun_command(nproc: int, port: int, flags: List[str]) -> List[str]:
     ]
 
 
-def trainer_command(args: argparse.Namespace, seed: int, metrics: Path) -> List[str]:
+def num_replicas(args: argparse.Namespace) -> int:
+    """The data-parallel size of the study (simulated or real)."""
+    return args.virtual_replicas or args.nproc
+
+
+def trainer_command(args: argparse.Namespace, seed: int, metrics: Path, port: int) -> List[str]:
     """The torchrun command of one run, without its MeCeFO flags."""
+    virtual = args.virtual_replicas
     return torchrun_command(
-        args.nproc,
-        args.master_port,
+        1 if virtual else args.nproc,
+        port,
         [
+            *(["--mecefo-virtual-replicas", str(virtual)] if virtual else []),
             "--data-path",
             args.data_path,
             "--split",
@@ -299,12 +330,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     step_time_s = args.horizon_hours * 3600.0 / args.train_iters
     jobs: List[tuple] = []
     schedules: Dict[str, Any] = {}
+    n = num_replicas(args)
     for seed in args.seeds:
-        jobs.append((None, None, seed, []))
+        # A simulated failure-free run goes through the controller too (every factor 1).
+        jobs.append((None, None, seed, ["--mecefo"] if args.virtual_replicas else []))
         for scenario in seeds_scenarios(args, seed):
             schedule = FailureSchedule.paper(
                 scenario,
-                args.nproc,
+                n,
                 args.train_iters,
                 step_time_s,
                 seed,
@@ -335,16 +368,37 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     runs: Dict[str, Dict[str, Any]] = {}
     started = time.perf_counter()
-    for i, (policy, scenario, seed, flags) in enumerate(jobs, 1):
+    ports: queue.Queue = queue.Queue()
+    for k in range(args.jobs):
+        ports.put(args.master_port + k)
+
+    def one(i: int, job: tuple) -> None:
+        policy, scenario, seed, flags = job
         name = run_name(policy, scenario, seed)
         run_dir = out / name
         metrics = run_dir / "metrics.jsonl"
         if not (args.reuse and metrics.exists()):
             if metrics.exists():
                 metrics.unlink()  # the trainer appends
-            wall = run_trainer(trainer_command(args, seed, metrics) + flags, run_dir)
+            port = ports.get()  # one port per concurrent run
+            try:
+                wall = run_trainer(trainer_command(args, seed, metrics, port) + flags, run_dir)
+            finally:
+                ports.put(port)
             print(f"[{i}/{len(jobs)}] {name}: {wall:.0f} s", flush=True)
-        runs[name] = {"policy": policy, "scenario": scenario, "seed": seed, **read_metrics(metrics)}
+
+    # A thread per concurrent run: each waits on its trainer's processes.
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for future in [pool.submit(one, i, job) for i, job in enumerate(jobs, 1)]:
+            future.result()
+    for policy, scenario, seed, _ in jobs:
+        metrics = out / run_name(policy, scenario, seed) / "metrics.jsonl"
+        runs[run_name(policy, scenario, seed)] = {
+            "policy": policy,
+            "scenario": scenario,
+            "seed": seed,
+            **read_metrics(metrics),
+        }
 
     summary = summarize(runs, args)
     result = {
@@ -353,7 +407,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             **{k: v for k, v in vars(args).items() if k not in ("reuse",)},
             "model": "example trainer default: 4 layers, hidden 128, FFN 320 (SwiGLU), 4 heads, "
             "seq 128, RMSNorm, RoPE, byte vocab 384",
-            "layout": f"DP {args.nproc} (TP 1, PP 1), gloo, CPU",
+            "layout": (
+                f"DP {n} simulated in one process (--mecefo-virtual-replicas), CPU"
+                if args.virtual_replicas
+                else f"DP {args.nproc} (TP 1, PP 1), gloo, CPU"
+            ),
             "nominal_step_time_s": step_time_s,
         },
         "schedules": schedules,

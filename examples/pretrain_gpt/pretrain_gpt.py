@@ -117,6 +117,7 @@ class Trainer:
         self._build_data()
         self._activation_peak = 0  # auto: decoder activation bytes, largest micro-batch
         self._calibration: list[float] = []  # auto: measured / predicted, failure-free steps
+        self.virtual = None  # --mecefo-virtual-replicas: the single-process simulation
         self.controller = self._build_controller() if args.mecefo else None
         self.abft = None
         if args.abft_config is not None:  # --mecefo-abft / --mecefo-abft-inject
@@ -342,6 +343,9 @@ class Trainer:
         self.dp_size = ps.get_data_parallel_world_size()
         if self.recovery is not None:  # the original replica index and count, not the world's
             self.dp_rank, self.dp_size = self.recovery.replica_layout()
+        virtual = a.mecefo_virtual_replicas  # one process runs every simulated replica
+        if virtual:
+            self.dp_rank, self.dp_size = 0, virtual
         if a.log_rank_cpu_time:  # which replica each global rank's CPU time belongs to
             import torch.distributed as dist
 
@@ -350,16 +354,18 @@ class Trainer:
             self._dp_ranks = [int(r) for r in every]
 
         def iterators(dataset: Any, consumed: int) -> Any:
-            def one() -> Any:
+            def one(dp_rank: int = self.dp_rank) -> Any:
                 sampler = PretrainingSampler(
                     total_samples=len(dataset),
                     consumed_samples=consumed,
                     micro_batch_size=a.micro_batch_size,
-                    data_parallel_rank=self.dp_rank,
+                    data_parallel_rank=dp_rank,
                     data_parallel_size=self.dp_size,
                 )
                 return build_data_iterator(dataset, sampler)
 
+            if virtual:  # each simulated replica reads its own share, as its rank would
+                return [one(r) for r in range(virtual)]
             # The interleaved schedule pulls from one iterator per model chunk, each of
             # which must see every micro-batch.
             vpp = a.virtual_pipeline_model_parallel_size
@@ -404,6 +410,10 @@ class Trainer:
         self._print(f"> MeCeFO failure units: {ReplicaTopology.from_parallel_state().describe()}")
         collate = torch.utils.data.default_collate
         self._fetch = lambda indices: collate([self.train_ds[i] for i in indices])
+        if a.mecefo_virtual_replicas:
+            from megatron_mecefo.takeover.virtual_replicas import VirtualReplicas
+
+            self.virtual = VirtualReplicas(controller, self.model, self.model_chunks, self.config)
         return controller
 
     def _forward_backward_func(self) -> Any:
@@ -415,10 +425,14 @@ class Trainer:
             return func
         import torch
 
+        # A simulated replica that is down adds zeros; the sum over replicas is finalized once.
+        finalize = (
+            (lambda *_a, **_k: None) if self.virtual else self.config.finalize_model_grads_func
+        )
         return self.controller.wrap_forward_backward(
             func,
             fetch=lambda indices: self._fetch(indices),
-            finalize=self.config.finalize_model_grads_func,
+            finalize=finalize,
             zero_report=lambda: {"lm loss": torch.zeros(2, device=self.device)},
             is_last_stage=lambda: ps.is_pipeline_last_stage(ignore_virtual=True),
         )
@@ -494,8 +508,24 @@ class Trainer:
 
     def _run_schedule(self, data_iterator: Any, forward_only: bool) -> float:
         """One global batch through the pipeline schedule; returns the mean lm loss."""
-        import torch
         import torch.distributed as dist
+
+        if self.virtual is not None:  # every simulated replica in turn, each its own share
+            its = data_iterator if data_iterator is not None else [None] * self.dp_size
+            totals = self.virtual.run(
+                lambda r: self._loss_total(its[r], forward_only), forward_only
+            )
+            total = sum(totals[1:], totals[0])
+        else:
+            total = self._loss_total(data_iterator, forward_only)
+        # Sum over every rank: each TP rank of each last stage adds its (equal) share, so
+        # loss-sum / token-count is still the mean over the global batch.
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def _loss_total(self, data_iterator: Any, forward_only: bool) -> Any:
+        """This rank's (lm loss sum, token count) of one pass through the pipeline schedule."""
+        import torch
         from megatron.core import parallel_state as ps
 
         a = self.args
@@ -512,10 +542,7 @@ class Trainer:
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             for item in losses:
                 total += item["lm loss"].to(total)
-        # Sum over every rank: each TP rank of each last stage adds its (equal) share, so
-        # loss-sum / token-count is still the mean over the global batch.
-        dist.all_reduce(total)
-        return (total[0] / total[1]).item()
+        return total
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step on one global batch (through the MeCeFO plan with --mecefo)."""
@@ -556,6 +583,8 @@ class Trainer:
                 self.snapshots.before_optimizer_step()
             ok, grad_norm, _ = self.optimizer.step()
         cpu = (cpu1 - cpu0, time.process_time() - cpu2)
+        if self.virtual is not None:  # the critical path: the slowest simulated replica
+            cpu = (max(self.virtual.replica_cpu_s), cpu[1])
         if "planner" in mecefo:  # measured next to the decision's prediction
             self._planner_measure(mecefo["planner"], cpu)
         if ok:  # as Megatron-LM: a skipped iteration does not advance the LR schedule
@@ -869,6 +898,7 @@ class Trainer:
             f"PP{a.pipeline_model_parallel_size} x DP{a.data_parallel_size}"
             f"{f' x VPP{vpp}' if vpp else ''}"
             f" on {a.world_size} {self.device.type} ranks ({backend}), "
+            f"{'every replica simulated in this process, ' if a.mecefo_virtual_replicas else ''}"
             f"{a.num_layers} layers, hidden {a.hidden_size}, ffn {a.ffn_hidden_size}, "
             f"{a.num_attention_heads} heads, seq {a.seq_length}, vocab {a.padded_vocab_size}, "
             f"{self.num_params:,} params on rank 0, spec {a.transformer_impl}; "

@@ -117,6 +117,13 @@ class MecefoController:
             self.samples_skipped += counts["samples_skipped"]
         return plan
 
+    def act_as(self, replica: int) -> None:
+        """Run the rest of the current iteration as ``replica``: its micro-batches, their modes
+        and its loss weight (one process simulating every replica, :mod:`.virtual_replicas`)."""
+        plan = self._require_plan()
+        self.replica = replica
+        self.state.start_step(plan.iteration, plan.modes(replica) or [MicrobatchMode.EXACT])
+
     @property
     def is_failed(self) -> bool:
         """Whether this replica is down in the current plan."""
