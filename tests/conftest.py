@@ -108,3 +108,17 @@ def store():
                            wait_for_workers=False)  # fmt: skip
     yield f"127.0.0.1:{server.port}"
     del server
+
+
+@pytest.fixture(scope="module")
+def trainer_args():
+    """examples/pretrain_gpt/arguments.py, loaded as the trainer loads it (a module of its own
+    per test module, so one module's flag parsing state never leaks into another's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "pretrain_gpt_arguments_under_test", REPO / "examples" / "pretrain_gpt" / "arguments.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
@@ -18,17 +17,6 @@ from megatron_mecefo.takeover.failure_schedule import (
 
 
 # ----------------------------------------------------------------------------- flags
-@pytest.fixture(scope="module")
-def trainer_args():
-    """examples/pretrain_gpt/arguments.py, loaded as the trainer loads it."""
-    spec = importlib.util.spec_from_file_location(
-        "pretrain_gpt_arguments_under_test", TRAINER.parent / "arguments.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _validate(trainer_args, world: int, flags: list[str]):
     args = trainer_args.build_parser().parse_args(["--mock-data", *flags])
     return trainer_args.validate_args(args, world)

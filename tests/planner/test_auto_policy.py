@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TRAINER, run_trainer, train_records
+from conftest import REPO, run_trainer, train_records
 
 from megatron_mecefo.planner.auto_policy import AutoPolicy
 from megatron_mecefo.planner.calibration import load_profile, prediction_report
@@ -54,14 +53,6 @@ def test_decides_once_per_failure_event_with_observed_rates() -> None:
 
 
 # ----------------------------------------------------------------------------- flags
-@pytest.fixture(scope="module")
-def trainer_args():
-    spec = importlib.util.spec_from_file_location("pgpt_args_auto", TRAINER.parent / "arguments.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "world, flags, texts",
     [

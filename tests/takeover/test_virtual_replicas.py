@@ -21,7 +21,6 @@ rounds once; each V is an eigendecomposition of weights that then differ in the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
-from conftest import REPO, TRAINER, child_env, free_port
+from conftest import REPO, child_env, free_port
 
 WORKER = REPO / "tests" / "takeover" / "failure_training_worker.py"
 GBS, MBS, ITERS, DP = 16, 2, 6, 4
@@ -145,14 +144,6 @@ def test_simulation_equals_real_dp4(runs: Dict[str, Path], policy: str) -> None:
 
 
 # ----------------------------------------------------------------------------- flags
-@pytest.fixture(scope="module")
-def trainer_args():
-    spec = importlib.util.spec_from_file_location("pgpt_args_vr", TRAINER.parent / "arguments.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "world, flags, texts",
     [
