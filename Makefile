@@ -104,7 +104,7 @@ test-all: venv
 test-slurm: venv
 	tests/slurm/run_slurm_test.sh
 
-# The CPU evidence suite (README "Results"), about 25 minutes on 2 cores: costs, ABFT overhead, degraded
+# The CPU evidence suite (README "Results"), about 70 minutes on 2 cores (25 before the n = 32 convergence runs, about 45 of their own): costs, ABFT overhead, degraded
 # throughput (model + real DP4 runs), failure traces, the planner's profile and the cluster
 # simulator, convergence runs, plots. JSON, logs and
 # PNGs go to results/. Not run here: the GPU shapes (llama-1b / llama-7b), see benchmarks/README.
