@@ -218,7 +218,9 @@ class Coordinator:
         assert gen is not None
         replicas, spares = self.assignment.assign(layout, alive)
         members = {s: self.inc[s] for r in replicas for s in layout.replica_slots(r)}
-        previous = set(gen.members) if gen.number > 0 else set(range(self.world_size))
+        # A slot joins when it was no member, or when a new process (incarnation) holds it: a
+        # replacement that is up before a failure's generation is published joins in it.
+        previous = gen.members if gen.number > 0 else {s: 0 for s in range(self.world_size)}
         at = None
         if planned:
             at = int(self.ms.get_str("progress") or 0) + self.cfg.join_margin_iterations
@@ -236,7 +238,7 @@ class Coordinator:
             replicas=tuple(replicas),
             members=members,
             spares=tuple(spares),
-            joined=tuple(sorted(set(members) - previous)),
+            joined=tuple(sorted(s for s, i in members.items() if previous.get(s) != i)),
             lost=tuple(sorted(lost)),
             at_iteration=at,
             reason=reason,

@@ -105,6 +105,9 @@ def build_record(
     t0 = min(kills.values()) if kills else (min(reaped) if reaped else earliest("detect"))
     detect = latest("detect")
     rec["kill_time_known"] = bool(kills)
+    heals = [t["healed"] - t["constructed"] for t in times.values() if t.get("healed")]
+    if generation.joined and heals:  # a replacement that joined the failure's own world
+        rec["heal_s"] = round(max(heals), 4)
     rec["detect_s"] = _diff(detect, t0)
     rec["regroup_s"] = _diff(built, detect)
     rec["redo_s"] = _diff(done, built)
@@ -136,10 +139,15 @@ def log_line(rec: Dict[str, Any]) -> str:
         )
     else:
         redone = f"iteration {rec['iteration']} redone ({rec['samples_redone']} samples)"
+    replaced = (
+        f"ranks {rec['ranks_joined']} replaced at once (healed in {_fmt(rec.get('heal_s'))}); "
+        if rec.get("ranks_joined")
+        else ""
+    )
     return (
         f"> MeCeFO recovery: generation {rec['generation']}: ranks {rec['ranks_lost']} lost "
         f"(exit {rec['exit_codes']}); replicas {rec['replicas']} ({rec['world_size']} ranks) "
-        f"go on; {redone}; "
+        f"go on; {redone}; {replaced}"
         f"detect {_fmt(rec['detect_s'])}, regroup {_fmt(rec['regroup_s'])}, redo "
         f"{_fmt(rec['redo_s'])}, kill -> redone {_fmt(rec['total_s'])}"
     )

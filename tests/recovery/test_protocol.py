@@ -107,6 +107,30 @@ def test_coordinator_failure_rejoin_and_abort(store: str) -> None:
         coord.stop()
 
 
+def test_replacement_up_before_the_failure_generation_joins_it(store: str) -> None:
+    """A dead rank's replacement that is ready before the coordinator publishes the failure
+    joins that generation at once: it is listed as joined (a new incarnation of a slot that
+    was a member), so its record reports the rejoin."""
+    cfg = RecoveryConfig(store=store, poll_interval_s=0.005, heartbeat_interval_s=0.2,
+                         heartbeat_timeout_s=1.0)  # fmt: skip
+    ms = MembershipStore.connect(store)
+    coord = Coordinator(MembershipStore.connect(store), 2, cfg, log=lambda line: None)
+    coord.start()
+    try:
+        ms.set_json("layout", {"tp": 1, "pp": 1, "dp": 2})
+        for s in range(2):
+            ms.store.set(f"inc/{s}", "0")
+            ms.mark_ready(s, 0, {})
+        ms.store.set("inc/1", "1")
+        ms.mark_ready(1, 1, {})
+        ms.report_dead(1, 0, {"exit_code": -9, "t": time.time()})
+        gen = _wait_gen(ms, 1)
+        assert gen.lost == (1,) and gen.at_iteration is None
+        assert gen.members == {0: 0, 1: 1} and gen.joined == (1,)
+    finally:
+        coord.stop()
+
+
 def _wait_gen(ms: MembershipStore, number: int) -> Generation:
     deadline = time.time() + 10
     while ms.generation_number() < number:

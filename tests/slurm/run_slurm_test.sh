@@ -223,9 +223,11 @@ train = sorted(r["iteration"] for r in recs if r["type"] == "train")
 assert train == list(range(1, iters + 1)), f"iterations logged: {train}"
 rec = [r for r in recs if r["type"] == "recovery"]
 fail = [r for r in rec if r["kind"] == "failure"]
-join = [r for r in rec if r["kind"] == "rejoin"]
+# Rank 3's new process joins in a rejoin generation, or in the failure's own generation when
+# its warm standby is up before the coordinator has declared the old one dead (a race).
+join = [r for r in rec if 3 in r["ranks_joined"]]
 assert fail and 3 in fail[0]["ranks_lost"], f"no failure of rank 3 recorded: {rec}"
-assert join and 3 in join[-1]["ranks_joined"], f"no rejoin of rank 3 recorded: {rec}"
+assert join, f"no rejoin of rank 3 recorded: {rec}"
 checks = [r for r in recs if r["type"] == "dp_weight_check"]
 assert checks and all(c["identical"] for c in checks), f"DP weight-hash checks: {checks}"
 assert max(c["iteration"] for c in checks) == iters, f"no check at the last iteration: {checks}"
@@ -233,7 +235,8 @@ text = "".join(open(p, errors="replace").read() for p in logs)
 assert "healed; parameters and optimizer state identical" in text, "no heal line in the log"
 print(f"[test-slurm] example trainer: {iters} iterations each logged once; failure at iteration "
       f"{fail[0]['iteration']} (ranks lost {fail[0]['ranks_lost']}), rejoin at iteration "
-      f"{join[-1]['iteration']} (ranks {join[-1]['ranks_joined']}), healed; {len(checks)} DP "
+      f"{join[-1]['iteration']} (ranks {join[-1]['ranks_joined']}, in a {join[-1]['kind']} "
+      f"generation), healed; {len(checks)} DP "
       f"weight-hash checks identical (last at iteration {iters})")
 PYCHECK
 say "pretrain_gpt_mecefo.sbatch: PASSED"
