@@ -109,7 +109,7 @@ def exchange_parity(
                 chunks[stripe.index] = mine[stripe.pieces[stripe.data_members.index(me)]]
         words = torch.from_numpy(chunks.reshape(-1)).view(torch.int64)
         result = torch.empty(length // 8, dtype=torch.int64)
-        dist.reduce_scatter_tensor(result, words, op=dist.ReduceOp.BXOR, group=group)
+        dist.reduce_scatter_single(result, words, op=dist.ReduceOp.BXOR, group=group)
         (stripe,) = [t for t in stripes if t.parity_members == (me,)]
         out.blocks[(stripe.index, 0)] = result.view(torch.uint8).numpy()
         stripes = []
