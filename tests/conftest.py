@@ -39,6 +39,24 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_failure_cases(
+    nproc: int, cases: list, out: Path, reference: bool = False, timeout: float = 900
+) -> None:
+    """Run ``tests/takeover/failure_training_worker.py`` on ``nproc`` torchrun ranks over the
+    training ``cases`` (written to ``out``; each case's results land there too)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"cases{'_ref' if reference else ''}.json"
+    path.write_text(json.dumps(cases))
+    worker = REPO / "tests" / "takeover" / "failure_training_worker.py"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}", str(worker), "--cases", str(path), "--out", str(out),
+    ] + (["--reference"] if reference else [])  # fmt: skip
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stderr[-8000:]}")
+
+
 def run_worker(worker: Path, out: Path, layout: str, ranks: int, scenarios: list[str]) -> dict:
     """Run ``worker out layout *scenarios`` on ``ranks`` torchrun ranks; its JSON results,
     with any scenario that recorded an error reported as the failure."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List, Optional, Tuple
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,8 @@ class SnapshotManager:
         self._next = 0
         self._in_flight: Optional[int] = None  # iteration being copied
         self._in_flight_slot: Optional[Slot] = None
+        self._map: Any = None
+        self._map_of: Optional[weakref.ref] = None
         self._uncounted: Optional[int] = None  # copied locally, not yet added to the store
         self.last_committed: Optional[int] = None
         self.taken: List[int] = []
@@ -136,7 +139,7 @@ class SnapshotManager:
         tensors, meta = collect(state)
         meta["iteration"] = iteration
         if self.config.redundancy:
-            meta["dist_opt_map"] = dist_opt_map(state)
+            meta["dist_opt_map"] = self._dist_opt_map(state)
         entries, nbytes = plan_layout(tensors)
         slot = self.slots[self._next]
         slot.invalidate()
@@ -169,6 +172,15 @@ class SnapshotManager:
         if self.config.redundancy and self.parity_group is not None:
             # Before the commit: a snapshot counts only once its parity is stored.
             self._exchange_parity(self._in_flight_slot)
+
+    def _dist_opt_map(self, state: TrainingState) -> Any:
+        """:func:`dist_opt_map` of the live optimizer, computed once per optimizer (it only
+        changes when a regroup builds a new one). Held by weak reference: the old world's
+        optimizer must be freed with its process groups."""
+        cached = self._map_of() if self._map_of is not None else None
+        if cached is not state.optimizer:
+            self._map, self._map_of = dist_opt_map(state), weakref.ref(state.optimizer)
+        return self._map
 
     def _exchange_parity(self, slot: Slot) -> None:
         from megatron_mecefo.snapshot.parity import exchange_parity
@@ -257,17 +269,14 @@ class SnapshotManager:
         # Sealed snapshots first; only the one chosen is checksummed (a full read).
         mine = self.local_snapshots(verify=False)
         while True:
-            every: List[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(every, sorted(mine), group=group)
-            common = set(every[0]).intersection(*map(set, every[1:]))
-            if not common:
+            iteration, every = _newest_common(mine, group)
+            if iteration is None:
                 held = sum(1 for e in every if e)
                 self.log(
                     f"> MeCeFO snapshot: no snapshot held intact by every rank ({held} of "
                     f"{len(every)} ranks hold one); starting from --load (disk) or from scratch"
                 )
                 return None
-            iteration = max(common)
             slot, header = mine[iteration]
             ok = torch.tensor([int(crc32(slot.buffer[: header["nbytes"]]) == header["crc32"])])
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
@@ -319,12 +328,9 @@ class SnapshotManager:
 
         t0 = time.perf_counter()
         mine = self.parity_snapshots()
-        every: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, sorted(mine))
-        common = set(every[0]).intersection(*map(set, every[1:]))
-        if not common:
+        iteration, _ = _newest_common(mine, None)
+        if iteration is None:
             return None
-        iteration = max(common)
         slot = mine[iteration]
         shards = rebuild_group(slot.buffer, slot.parity, group, self.slot_id)
         t_rebuilt = time.perf_counter()
@@ -367,3 +373,14 @@ class SnapshotManager:
         every: List[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, self.slot_id, group=group)
         return [int(s) for s in every]
+
+
+def _newest_common(
+    held: Iterable[int], group: Optional[dist.ProcessGroup]
+) -> Tuple[Optional[int], List[List[int]]]:
+    """Collective over ``group``: the newest iteration that every rank holds a snapshot of
+    (None if there is none), and the iterations each rank holds."""
+    every: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, sorted(held), group=group)
+    common = set(every[0]).intersection(*map(set, every[1:]))
+    return (max(common) if common else None), every

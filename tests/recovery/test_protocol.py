@@ -3,8 +3,10 @@ decisions and the commit vote, on a real in-process TCPStore."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from typing import Iterator, Tuple
 
 import pytest
 
@@ -78,17 +80,26 @@ def test_membership_schedule_opens_and_closes_events() -> None:
     assert sched.failed_at(11) == {1} and sched.failed_at(12) == frozenset()
 
 
-def test_coordinator_failure_rejoin_and_abort(store: str) -> None:
+@contextlib.contextmanager
+def _coordinating(store: str, dp: int) -> Iterator[Tuple[MembershipStore, RecoveryConfig]]:
+    """A running coordinator over a DP-``dp`` job whose ranks (incarnation 0) are all ready."""
     cfg = RecoveryConfig(store=store, poll_interval_s=0.005, heartbeat_interval_s=0.2,
                          heartbeat_timeout_s=1.0)  # fmt: skip
     ms = MembershipStore.connect(store)
-    coord = Coordinator(MembershipStore.connect(store), 4, cfg, log=lambda line: None)
+    coord = Coordinator(MembershipStore.connect(store), dp, cfg, log=lambda line: None)
     coord.start()
     try:
-        ms.set_json("layout", {"tp": 1, "pp": 1, "dp": 4})
-        for s in range(4):
+        ms.set_json("layout", {"tp": 1, "pp": 1, "dp": dp})
+        for s in range(dp):
             ms.store.set(f"inc/{s}", "0")
             ms.mark_ready(s, 0, {})
+        yield ms, cfg
+    finally:
+        coord.stop()
+
+
+def test_coordinator_failure_rejoin_and_abort(store: str) -> None:
+    with _coordinating(store, 4) as (ms, cfg):
         ms.report_dead(1, 0, {"exit_code": -9, "t": time.time()})
         gen = _wait_gen(ms, 1)
         assert gen.replicas == (0, 2, 3) and gen.lost == (1,) and gen.at_iteration is None
@@ -103,32 +114,19 @@ def test_coordinator_failure_rejoin_and_abort(store: str) -> None:
             ms.report_dead(s, gen.members[s], {"exit_code": -9, "t": time.time()})
         gen = _wait_gen(ms, 3)
         assert gen.replicas == () and "every data-parallel replica" in gen.abort
-    finally:
-        coord.stop()
 
 
 def test_replacement_up_before_the_failure_generation_joins_it(store: str) -> None:
     """A dead rank's replacement that is ready before the coordinator publishes the failure
     joins that generation at once: it is listed as joined (a new incarnation of a slot that
     was a member), so its record reports the rejoin."""
-    cfg = RecoveryConfig(store=store, poll_interval_s=0.005, heartbeat_interval_s=0.2,
-                         heartbeat_timeout_s=1.0)  # fmt: skip
-    ms = MembershipStore.connect(store)
-    coord = Coordinator(MembershipStore.connect(store), 2, cfg, log=lambda line: None)
-    coord.start()
-    try:
-        ms.set_json("layout", {"tp": 1, "pp": 1, "dp": 2})
-        for s in range(2):
-            ms.store.set(f"inc/{s}", "0")
-            ms.mark_ready(s, 0, {})
+    with _coordinating(store, 2) as (ms, _):
         ms.store.set("inc/1", "1")
         ms.mark_ready(1, 1, {})
         ms.report_dead(1, 0, {"exit_code": -9, "t": time.time()})
         gen = _wait_gen(ms, 1)
         assert gen.lost == (1,) and gen.at_iteration is None
         assert gen.members == {0: 0, 1: 1} and gen.joined == (1,)
-    finally:
-        coord.stop()
 
 
 def _wait_gen(ms: MembershipStore, number: int) -> Generation:

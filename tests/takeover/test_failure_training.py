@@ -18,22 +18,18 @@ both modes.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
-from conftest import REPO, child_env, free_port
+from conftest import run_failure_cases
 
 from megatron_mecefo.takeover.data_remap import GlobalBatchLayout
 from megatron_mecefo.takeover.failure_schedule import FailureSchedule
 from megatron_mecefo.takeover.policies import POLICIES, build_policy
 
-WORKER = REPO / "tests" / "takeover" / "failure_training_worker.py"
 GBS, MBS, ITERS = 16, 2, 4
 FAIL = ["1:1:3"]  # replica 1 down for iterations 1 and 2, back at 3
 
@@ -102,28 +98,15 @@ def _cases(layout: str, data: str) -> List[Dict[str, Any]]:
     return cases
 
 
-def _launch(nproc: int, cases: List[Dict[str, Any]], out: Path, reference: bool = False) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cases{'_ref' if reference else ''}.json"
-    path.write_text(json.dumps(cases))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}", str(WORKER), "--cases", str(path), "--out", str(out),
-    ] + (["--reference"] if reference else [])  # fmt: skip
-    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stderr[-8000:]}")
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, text_data: str) -> Dict[str, Any]:
     out = tmp_path_factory.mktemp("failures")
     for layout, (nproc, _) in LAYOUTS.items():
-        _launch(nproc, _cases(layout, text_data), out)
+        run_failure_cases(nproc, _cases(layout, text_data), out)
     ref = [{"name": "reference", "argv": MODEL + ["--data-path", text_data, "--train-iters",
             str(ITERS)] + MECEFO
             + ["--mecefo-policy", "drop"], "dump_iteration": 1}]  # fmt: skip
-    _launch(1, ref, out, reference=True)
+    run_failure_cases(1, ref, out, reference=True)
     return {"out": out, "data": text_data}
 
 

@@ -21,18 +21,14 @@ rounds once; each V is an eigendecomposition of weights that then differ in the 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 import torch
-from conftest import REPO, child_env, free_port
+from conftest import run_failure_cases
 
-WORKER = REPO / "tests" / "takeover" / "failure_training_worker.py"
 GBS, MBS, ITERS, DP = 16, 2, 6, 4
 
 MODEL = [
@@ -62,19 +58,6 @@ PARAM_ATOL = 1e-5
 """Parameters after the last iteration, absolute."""
 
 
-def _launch(nproc: int, cases: List[Dict[str, Any]], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "cases.json"
-    path.write_text(json.dumps(cases))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}", str(WORKER), "--cases", str(path), "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stderr[-8000:]}")
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, text_data: str) -> Dict[str, Path]:
     out = tmp_path_factory.mktemp("virtual")
@@ -94,7 +77,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, text_data: str) -> Dict[str, 
             }
             for policy, (fails, dump) in CASES.items()
         ]
-        _launch(nproc, cases, out / kind)
+        run_failure_cases(nproc, cases, out / kind, timeout=600)
     return {"real": out / "real", "virtual": out / "virtual"}
 
 
