@@ -54,7 +54,7 @@ MODEL = [
     "--mecefo", "--mecefo-rank", "16",
 ]  # fmt: skip
 SUPERVISOR_TIMEOUTS = [
-    "--heartbeat-interval", "0.5", "--heartbeat-timeout", "10",
+    "--heartbeat-interval", "1", "--heartbeat-timeout", "10",
     "--collective-timeout", "30", "--init-timeout", "60",
 ]  # fmt: skip
 
@@ -178,7 +178,17 @@ def _launch(out: Path, name: str, supervised: bool, args: List[str]) -> tuple:
     return cpu, metrics, records
 
 
-def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
+def _model(hidden: int, seq: int) -> List[str]:
+    """:data:`MODEL` with another hidden size and sequence length."""
+    args = list(MODEL)
+    args[args.index("--hidden-size") + 1] = str(hidden)
+    args[args.index("--seq-length") + 1] = str(seq)
+    return args
+
+
+def overhead(
+    out: Path, repeats: int, iters: int, data: str, hidden: int = 64, seq: int = 64
+) -> Dict[str, Any]:
     """Plain torchrun vs the armed supervisor, no failure, DP4, alternated ``repeats`` times.
 
     CPU time is the robust measure on shared cores (a rank waiting in gloo or in the store
@@ -188,27 +198,30 @@ def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
     difference in iterations, is its CPU cost per iteration, start-up cancelled out. The
     mean step time of the long runs (after 5 warm-up iterations) is reported beside it.
     """
-    args = [*MODEL, "--data-path", data]
+    args = [*_model(hidden, seq), "--data-path", data]
     cpu: Dict[str, List[float]] = {"plain": [], "supervised": []}
     wall: Dict[str, List[float]] = {"plain": [], "supervised": []}
     armed: List[Dict[str, Any]] = []
     armed_short: List[Dict[str, Any]] = []
+    sup: List[Dict[str, Any]] = []
     for i in range(repeats):
         for kind in ("plain", "supervised"):
-            sup = kind == "supervised"
-            short, _, short_records = _launch(out, f"overhead_{kind}_{i}_short", sup,
+            armed_run = kind == "supervised"
+            short, _, short_records = _launch(out, f"overhead_{kind}_{i}_short", armed_run,
                                               args + ["--train-iters", str(iters)])  # fmt: skip
-            long, metrics, records = _launch(out, f"overhead_{kind}_{i}_long", sup,
+            long, metrics, records = _launch(out, f"overhead_{kind}_{i}_long", armed_run,
                                              args + ["--train-iters", str(4 * iters)])  # fmt: skip
             cpu[kind].append((long - short) / (3 * iters))
             wall[kind].append(step_time(metrics))
-            if sup:
+            if armed_run:
                 armed += _armed_records(records, i)
                 armed_short += _armed_records(short_records, i)
+                sup += _armed_records(records, i, "supervisor_cost")
     med = {k: statistics.median(v) for k, v in cpu.items()}
     pairs = [100 * (s / p - 1) for p, s in zip(cpu["plain"], cpu["supervised"], strict=True)]
     return {
-        "layout": "dp4", "iterations": [iters, 4 * iters], "repeats": repeats,
+        "layout": "dp4", "hidden_size": hidden, "seq_length": seq,
+        "iterations": [iters, 4 * iters], "repeats": repeats,
         "cpu_per_iteration_s": cpu, "step_time_s": wall,
         "plain_cpu_median_s": med["plain"], "supervised_cpu_median_s": med["supervised"],
         "overhead_cpu_pct": 100 * (med["supervised"] / med["plain"] - 1),
@@ -221,32 +234,46 @@ def overhead(out: Path, repeats: int, iters: int, data: str) -> Dict[str, Any]:
         * (max(wall["plain"]) - min(wall["plain"]))
         / statistics.median(wall["plain"]),
         "vote_line": _vote_line(out, repeats),
-        "accounting": armed_accounting(armed, statistics.median(wall["plain"]), armed_short),
+        "accounting": armed_accounting(
+            armed, statistics.median(wall["plain"]), armed_short,
+            supervisor=sup, plain_cpu_s=med["plain"],
+        ),
     }  # fmt: skip
 
 
-def _armed_records(records: Path, repeat: int) -> List[Dict[str, Any]]:
-    """The ranks' ``armed_cost`` records of one supervised run, tagged with its repeat."""
+def _armed_records(records: Path, repeat: int, kind: str = "armed_cost") -> List[Dict[str, Any]]:
+    """The ``kind`` records of one supervised run (the ranks' ``armed_cost``, the supervisor's
+    ``supervisor_cost``), tagged with its repeat."""
     return [dict(json.loads(ln), repeat=repeat) for ln in records.read_text().splitlines()
-            if '"armed_cost"' in ln]  # fmt: skip
+            if f'"{kind}"' in ln]  # fmt: skip
 
 
 def armed_accounting(
-    ranks: List[Dict[str, Any]], plain_step_s: float, short: Optional[List[Dict[str, Any]]] = None
+    ranks: List[Dict[str, Any]],
+    plain_step_s: float,
+    short: Optional[List[Dict[str, Any]]] = None,
+    supervisor: Optional[List[Dict[str, Any]]] = None,
+    plain_cpu_s: Optional[float] = None,
 ) -> Dict[str, Any]:
-    """The armed supervisor's own cost per iteration, summed from what it does, against the
-    plain launcher's step time (a direct account, immune to the A/B noise of shared cores).
+    """The armed supervisor's own cost per iteration, summed from what it does (a direct
+    account, immune to the A/B noise of shared cores), in two parts:
 
-    Per iteration: the commit vote as the member that completes it waits for it (it never
-    waits for a peer, so this is what is left of the store round trips after they overlap the
-    optimizer's gradient preparation; the other members wait for the slowest one's gradient
-    sync, which without the vote they would wait for at the next collective), the boundary
-    hooks (RNG/counter snapshot, progress key, generation check), and the CPU of the
-    heartbeat, watchdog and vote threads per iteration: the difference between the long and the
-    short run of the same repeat and rank over the difference in iterations (the threads'
-    start-up, connecting their store clients, cancels out), or, without the short runs, their
-    CPU over the iterations. The worst rank's hooks and threads are counted. The round trips
-    themselves (before the overlap) are reported beside.
+    * **On the training thread** (what a GPU node with spare host cores pays), against the
+      plain launcher's step time: the commit vote as the member that completes it waits for
+      it (it never waits for a peer, so this is what is left of the store round trips after
+      they overlap the optimizer's gradient preparation; the other members wait for the
+      slowest one's gradient sync, which without the vote they would wait for at the next
+      collective), and the worst rank's boundary hooks (RNG/counter snapshot, generation
+      check).
+    * **CPU beside it** (what this machine pays, where the ranks share 2 cores with it),
+      against the plain run's CPU per iteration (ranks and launcher): the heartbeat,
+      watchdog and vote threads of every rank (the difference between the long and the short
+      run of a repeat over the difference in iterations, so start-up cancels out), and the
+      supervisor process (its loop, the coordinator and the store's server thread: its CPU
+      from iteration 5 to the end of the long runs, per iteration).
+
+    ``armed_pct`` is the sum of the two shares. The round trips themselves (before the
+    overlap) are reported beside.
     """
     if not ranks:
         return {}
@@ -254,18 +281,30 @@ def armed_accounting(
     protocol = sorted(v for r in ranks for v in r.get("vote_protocol_s", [])[5:])
     vote = statistics.median(votes)
     hooks = max(statistics.median(r["hooks_s"][5:]) for r in ranks)
-    threads = max(r["thread_cpu_s"] / max(r["iterations"], 1) for r in ranks)
     first = {(r.get("repeat"), r["slot"]): r for r in short or []}
     per_rank: Dict[int, List[float]] = {}
+    per_repeat: Dict[Any, float] = {}
     for r in ranks:
         s = first.get((r.get("repeat"), r["slot"]))
         if s is not None and r["iterations"] > s["iterations"]:
-            per_rank.setdefault(r["slot"], []).append(
-                (r["thread_cpu_s"] - s["thread_cpu_s"]) / (r["iterations"] - s["iterations"])
-            )
+            d = (r["thread_cpu_s"] - s["thread_cpu_s"]) / (r["iterations"] - s["iterations"])
+            per_rank.setdefault(r["slot"], []).append(d)
+            per_repeat[r.get("repeat")] = per_repeat.get(r.get("repeat"), 0.0) + d
     if per_rank:
         threads = max(statistics.median(v) for v in per_rank.values())
-    total = vote + hooks + threads
+        threads_all = statistics.median(per_repeat.values())
+    else:  # without the short runs: the threads' CPU over the iterations
+        per = [r["thread_cpu_s"] / max(r["iterations"], 1) for r in ranks]
+        threads, threads_all = max(per), sum(per) / len({r.get("repeat") for r in ranks})
+    sup_cpu = None
+    if supervisor:  # its CPU from iteration 5 to the end, per iteration (start-up left out)
+        steady = [r["steady"] for r in supervisor if r.get("steady", {}).get("iterations")]
+        if steady:
+            sup_cpu = statistics.median(d["cpu_s"] / d["iterations"] for d in steady)
+    critical = vote + hooks
+    beside = threads_all + (sup_cpu or 0.0)
+    critical_pct = 100 * critical / plain_step_s
+    cpu_pct = 100 * beside / plain_cpu_s if plain_cpu_s else None
     return {
         "ranks": len(ranks),
         "vote_wait_s": {"p50": vote, "p90": votes[int(0.9 * (len(votes) - 1))]},
@@ -277,9 +316,13 @@ def armed_accounting(
         "vote_with_wait_p50_s": statistics.median(v for r in ranks for v in r["vote_s"][5:]),
         "hooks_p50_s": hooks,
         "thread_cpu_per_iteration_s": threads,
-        "armed_per_iteration_s": total,
+        "thread_cpu_all_ranks_per_iteration_s": threads_all,
+        "supervisor_cpu_per_iteration_s": sup_cpu,
         "plain_step_s": plain_step_s,
-        "armed_pct_of_step": 100 * total / plain_step_s,
+        "plain_cpu_per_iteration_s": plain_cpu_s,
+        "critical_path_pct_of_step": critical_pct,
+        "cpu_pct_of_plain_cpu": cpu_pct,
+        "armed_pct": critical_pct + (cpu_pct or 0.0),
     }
 
 
@@ -336,6 +379,18 @@ def main() -> None:
     )
     p.add_argument("--overhead-repeats", type=int, default=3)
     p.add_argument("--overhead-iters", type=int, default=40)
+    p.add_argument(
+        "--overhead-hidden",
+        type=int,
+        default=64,
+        help="hidden size of the armed-cost runs (the kill runs use 64)",
+    )
+    p.add_argument(
+        "--overhead-seq",
+        type=int,
+        default=64,
+        help="sequence length of the armed-cost runs (the kill runs use 64)",
+    )
     p.add_argument("--data-path", default=str(REPO / "data" / "stdlib_text_document"))
     p.add_argument("--output", default=str(REPO / "results" / "recovery_latency.json"))
     p.add_argument("--workdir", default=str(REPO / "results" / "recovery_latency"))
@@ -353,7 +408,8 @@ def main() -> None:
                   f"{s['total_s'].get('max')} s; rejoin p50 {s['rejoin_s'].get('p50')} s "
                   f"(rc {run['rc']}, {run['wall_s']} s)", flush=True)  # fmt: skip
     over = (
-        overhead(out, a.overhead_repeats, a.overhead_iters, a.data_path)
+        overhead(out, a.overhead_repeats, a.overhead_iters, a.data_path, a.overhead_hidden,
+                 a.overhead_seq)  # fmt: skip
         if a.overhead_repeats
         else None
     )
@@ -372,7 +428,8 @@ def main() -> None:
     Path(a.output).write_text(json.dumps(result, indent=1))
     if over:
         print(
-            "armed supervisor, no failure (DP4): CPU per iteration "
+            f"armed supervisor, no failure (DP4, hidden {a.overhead_hidden}, seq "
+            f"{a.overhead_seq}): CPU per iteration "
             f"{over['plain_cpu_median_s']:.4f}"
             f" s plain vs {over['supervised_cpu_median_s']:.4f} s supervised "
             f"({over['overhead_cpu_pct']:+.2f}%; pairs "
@@ -382,12 +439,17 @@ def main() -> None:
         acc = over["accounting"]
         vote_ms, hooks_ms = 1e3 * acc["vote_wait_s"]["p50"], 1e3 * acc["hooks_p50_s"]
         trips_ms = 1e3 * acc["vote_round_trips_s"].get("p50", float("nan"))
-        threads_ms = 1e3 * acc["thread_cpu_per_iteration_s"]
+        threads_ms = 1e3 * acc["thread_cpu_all_ranks_per_iteration_s"]
+        sup_ms = 1e3 * (acc["supervisor_cpu_per_iteration_s"] or float("nan"))
         print(
-            f"armed supervisor, accounted per iteration: vote {vote_ms:.2f} ms (round trips "
-            f"{trips_ms:.2f} ms, overlapped) + hooks "
-            f"{hooks_ms:.2f} ms + threads {threads_ms:.2f} ms = {acc['armed_pct_of_step']:.2f}%"
-            f" of the {1e3 * acc['plain_step_s']:.0f} ms step"
+            f"armed supervisor, accounted per iteration: on the training thread vote "
+            f"{vote_ms:.2f} ms (round trips {trips_ms:.2f} ms, overlapped) + hooks "
+            f"{hooks_ms:.2f} ms = {acc['critical_path_pct_of_step']:.2f}% of the "
+            f"{1e3 * acc['plain_step_s']:.0f} ms step; CPU beside it: threads of all ranks "
+            f"{threads_ms:.2f} ms + supervisor process {sup_ms:.2f} ms = "
+            f"{acc['cpu_pct_of_plain_cpu']:.2f}% of the plain run's "
+            f"{1e3 * acc['plain_cpu_per_iteration_s']:.0f} ms CPU; armed cost "
+            f"{acc['armed_pct']:.2f}%"
         )
     print(f"recovery_latency: wrote {a.output}")
 

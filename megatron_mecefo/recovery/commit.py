@@ -108,15 +108,24 @@ class AsyncVoter:
         # A daemon thread: a vote still waiting when the process exits must not hold it up.
         threading.Thread(target=self._run, name="mecefo-vote", daemon=True).start()
 
-    def start(self, generation: int, iteration: int, slot: int, members: Sequence[int]) -> Future:
-        """Queue a vote; the future gives ``(commit, completed_the_count, seconds)``."""
+    def start(
+        self,
+        generation: int,
+        iteration: int,
+        slot: int,
+        members: Sequence[int],
+        report_progress: bool = False,
+    ) -> Future:
+        """Queue a vote; the future gives ``(commit, completed_the_count, seconds)``. With
+        ``report_progress``, a commit also sets the store's ``progress`` key to ``iteration``
+        (the coordinator schedules rejoins from it), off the training thread."""
         future: Future = Future()
-        self._jobs.put((future, (generation, iteration, slot, list(members))))
+        self._jobs.put((future, (generation, iteration, slot, list(members), report_progress)))
         return future
 
     def _run(self) -> None:
         while True:
-            future, (generation, iteration, slot, members) = self._jobs.get()
+            future, (generation, iteration, slot, members, progress) = self._jobs.get()
             try:
                 if self._ms is None:
                     self._ms = MembershipStore.connect(self.address)
@@ -126,6 +135,8 @@ class AsyncVoter:
                     self._ms, generation, iteration, slot, members, self.poll_interval_s, outcome
                 )
                 future.set_result((ok, outcome["last"], time.perf_counter() - t0))
+                if ok and progress:
+                    self._ms.store.set("progress", str(iteration))
             except BaseException as err:  # noqa: BLE001 (the training thread re-raises it)
                 future.set_exception(err)
             self.cpu_s = time.thread_time()

@@ -77,8 +77,12 @@ class Coordinator:
             self.thread.join(timeout=5)
 
     def _run(self) -> None:
-        # Cheap when nothing happens (one store round trip per poll: the events counter), so
-        # the store's server thread takes little CPU from the ranks.
+        # Idle when nothing happens: between heartbeat checks it waits in the store for the
+        # next event's key (a client of its own: a waiting client holds its lock), so it
+        # neither polls nor takes the store's server thread from the ranks. Only while a
+        # decision is pending (an error waiting for its timeout, a rejoin for progress) does it
+        # poll every ``poll_interval_s``.
+        waiter = MembershipStore.connect(self.cfg.store) if self.cfg.store else None
         last_events = -1
         last_hb = 0.0
         while not self._stop.is_set():
@@ -99,11 +103,15 @@ class Coordinator:
                     self._decide()
                 if self.gen is not None and self.gen.abort:
                     return
+                if self._pending or waiter is None:
+                    time.sleep(self.cfg.poll_interval_s)
+                else:
+                    until_hb = last_hb + self.cfg.heartbeat_interval_s - time.monotonic()
+                    waiter.wait_event_after(last_events, until_hb)
             except Exception as err:  # the store went away: the job is over
                 if not self._stop.is_set():
                     self.log(f"[coordinator] stopped: {err}")
                 return
-            time.sleep(self.cfg.poll_interval_s)
 
     # ------------------------------------------------------------------ observation
     def layout(self) -> Optional[JobLayout]:
@@ -131,9 +139,9 @@ class Coordinator:
         """A ready process whose heartbeat has not moved for the timeout is killed (by its
         supervisor); if nobody confirms the death within another timeout (its supervisor is
         gone too), the coordinator declares it dead itself."""
-        for key in sorted(self.ready - self.dead):
+        keys = sorted(self.ready - self.dead)
+        for key, count in zip(keys, self.ms.heartbeats(keys), strict=True):
             slot, inc = key
-            count = self.ms.heartbeats([key])[0]
             seen = self._hb.get(key)
             if seen is None or seen[0] != count:
                 self._hb[key] = (count, now)
@@ -144,7 +152,7 @@ class Coordinator:
             if key not in self._kill_requested:
                 self._kill_requested[key] = now
                 self.ms.set_json(f"kill/{slot}/{inc}", {"reason": "heartbeat", "silent_s": silent})
-                self.ms.store.add("events", 1)
+                self.ms.notify()
                 self.log(
                     f"[coordinator] rank {slot} (incarnation {inc}): no heartbeat for "
                     f"{silent:.1f} s; asking its supervisor to SIGKILL it"

@@ -135,6 +135,7 @@ class MembershipStore:
 
     def __init__(self, store: Any) -> None:
         self.store = store
+        self._counters: set = set()  # heartbeat keys known to exist (read in one multi_get)
 
     @staticmethod
     def connect(address: str, timeout_s: float = 60.0) -> MembershipStore:
@@ -172,17 +173,27 @@ class MembershipStore:
         """Block until generation ``number + 1`` is published or ``timeout_s`` passes; the
         store wakes the caller when the key appears (no polling). Holds this client's lock
         while it waits: use a client of its own."""
+        self._wait_for(f"gen/{number + 1}", timeout_s)
+
+    def _wait_for(self, key: str, timeout_s: float) -> None:
         from torch.distributed import DistStoreError
 
         try:
-            self.store.wait([f"gen/{number + 1}"], timedelta(seconds=timeout_s))
+            self.store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
         except DistStoreError:
             pass
 
     def publish(self, gen: Generation) -> None:
-        """Write ``gen`` and make it current (the coordinator only)."""
+        """Write ``gen`` and make it current (the coordinator only); an event, so that the
+        supervisors, which look at the store only when the event count moves, see it."""
         self.store.set(f"gen/{gen.number}", gen.to_json())
         self.store.set("gen", str(gen.number))
+        self.notify()
+
+    def set_fatal(self, message: str) -> None:
+        """Stop the job with ``message`` (every rank and supervisor exits); an event."""
+        self.store.set("fatal", message)
+        self.notify()
 
     def unformed_failures(self, number: int) -> List[Generation]:
         """The failure generations just below ``number`` whose world never formed (not every
@@ -205,26 +216,46 @@ class MembershipStore:
     # -------------------------------------------------------------- processes
     def report_dead(self, slot: int, inc: int, info: Dict[str, Any]) -> None:
         self.set_json(f"dead/{slot}/{inc}", info)
-        self.store.add("events", 1)
+        self.notify()
 
     def dead_info(self, slot: int, inc: int) -> Optional[Dict[str, Any]]:
         return self.get_json(f"dead/{slot}/{inc}")
 
     def mark_ready(self, slot: int, inc: int, info: Dict[str, Any]) -> None:
         self.set_json(f"ready/{slot}/{inc}", info)
-        self.store.add("events", 1)
+        self.notify()
 
     def heartbeat(self, slot: int, inc: int) -> int:
         return int(self.store.add(f"hb/{slot}/{inc}", 1))
 
     def heartbeats(self, keys: Sequence[Tuple[int, int]]) -> List[int]:
+        """The heartbeat counts of ``(slot, inc)`` processes, in one round trip once each
+        counter exists (``multi_get`` would wait for a missing key: a new one is created at 0
+        by an ``add`` of 0 first)."""
         if not keys:
             return []
-        return [int(self.store.add(f"hb/{s}/{i}", 0)) for s, i in keys]
+        names = [f"hb/{s}/{i}" for s, i in keys]
+        for name in names:
+            if name not in self._counters:
+                self.store.add(name, 0)
+                self._counters.add(name)
+        return [int(v) for v in self.store.multi_get(names)]
 
     def report_error(self, gen: int, slot: int, message: str) -> None:
         self.set_json(f"err/{gen}/{slot}", {"t": time.time(), "error": message[:500]})
-        self.store.add("events", 1)
+        self.notify()
 
     def events(self) -> int:
+        """How many events (a death, a ready process, an error, a kill request) so far."""
         return int(self.store.add("events", 0))
+
+    def notify(self) -> None:
+        """Count an event, then publish its key ``event/<count>``, which wakes a coordinator
+        waiting in :meth:`wait_event_after` (no polling while nothing happens)."""
+        self.store.set(f"event/{int(self.store.add('events', 1))}", "")
+
+    def wait_event_after(self, number: int, timeout_s: float) -> None:
+        """Block until event ``number + 1`` is published or ``timeout_s`` passes (a writer
+        killed between counting and publishing costs the waiter one timeout). Holds this
+        client's lock while it waits: use a client of its own."""
+        self._wait_for(f"event/{number + 1}", timeout_s)

@@ -9,11 +9,12 @@ from the previous world (or heals a joiner from a data-parallel peer), agreed on
 all-gather of (valid, iteration) over the new world, and hooks the trainer:
 
 * kill injection at each phase (``--mecefo-kill``);
-* the commit vote before every optimizer step (:mod:`.commit`);
+* the commit vote before every optimizer step (:mod:`.commit`; rank 0's also sets the progress
+  key);
 * DDP's pre-reduction scale fixed to ``1/n`` of the *original* replica count, so with
   ``n - k`` members the re-weighted gradient equals the simulated-failure one;
-* at every iteration boundary: a snapshot of RNG and counters, the progress key, and a look at
-  the generation (a planned rejoin switches here).
+* at every iteration boundary: a snapshot of RNG and counters and a look at the generation (a
+  planned rejoin switches here).
 
 A collective error or an aborted vote ends the generation: the rank exports its state at the
 last committed boundary, drops every reference to the old groups (:mod:`.abort`), and waits for
@@ -169,7 +170,7 @@ class RecoverySession:
 
     def fatal(self, message: str) -> None:
         """End the job with one message (every rank: the store's ``fatal`` key)."""
-        self.ms.store.set("fatal", message)
+        self.ms.set_fatal(message)
         if self.rank <= 0:
             print(f"> MeCeFO recovery: error: {message}", flush=True)
         raise RecoveryAbort(3)
@@ -457,7 +458,9 @@ class RecoverySession:
             # The vote runs while the optimizer prepares the gradients (main grads, norm,
             # clipping: nothing a redo needs); the update itself waits for the decision.
             iteration, gen = trainer.iteration + 1, session.gen
-            future = session.voter.start(gen.number, iteration, session.slot, gen.members)
+            future = session.voter.start(
+                gen.number, iteration, session.slot, gen.members, report_progress=session.rank == 0
+            )
             pending["vote"] = (future, iteration)
             try:
                 result = optimizer_step(*a, **k)
@@ -479,11 +482,10 @@ class RecoverySession:
         optimizer.step, optimizer.step_with_ready_grads = step_after_commit, update_after_commit
 
     def committed(self, trainer: Any) -> None:
-        """Right after a committed iteration: snapshot, progress, the pending record."""
+        """Right after a committed iteration: snapshot and the pending record (rank 0's vote
+        worker has set the progress key at the commit)."""
         t0 = time.perf_counter()
         self.boundary = boundary_snapshot(trainer)
-        if self.rank == 0:
-            self.ms.store.set("progress", str(trainer.iteration))
         self.hooks_s.append(time.perf_counter() - t0)
         self.iterations_run += 1
         if self.record_pending:
@@ -596,6 +598,11 @@ class RecoverySession:
             "vote_protocol_s": list(self.vote_protocol_s),
             "hooks_s": list(self.hooks_s),
             "thread_cpu_s": self.heartbeat.cpu_s + watchdog_cpu + self.voter.cpu_s,
+            "thread_cpu_split_s": {
+                "heartbeat": self.heartbeat.cpu_s,
+                "watchdog": watchdog_cpu,
+                "vote": self.voter.cpu_s,
+            },
             "process_cpu_s": time.process_time(),
             "step_time_s": steps,
         }
@@ -723,7 +730,7 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
         if outcome == "failed" and args.use_distributed_optimizer and session.valid:
             snaps = session.snapshots
             if snaps is None or not snaps.config.redundancy or not snaps.parity_snapshots():
-                session.ms.store.set("fatal", DIST_OPT_MESSAGE)
+                session.ms.set_fatal(DIST_OPT_MESSAGE)
                 print(f"> MeCeFO recovery: error: {DIST_OPT_MESSAGE}", flush=True)
                 raise RecoveryAbort(3)
             # The next world rebuilds the lost shards from the snapshots' parity.

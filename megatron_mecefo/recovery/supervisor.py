@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import resource
+import selectors
 import signal
 import subprocess
 import sys
@@ -34,7 +36,11 @@ from datetime import timedelta
 from typing import Dict, List, Optional
 
 from megatron_mecefo.recovery.config import ENV, RecoveryConfig, RecoveryConfigError
+from megatron_mecefo.recovery.records import append_jsonl
 from megatron_mecefo.recovery.replacement import build_replacement
+
+_QUIET_CPP_LOG = False
+"""Whether :func:`main` set ``TORCH_CPP_LOG_LEVEL`` for this process (not for its ranks)."""
 
 
 @dataclass
@@ -45,6 +51,37 @@ class Child:
     inc: int
     proc: subprocess.Popen
     started: float
+
+
+class ExitWatch:
+    """Sleeps until a child process exits or a timeout passes, on Linux pidfds (no polling:
+    the supervisor wakes a few times a second instead of a hundred, and its CPU is taken from
+    the ranks on a shared node). Without pidfds (an old kernel) it sleeps in short steps."""
+
+    def __init__(self, poll_s: float) -> None:
+        self.poll_s = poll_s
+        self.selector = selectors.DefaultSelector()
+        self.fds: Dict[int, int] = {}
+
+    def add(self, pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return  # polled instead
+        self.fds[pid] = fd
+        self.selector.register(fd, selectors.EVENT_READ, pid)
+
+    def discard(self, pid: int) -> None:
+        fd = self.fds.pop(pid, None)
+        if fd is not None:
+            self.selector.unregister(fd)
+            os.close(fd)
+
+    def wait(self, timeout_s: float, pids: List[int]) -> None:
+        """Return when one of ``pids`` has exited (readable pidfd) or after ``timeout_s``."""
+        if any(pid not in self.fds for pid in pids):
+            timeout_s = min(timeout_s, self.poll_s)
+        self.selector.select(max(timeout_s, 0.0))
 
 
 def _die_with_parent() -> None:
@@ -123,6 +160,10 @@ class Supervisor:
         self.killed: Dict[tuple, float] = {}
         self.standby: List[Child] = []
         self._standby_count = 0
+        self.exits = ExitWatch(config.poll_interval_s)
+        self._generation: Optional[tuple] = None  # (number, its abort reason)
+        self._events_seen = -1
+        self._steady: Optional[tuple] = None  # (CPU seconds, iteration) once training runs
 
     def log(self, line: str) -> None:
         print(f"[supervisor node {self.node}] {line}", flush=True)
@@ -206,6 +247,8 @@ class Supervisor:
 
     def _start(self, slot: int, inc: int, standby: Optional[int] = None) -> subprocess.Popen:
         env = dict(os.environ)
+        if _QUIET_CPP_LOG:
+            del env["TORCH_CPP_LOG_LEVEL"]
         env.update(
             RANK=str(slot),
             WORLD_SIZE=str(self.world_size),
@@ -226,6 +269,7 @@ class Supervisor:
         proc = subprocess.Popen(
             [sys.executable, *self.command], env=env, preexec_fn=_die_with_parent
         )
+        self.exits.add(proc.pid)
         self._log_pid(slot if standby is None else -1 - standby, inc, proc.pid)
         if standby is None:
             self.children[slot] = Child(slot, inc, proc, time.time())
@@ -238,6 +282,7 @@ class Supervisor:
             if code is None:
                 continue
             del self.children[slot]
+            self.exits.discard(child.proc.pid)
             # What the rank left in its process group (e.g. the multiprocessing helpers of a
             # checkpoint save: a supervised rank ends with os._exit, before their finalizers)
             # would hold the launcher's stdout open: Slurm's srun step would never end.
@@ -259,8 +304,7 @@ class Supervisor:
             why = info["signal"] or f"exit code {code}"
             if self.ms.get_str("layout") is None and self.ms.get_str("fatal") is None:
                 # No rank runs megatron_mecefo.recovery.session: nothing can regroup.
-                self.ms.store.set(
-                    "fatal",
+                self.ms.set_fatal(
                     f"rank {slot} (pid {child.proc.pid}) died: {why}. This trainer does not "
                     "run MeCeFO's in-process recovery (megatron_mecefo.recovery.session; "
                     "Megatron-LM's pretrain_gpt.py does not), so every rank is stopped now "
@@ -317,10 +361,12 @@ class Supervisor:
         number = self.ms.generation_number()
         if number < 0:
             return None
-        gen = self.ms.generation(number)
-        return gen.abort
+        if self._generation is None or self._generation[0] != number:  # published once
+            self._generation = (number, self.ms.generation(number).abort)
+        return self._generation[1]
 
     def run(self) -> int:
+        self.t_start = time.monotonic()
         self.open_store()
         self.command = self.args.command
         if self.args.rejoin:
@@ -342,14 +388,21 @@ class Supervisor:
                     self.spawn(item[1], item[2])
                 if now - last_kill_check > self.cfg.heartbeat_interval_s / 2:
                     last_kill_check = now
-                    self._kill_requests()
-                    abort = self._abort()
-                    if abort:
-                        self.log(f"training aborted: {abort}")
-                        return 1
+                    self._note_steady_cpu()
+                    # Kill requests, new generations and a fatal error are events: one round
+                    # trip when nothing happened.
+                    events = self.ms.events()
+                    if events != self._events_seen:
+                        self._events_seen = events
+                        self._kill_requests()
+                        abort = self._abort()
+                        if abort:
+                            self.log(f"training aborted: {abort}")
+                            return 1
                 for child in list(self.standby):
                     if child.proc.poll() is not None:  # a standby that died: start another
                         self.standby.remove(child)
+                        self.exits.discard(child.proc.pid)
                         self.spawn_standby()
                 if not self.children and not self.pending:
                     if self.ms.get_str("done") is not None:
@@ -367,7 +420,12 @@ class Supervisor:
                         time.sleep(0.05)
                     self.log("every rank of this node has exited and training is not done")
                     return 1
-                time.sleep(0.01)
+                # Until a child exits, the next replacement is due or the next store check.
+                now = time.monotonic()
+                wake = last_kill_check + self.cfg.heartbeat_interval_s / 2
+                wake = min([wake, *(p[0] for p in self.pending)]) - now
+                pids = [c.proc.pid for c in [*self.children.values(), *self.standby]]
+                self.exits.wait(wake, pids)
         finally:
             everyone = list(self.children.values()) + self.standby
             for child in everyone:
@@ -376,6 +434,27 @@ class Supervisor:
                 child.proc.wait()
             if self.coordinator is not None:
                 self.coordinator.stop()
+            self._record_cost()
+
+    def _note_steady_cpu(self) -> None:
+        """Once training is past its first iterations (imports, connecting, compiling), note
+        this process's CPU and the iteration, so :meth:`_record_cost` can give the CPU of the
+        armed supervisor per iteration without its start-up."""
+        if self._steady is None and self.cfg.records_file:
+            progress = int(self.ms.get_str("progress") or 0)
+            if progress >= STEADY_FROM_ITERATION:
+                self._steady = (_cpu_s(), progress)
+
+    def _record_cost(self) -> None:
+        """The supervisor's own CPU (its loop, the coordinator and, on node 0, the store's
+        server thread), for the armed-cost account of ``benchmarks/recovery_latency.py``."""
+        record = {"type": "supervisor_cost", "node": self.node, "cpu_s": _cpu_s(),
+                  "wall_s": time.monotonic() - self.t_start}  # fmt: skip
+        if self._steady is not None:
+            last = int(self.ms.get_str("progress") or 0)
+            record["steady"] = {"cpu_s": record["cpu_s"] - self._steady[0],
+                                "iterations": last - self._steady[1]}  # fmt: skip
+        append_jsonl(self.cfg.records_file, record)
 
     def _finish_node(self) -> int:
         """Every rank of this node finished; node 0 keeps the store up for the others."""
@@ -387,6 +466,15 @@ class Supervisor:
                     break
                 time.sleep(0.05)
         return 0
+
+
+STEADY_FROM_ITERATION = 5
+"""The armed-cost account leaves out the iterations before this one (start-up)."""
+
+
+def _cpu_s() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 def _kill(pid: int) -> None:
@@ -445,6 +533,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    global _QUIET_CPP_LOG
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ:
+        # The supervisor uses torch for the store alone. Its coordinator waits in the store
+        # between heartbeat checks, and c10 logs two warnings at each wait that times out
+        # (twice a second). Its ranks keep the user's setting (Supervisor._start).
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        _QUIET_CPP_LOG = True
     return Supervisor(args, cfg).run()
 
 
