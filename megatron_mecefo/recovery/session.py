@@ -414,9 +414,9 @@ class RecoverySession:
         dist.all_gather_object(every, found)
         if found is None or any(e != every[0] for e in every):
             self.fatal(
-                f"{why}: the in-memory snapshot cannot serve and there is no checkpoint to fall "
-                f"back to (neither --save nor --load holds one at or before iteration "
-                f"{carried}); the job stops rather than continue with a lost optimizer shard. "
+                f"{why}, and there is no checkpoint to fall back to (neither --save nor --load "
+                f"holds one at or before iteration {carried}): the job stops rather than "
+                "continue with a lost optimizer shard. "
                 "Save checkpoints (--save DIR --save-interval N) to fall back to disk, or raise "
                 "--mecefo-snapshot-redundancy"
             )
