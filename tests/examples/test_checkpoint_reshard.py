@@ -14,7 +14,11 @@ sys.path.insert(0, str(REPO / "examples" / "pretrain_gpt"))
 
 from checkpointing import _payload_tensors  # noqa: E402
 
-from megatron_mecefo.snapshot.contents import TrainingState, collect, restore_optimizer  # noqa: E402
+from megatron_mecefo.snapshot.contents import (
+    TrainingState,
+    collect,
+    restore_optimizer,
+)  # noqa: E402
 
 
 class _Part:
