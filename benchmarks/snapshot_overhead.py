@@ -15,6 +15,9 @@ Three parts, each measured side by side in one run of this script:
 3. ``memory_vs_disk``: one process, ``--state-mib`` MiB of fp32 tensors: a snapshot to a
    holder's shared memory (copy + CRC + commit) and its restore, against megatron-core
    ``dist_checkpointing.save`` / ``load`` (torch_dist) of the same tensors to disk.
+4. ``recovery_size`` (not in the default parts): recovery time against state size
+   (``--recovery-mib``, per rank) for each path: local, whole job from holders, peers+parity
+   (m = 1 and 2) and disk, over 4 forked gloo ranks (``benchmarks/snapshot_recovery.py``).
 
 Usage (repo root): ``.venv/bin/python benchmarks/snapshot_overhead.py [--parts step ec
 memory_vs_disk]``. Writes ``results/snapshot_overhead.json`` and prints one summary line.
@@ -336,18 +339,23 @@ def summary(result: Dict[str, Any]) -> str:
             f"load {m['snapshot_load_s']:.3f} s vs {m['dist_checkpointing_load_s']:.3f} s "
             f"(x{m['load_speedup']:.1f})"
         )
+    if "recovery_size" in result:
+        from snapshot_recovery import summary as recovery_summary
+
+        parts.append(recovery_summary(result["recovery_size"]))
     return "snapshot_overhead: " + "; ".join(parts)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", nargs="+", default=["step", "ec", "memory_vs_disk"],
-                   choices=["step", "ec", "memory_vs_disk"])  # fmt: skip
+                   choices=["step", "ec", "memory_vs_disk", "recovery_size"])  # fmt: skip
     p.add_argument("--data-path", default=str(REPO / "data" / "stdlib_text_document"))
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--ec-mib", type=int, default=64)
     p.add_argument("--state-mib", type=int, default=256)
+    p.add_argument("--recovery-mib", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--out", default=str(REPO / "results" / "snapshot_overhead.json"))
     a = p.parse_args()
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
@@ -361,6 +369,10 @@ def main() -> None:
         result["ec"] = ec_throughput(a.ec_mib)
     if "memory_vs_disk" in a.parts:
         result["memory_vs_disk"] = memory_vs_disk(a.state_mib)
+    if "recovery_size" in a.parts:
+        from snapshot_recovery import recovery_size
+
+        result["recovery_size"] = recovery_size(a.recovery_mib, REPO / "results")
     if "step" in a.parts:
         result["step"] = step_overhead(a.data_path, a.iters, a.repeats)
     result["machine"]["load_avg_at_end"] = os.getloadavg()

@@ -75,25 +75,37 @@ def _inner_optimizers(optimizer: Any) -> list[Any]:
     return [sub.optimizer for sub in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
-def _save_optimizer_per_rank(ckpt_dir: str, optimizer: Any) -> None:
+def _save_optimizer_per_rank(
+    ckpt_dir: str, optimizer: Any, model_chunks: list[torch.nn.Module]
+) -> None:
+    from megatron_mecefo.snapshot.contents import TrainingState, dist_opt_map
+
     inner = _inner_optimizers(optimizer)
     payload = {
         "state": [opt.state_dict() for opt in inner],
         "main_params": [
             [p.detach().clone() for g in opt.param_groups for p in g["params"]] for opt in inner
         ],
+        # Which slice of which parameter each shard tensor holds: lets another data-parallel
+        # size put the shards back together (_reshard_optimizer_per_rank).
+        "dist_opt_map": dist_opt_map(TrainingState(model_chunks, optimizer)),
     }
     os.makedirs(os.path.dirname(_optimizer_path(ckpt_dir)), exist_ok=True)
     torch.save(payload, _optimizer_path(ckpt_dir))
 
 
-def _load_optimizer_per_rank(ckpt_dir: str, optimizer: Any) -> None:
+def _load_optimizer_per_rank(
+    ckpt_dir: str, optimizer: Any, model_chunks: list[torch.nn.Module]
+) -> None:
     path = _optimizer_path(ckpt_dir)
     if not os.path.isfile(path):
+        if _reshard_optimizer_per_rank(ckpt_dir, optimizer, model_chunks):
+            return
         raise RuntimeError(
             f"--load {ckpt_dir}: no distributed-optimizer state for this rank's layout "
             f"({os.path.basename(path)}); on megatron-core without Apex/TE that state resumes "
-            "only on the layout that saved it. Resume with the same TP/PP/DP sizes, or pass "
+            "only on the layout that saved it or, when the checkpoint holds its shard maps, on "
+            "another data-parallel size. Resume with the same TP/PP/DP sizes, or pass "
             "--no-load-optim to load the weights alone"
         )
     payload = torch.load(path, weights_only=False)
@@ -106,6 +118,58 @@ def _load_optimizer_per_rank(ckpt_dir: str, optimizer: Any) -> None:
             dst.data.copy_(src)
 
 
+def _payload_tensors(payload: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A per-rank optimizer file's tensors, named as :mod:`megatron_mecefo.snapshot.contents`
+    names them (``optim{j}.main.{g}.{k}``, ``optim{j}.state.{g}.{k}.{key}``)."""
+    out: dict[str, torch.Tensor] = {}
+    for j, (sd, mains) in enumerate(zip(payload["state"], payload["main_params"], strict=True)):
+        flat = 0  # torch numbers the parameters in param_groups order
+        for g, group in enumerate(sd["param_groups"]):
+            for k, pid in enumerate(group["params"]):
+                out[f"optim{j}.main.{g}.{k}"] = mains[flat]
+                for key, value in sd["state"].get(pid, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        out[f"optim{j}.state.{g}.{k}.{key}"] = value
+                flat += 1
+    return out
+
+
+def _reshard_optimizer_per_rank(
+    ckpt_dir: str, optimizer: Any, model_chunks: list[torch.nn.Module]
+) -> bool:
+    """Load the per-rank distributed-optimizer files of another data-parallel size (same TP/PP
+    position) into this layout's shard: every old shard is read, the full fp32 main params and
+    Adam state are put back together from their shard maps, and this rank takes its slice.
+    Returns False when the checkpoint has no complete set of files with shard maps."""
+    import glob
+
+    from megatron_mecefo.snapshot.contents import (
+        TrainingState,
+        dist_opt_map,
+        reshard,
+        restore_optimizer,
+    )
+
+    own = os.path.basename(_optimizer_path(ckpt_dir))
+    position = own[: own.index("_dp")]
+    files = sorted(glob.glob(os.path.join(ckpt_dir, "optim", f"{position}_dp*of*.pt")))
+    sizes = {os.path.basename(f).rsplit("of", 1)[1][: -len(".pt")] for f in files}
+    if len(sizes) != 1 or len(files) != int(next(iter(sizes))):
+        return False
+    payloads = [torch.load(f, weights_only=False) for f in files]
+    if any(p.get("dist_opt_map") is None for p in payloads):
+        return False
+    state = TrainingState(model_chunks, optimizer)
+    numels = {
+        f"model{i}.{name}": p.numel()
+        for i, chunk in enumerate(model_chunks)
+        for name, p in chunk.named_parameters()
+    }
+    shards = [({"dist_opt_map": p["dist_opt_map"]}, _payload_tensors(p)) for p in payloads]
+    restore_optimizer(optimizer, reshard(shards, dist_opt_map(state), numels))
+    return True
+
+
 def _rng_path(ckpt_dir: str) -> str:
     layout = (
         f"tp{ps.get_tensor_model_parallel_rank()}of{ps.get_tensor_model_parallel_world_size()}"
@@ -115,16 +179,26 @@ def _rng_path(ckpt_dir: str) -> str:
     return os.path.join(ckpt_dir, "rng", f"{layout}.pt")
 
 
-def _basis_path(ckpt_dir: str) -> str:
-    return os.path.join(ckpt_dir, "mecefo_basis", os.path.basename(_rng_path(ckpt_dir)))
+def layout_name() -> str:
+    """This rank's position (``tp{i}of{n}_pp{i}of{n}_dp{i}of{n}``): names its per-rank files."""
+    return os.path.basename(_rng_path(""))[: -len(".pt")]
 
 
-def load_mecefo_basis(ckpt_dir: str, model_chunks: list[torch.nn.Module]) -> Optional[int]:
+def _basis_path(ckpt_dir: str, layout: Optional[str] = None) -> str:
+    name = f"{layout}.pt" if layout else os.path.basename(_rng_path(ckpt_dir))
+    return os.path.join(ckpt_dir, "mecefo_basis", name)
+
+
+def load_mecefo_basis(
+    ckpt_dir: str, model_chunks: list[torch.nn.Module], layout: Optional[str] = None
+) -> Optional[int]:
     """Restore this rank's low-rank bases from ``ckpt_dir``; returns how many, or None when
-    the checkpoint has none for this layout (V is then recomputed at the first takeover)."""
+    the checkpoint has none for this layout (V is then recomputed at the first takeover).
+    ``layout``: read the file of that position instead of this rank's (:func:`layout_name`
+    of the rank when it saved: a survivor of a regroup reads the bases it saved itself)."""
     from megatron_mecefo.techniques.basis_checkpoint import load_basis_state_dict
 
-    path = _basis_path(ckpt_dir)
+    path = _basis_path(ckpt_dir, layout)
     if not os.path.isfile(path):
         return None
     return load_basis_state_dict(model_chunks, torch.load(path, weights_only=True))
@@ -154,7 +228,7 @@ def save_checkpoint(
     dist.barrier()
     dist_checkpointing.save(state, ckpt_dir)
     if save_optimizer and _per_rank_optimizer_state(dist_optimizer):
-        _save_optimizer_per_rank(ckpt_dir, optimizer)
+        _save_optimizer_per_rank(ckpt_dir, optimizer, model_chunks)
     os.makedirs(os.path.dirname(_rng_path(ckpt_dir)), exist_ok=True)
     torch.save({"torch": torch.get_rng_state()}, _rng_path(ckpt_dir))
     from megatron_mecefo.techniques.basis_checkpoint import basis_state_dict
@@ -242,7 +316,7 @@ def load_checkpoint(
             chunk.load_state_dict(state[f"model{i}"])
     if load_optimizer:
         if _per_rank_optimizer_state(dist_optimizer):
-            _load_optimizer_per_rank(ckpt_dir, optimizer)  # restores the main params too
+            _load_optimizer_per_rank(ckpt_dir, optimizer, model_chunks)  # main params too
         else:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])

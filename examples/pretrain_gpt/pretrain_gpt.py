@@ -112,7 +112,10 @@ class Trainer:
         first_world = recovery is None or recovery.generation == 0
         if self.snapshots is not None and args.snapshot_config.directory and first_world:
             self._restore_snapshot()
-        if args.load and self.recovery_path is None:
+        self.saved_layouts: dict[int, str] = {}  # iteration -> this rank's position then
+        # A later world under the recovery supervisor takes its state from the previous one
+        # (or, as a fallback, from RecoverySession's own disk load), not from --load.
+        if args.load and self.recovery_path is None and first_world:
             self._load()
         self._build_data()
         self._activation_peak = 0  # auto: decoder activation bytes, largest micro-batch
@@ -766,7 +769,7 @@ class Trainer:
             raise RuntimeError(f"iteration {self.iteration}: DP replicas hold different weights")
 
     def _save(self) -> None:
-        from checkpointing import save_checkpoint
+        from checkpointing import layout_name, save_checkpoint
 
         a = self.args
         path = save_checkpoint(
@@ -780,7 +783,47 @@ class Trainer:
             dist_optimizer=a.use_distributed_optimizer,
         )
         self.saved.append(self.iteration)
+        self.saved_layouts[self.iteration] = layout_name()
         self._print(f"saved checkpoint at iteration {self.iteration} to {path}")
+
+    def recovery_checkpoint(self, before: int) -> Optional[tuple[str, int]]:
+        """The newest checkpoint of ``--save``, else of ``--load``, at or before iteration
+        ``before``, as ``(directory, iteration)``; None without one. Where a run under the
+        recovery supervisor falls back to when its in-memory snapshots cannot serve."""
+        from arguments import ConfigError
+        from checkpointing import latest_iteration
+
+        for directory in (self.args.save, self.args.load):
+            if not directory:
+                continue
+            try:
+                iteration = latest_iteration(directory)
+            except ConfigError:
+                continue
+            if iteration is not None and 0 < iteration <= before:
+                return directory, iteration
+        return None
+
+    def load_recovery_checkpoint(self, directory: str, basis_layout: Optional[str]) -> float:
+        """Collective: load the newest checkpoint of ``directory`` into this world's model and
+        optimizer (the distributed optimizer re-sharded over this world's data-parallel size),
+        and the low-rank bases this rank saved (``basis_layout``: its position when it saved);
+        sets the iteration and consumed samples. Returns the seconds it took."""
+        from checkpointing import load_checkpoint, load_mecefo_basis
+
+        a = self.args
+        t0 = time.perf_counter()
+        self.iteration, self.consumed_samples = load_checkpoint(
+            directory,
+            self.model_chunks,
+            self.optimizer,
+            self.scheduler,
+            load_optimizer=not a.no_load_optim,
+            dist_optimizer=a.use_distributed_optimizer,
+        )
+        ckpt_dir = os.path.join(directory, f"iter_{self.iteration:07d}")
+        load_mecefo_basis(ckpt_dir, self.model_chunks, basis_layout)
+        return time.perf_counter() - t0
 
     def _build_snapshots(self) -> Any:
         config = self.args.snapshot_config

@@ -130,7 +130,13 @@ def log_line(rec: Dict[str, Any]) -> str:
             f"({rec['world_size']} ranks); switch {rec['regroup_s']:.2f} s, heal "
             f"{rec['heal_s']:.2f} s, boundary -> first step {rec['rejoin_s']:.2f} s"
         )
-    if rec.get("recovery_path") == "peers+parity":  # the distributed-optimizer takeover
+    if rec.get("recovery_path") == "disk":  # the distributed optimizer's disk fallback
+        redone = (
+            f"rolled back to the checkpoint of iteration {rec['rolled_back_to']} (recovery path "
+            f"disk, {rec['disk_load_s']:.2f} s), iterations {rec['rolled_back_to'] + 1}-"
+            f"{rec['replayed_to']} replayed ({rec['samples_redone']} samples)"
+        )
+    elif rec.get("recovery_path") == "peers+parity":  # the distributed-optimizer takeover
         redone = (
             f"rolled back to the snapshot of iteration {rec['rolled_back_to']} (recovery path "
             f"peers+parity, {rec['snapshot_restore_s']:.2f} s), iterations "
@@ -172,12 +178,14 @@ def summary_rows(records: Sequence[Dict[str, Any]]) -> List[tuple]:
         )
         rows.append((f"recovery @ iteration {r['iteration']}", f"gen {r['generation']}: {what}"))
     totals = [r["total_s"] for r in failures if r.get("total_s") is not None]
+    disk = sum(1 for r in failures if r.get("recovery_path") == "disk")
     if totals:
         rows.append(
             (
                 "recovery latency",
                 f"kill -> redone p50 {statistics.median(totals):.2f} s, max {max(totals):.2f} s"
-                f" ({len(totals)} failures; no checkpoint read)",
+                f" ({len(totals)} failures; "
+                + (f"{disk} from a disk checkpoint)" if disk else "no checkpoint read)"),
             )
         )
     heals = [r["rejoin_s"] for r in rejoins if r.get("rejoin_s") is not None]

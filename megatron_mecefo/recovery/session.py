@@ -64,10 +64,12 @@ class RecoveryAbort(SystemExit):
 
 DIST_OPT_MESSAGE = (
     "a rank died while training with --use-distributed-optimizer: its optimizer shard died "
-    "with it and MeCeFO will not continue with a lost shard. Resume from the last checkpoint "
-    "(--load); to survive rank deaths in-process, train with --mecefo-snapshot-interval K "
-    "--mecefo-snapshot-redundancy 1 (the survivors rebuild the shard from their snapshots and "
-    "parity) or without --use-distributed-optimizer"
+    "with it, there is no in-memory snapshot with parity nor a checkpoint in --save/--load to "
+    "fall back to, and MeCeFO will not continue with a lost shard. Resume from the last "
+    "checkpoint (--load); to survive rank deaths in-process, train with "
+    "--mecefo-snapshot-interval K --mecefo-snapshot-redundancy 1 (the survivors rebuild the "
+    "shard from their snapshots and parity), save checkpoints (--save DIR --save-interval N: "
+    "the survivors fall back to the newest) or train without --use-distributed-optimizer"
 )
 
 DIST_OPT_REJOIN_MESSAGE = (
@@ -149,6 +151,9 @@ class RecoverySession:
         """A rank died under the distributed optimizer: the next world rolls back to the last
         snapshot with parity and rebuilds the lost shards (:meth:`_take_over_from_snapshot`)."""
         self.takeover_info: Optional[Dict[str, Any]] = None
+        self.saved_layouts: Dict[int, str] = {}
+        """Checkpoint iteration -> this rank's position when it saved it (its per-rank files,
+        e.g. the low-rank bases, are read back from there by the disk fallback)."""
 
     # ------------------------------------------------------------------ helpers
     def log(self, line: str, all_ranks: bool = False) -> None:
@@ -344,34 +349,39 @@ class RecoverySession:
         """Distributed optimizer, after a real death: every member rolls back to the newest
         snapshot held with parity by all, the lost members' slots are rebuilt from their
         peers and parity, and the optimizer is re-sharded over this world's data-parallel
-        group. The iterations after the snapshot are then replayed with the dead replicas
-        failed from the snapshot's next iteration (the carry's history of them is dropped)."""
+        group. When the snapshots cannot serve (more than m members of a group lost, or no
+        snapshot with parity held by all: one verdict for the whole world), the members load
+        the newest disk checkpoint instead (:meth:`_fall_back_to_disk`). The iterations after
+        the restored one are then replayed with the dead replicas failed from its next
+        iteration (the carry's history of them is dropped)."""
         from megatron.core import parallel_state as ps
 
         from megatron_mecefo.snapshot.erasure import SnapshotLost
 
         manager = trainer.snapshots
-        if manager is None or not manager.config.redundancy:
-            self.fatal(DIST_OPT_MESSAGE)
         state = trainer._snapshot_state()
         # Megatron's OptimizerParamScheduler.load_state_dict adds the saved steps to its own.
         trainer.scheduler.num_steps = 0
-        try:
-            served = manager.takeover(state, ps.get_data_parallel_group_gloo())
-        except SnapshotLost as err:
-            self.fatal(str(err))
+        served, why = None, ""
+        if manager is None or not manager.config.redundancy:
+            why = "no in-memory snapshots with parity"
+        else:
+            try:  # every branch below is taken alike on every rank (manager.takeover agrees)
+                served = manager.takeover(state, ps.get_data_parallel_group_gloo())
+            except SnapshotLost as err:
+                why = str(err).split("; falling back")[0]
+            if served is None and not why:
+                why = "no snapshot with parity is held by every survivor"
         if served is None:
-            self.fatal(DIST_OPT_MESSAGE + " (no snapshot with parity is held by every survivor)")
+            self._fall_back_to_disk(trainer, why)
+            return
         s, carried = served["iteration"], self.carry["iteration"]
         trainer.iteration = int(state.counters["iteration"])
         trainer.consumed_samples = int(state.counters["consumed_samples"])
-        trainer.history = [r for r in self.carry["history"] if r["iteration"] <= s]
-        trainer.evals = [r for r in self.carry["evals"] if r.get("iteration", 0) <= s]
-        trainer.saved = [i for i in self.carry["saved"] if i <= s]
         ctrl = getattr(trainer, "controller", None)
         for key, value in state.extra.get("controller", {}).items():
             setattr(ctrl, key, value)
-        trainer.train_iter = trainer._iterators(trainer.train_ds, trainer.consumed_samples)
+        self._replay_from(trainer, s)
         self.takeover_info = {
             "recovery_path": "peers+parity",
             "rolled_back_to": s,
@@ -388,6 +398,82 @@ class RecoverySession:
             }
         )
         self.takeover_pending = False
+
+    def _fall_back_to_disk(self, trainer: Any, why: str) -> None:
+        """Recovery path 4: load the newest checkpoint of ``--save``/``--load`` at or before
+        the carried iteration into this world (the distributed optimizer re-sharded over its
+        data-parallel size), and replay from the checkpoint's next iteration; without one,
+        stop with a message naming the flags. Never continues with a lost shard."""
+        import torch.distributed as dist
+
+        carried = self.carry["iteration"]
+        find = getattr(trainer, "recovery_checkpoint", None)
+        found = find(carried) if find is not None else None
+        # One file system, but one verdict all the same: every rank loads the same checkpoint
+        # or none does.
+        every: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, found)
+        if found is None or any(e != every[0] for e in every):
+            self.fatal(
+                f"{why}, and there is no checkpoint to fall back to (neither --save nor --load "
+                f"holds one at or before iteration {carried}): the job stops rather than "
+                "continue with a lost optimizer shard. "
+                "Save checkpoints (--save DIR --save-interval N) to fall back to disk, or raise "
+                "--mecefo-snapshot-redundancy"
+            )
+        directory, c = found
+        self.log(f"> MeCeFO recovery: {why}: falling back to the checkpoint of iteration {c}")
+        seconds = trainer.load_recovery_checkpoint(directory, self.saved_layouts.get(c))
+        if trainer.snapshots is not None:
+            trainer.snapshots.forget()  # they belong to the discarded iterations
+        history = [r for r in self.carry["history"] if r["iteration"] <= c]
+        ctrl = getattr(trainer, "controller", None)
+        if ctrl is not None:  # its running counts at c, as the uninterrupted run has them
+            plans = [r["mecefo"] for r in history if "mecefo" in r]
+            ctrl.degraded_iterations = sum(int(bool(p.get("degraded"))) for p in plans)
+            ctrl.fallback_iterations = sum(int(bool(p.get("fallback"))) for p in plans)
+            ctrl.samples_processed = sum(int(p.get("samples_processed", 0)) for p in plans)
+            ctrl.samples_skipped = sum(int(p.get("samples_skipped", 0)) for p in plans)
+        if self.schedule is not None:  # replicas lost after c are down from c + 1 in the replay
+            from megatron_mecefo.takeover.failure_schedule import NEVER
+
+            for event in self.schedule.real:
+                if event[2] >= NEVER and event[1] > c + 1:
+                    event[1] = c + 1
+        self._replay_from(trainer, c)
+        self.log(
+            f"> MeCeFO recovery: recovery path disk (dist_checkpointing): iteration {c} from "
+            f"{directory}, optimizer re-sharded over {len(self.gen.replicas)} replicas; "
+            f"{seconds:.3f} s"
+        )
+        self.takeover_info = {
+            "recovery_path": "disk",
+            "rolled_back_to": c,
+            "replayed_to": carried + 1,
+            "samples_redone": (carried + 1 - c) * self.args.global_batch_size,
+            "disk_load_s": seconds,
+        }
+        trainer._emit(
+            {
+                "type": "snapshot_restore",
+                "path": "disk",
+                "iteration": c,
+                "seconds": seconds,
+                "directory": directory,
+                "reason": why,
+                "generation": self.generation,
+                "discarded_iterations": list(range(c + 1, carried + 1)),
+            }
+        )
+        self.takeover_pending = False
+
+    def _replay_from(self, trainer: Any, s: int) -> None:
+        """The trainer's state is that of iteration ``s``: keep the carried history up to it
+        and rewind the data iterator to its consumed samples."""
+        trainer.history = [r for r in self.carry["history"] if r["iteration"] <= s]
+        trainer.evals = [r for r in self.carry["evals"] if r.get("iteration", 0) <= s]
+        trainer.saved = [i for i in self.carry["saved"] if i <= s]
+        trainer.train_iter = trainer._iterators(trainer.train_ds, trainer.consumed_samples)
 
     def _check_replicas_identical(self, trainer: Any, dp_group: Any) -> None:
         """After a heal: parameters and optimizer state hash alike on every DP replica."""
@@ -617,6 +703,7 @@ class RecoverySession:
         if self.snapshots is not None:
             self.snapshots.abandon()  # the copy in flight reads tensors released below
         if trainer is not None:
+            self.saved_layouts.update(getattr(trainer, "saved_layouts", {}))
             if self.valid:
                 self.carry = export_state(trainer, self.boundary or boundary_snapshot(trainer))
             self.times["exported"] = time.time()
@@ -729,11 +816,13 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
         now = time.time()
         if outcome == "failed" and args.use_distributed_optimizer and session.valid:
             snaps = session.snapshots
-            if snaps is None or not snaps.config.redundancy or not snaps.parity_snapshots():
+            parity = snaps is not None and snaps.config.redundancy and snaps.parity_snapshots()
+            if not parity and not _has_checkpoint(args):
                 session.ms.set_fatal(DIST_OPT_MESSAGE)
                 print(f"> MeCeFO recovery: error: {DIST_OPT_MESSAGE}", flush=True)
                 raise RecoveryAbort(3)
-            # The next world rebuilds the lost shards from the snapshots' parity.
+            # The next world rebuilds the lost shards from the snapshots' parity, or loads the
+            # disk checkpoint when they cannot serve.
             session.takeover_pending = True
         session.times = {"detect": now, "left": now}
         if outcome == "failed":
@@ -747,6 +836,15 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
         trainer = None
         if outcome == "failed":
             session.injector.phase("regroup", failed_iteration)
+
+
+def _has_checkpoint(args: Any) -> bool:
+    """Whether ``--save`` or ``--load`` names a checkpoint (a tracker file): the disk fallback
+    of a death under the distributed optimizer (the next world checks it and agrees)."""
+    return any(
+        d and os.path.isfile(os.path.join(d, "latest_checkpointed_iteration.txt"))
+        for d in (getattr(args, "save", None), getattr(args, "load", None))
+    )
 
 
 _EXIT = {"code": 0}

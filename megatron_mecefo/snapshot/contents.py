@@ -114,23 +114,7 @@ def restore(state: TrainingState, tensors: Dict[str, torch.Tensor], meta: Dict[s
         for i, chunk in enumerate(state.model_chunks):
             for name, param in chunk.named_parameters():
                 param.data.copy_(tensors[f"model{i}.{name}"])
-        for j, part in enumerate(_parts(state.optimizer)):
-            inner = part.optimizer
-            for g, group in enumerate(inner.param_groups):
-                for k, param in enumerate(group["params"]):
-                    param.data.copy_(tensors[f"optim{j}.main.{g}.{k}"])
-                    prefix = f"optim{j}.state.{g}.{k}."
-                    entries = {
-                        n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)
-                    }
-                    if entries:
-                        slot = inner.state.setdefault(param, {})
-                        for key, saved in entries.items():
-                            live: Optional[torch.Tensor] = slot.get(key)
-                            if live is None or live.shape != saved.shape:
-                                live = torch.empty_like(saved, device=param.device)
-                                slot[key] = live
-                            live.copy_(saved)
+    restore_optimizer(state.optimizer, tensors)
     for key, module in _lowrank(state.model_chunks).items():
         saved = tensors.get(f"basis.{key}")
         module.mecefo_basis = None if saved is None else saved.to(module.weight.device, copy=True)
@@ -153,6 +137,29 @@ def restore(state: TrainingState, tensors: Dict[str, torch.Tensor], meta: Dict[s
         }
         if tracker:
             get_cuda_rng_tracker().set_states(tracker)
+
+
+def restore_optimizer(optimizer: Any, tensors: Dict[str, torch.Tensor]) -> None:
+    """Write the ``optim*`` tensors of a snapshot (or of :func:`reshard`) into the inner
+    optimizers: main params and state (allocated from the saved shapes where missing)."""
+    with torch.no_grad():
+        for j, part in enumerate(_parts(optimizer)):
+            inner = part.optimizer
+            for g, group in enumerate(inner.param_groups):
+                for k, param in enumerate(group["params"]):
+                    param.data.copy_(tensors[f"optim{j}.main.{g}.{k}"])
+                    prefix = f"optim{j}.state.{g}.{k}."
+                    entries = {
+                        n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)
+                    }
+                    if entries:
+                        slot = inner.state.setdefault(param, {})
+                        for key, saved in entries.items():
+                            live: Optional[torch.Tensor] = slot.get(key)
+                            if live is None or live.shape != saved.shape:
+                                live = torch.empty_like(saved, device=param.device)
+                                slot[key] = live
+                            live.copy_(saved)
 
 
 def dist_opt_map(state: TrainingState) -> Optional[List[List[Any]]]:

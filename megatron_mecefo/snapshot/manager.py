@@ -324,6 +324,7 @@ class SnapshotManager:
             SnapshotLost: More than m members of a group lost, or a rebuilt slot fails its
                 checksum.
         """
+        from megatron_mecefo.snapshot.erasure import SnapshotLost
         from megatron_mecefo.snapshot.parity import optimizer_digest, read_tensors, rebuild_group
 
         t0 = time.perf_counter()
@@ -332,7 +333,22 @@ class SnapshotManager:
         if iteration is None:
             return None
         slot = mine[iteration]
-        shards = rebuild_group(slot.buffer, slot.parity, group, self.slot_id)
+        lost_here: Optional[SnapshotLost] = None
+        try:
+            shards = rebuild_group(slot.buffer, slot.parity, group, self.slot_id)
+        except SnapshotLost as err:  # raised after the group's last collective
+            lost_here = err
+        # One verdict for the whole world before any rank writes its state: another group
+        # (another TP/PP position) may have lost its snapshot while this one rebuilt its own.
+        everywhere = _agree(lost_here is None)
+        if lost_here is not None:
+            raise lost_here
+        if not everywhere:
+            raise SnapshotLost(
+                f"snapshot of iteration {iteration}: another data-parallel group lost more "
+                "members than the redundancy covers: the in-memory snapshot cannot be rebuilt; "
+                "falling back to the disk checkpoint (--load)"
+            )
         t_rebuilt = time.perf_counter()
         own_header, own_bytes = shards[self.slot_id]
         tensors = read_tensors(own_header, own_bytes)
@@ -369,10 +385,27 @@ class SnapshotManager:
             "rebuilt": rebuilt,
         }
 
+    def forget(self) -> None:
+        """Drop every snapshot (slots and parity): the state was put back from elsewhere
+        (the disk checkpoint), so these belong to a discarded timeline and must never be
+        restored. The slots' buffers stay allocated for the next snapshots."""
+        self.abandon()
+        for slot in self.slots:
+            slot.invalidate()  # drops its parity too
+        self.last_committed = None
+
     def _survivors(self, group: dist.ProcessGroup) -> List[int]:
         every: List[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, self.slot_id, group=group)
         return [int(s) for s in every]
+
+
+def _agree(ok: bool) -> bool:
+    """Collective over the world: whether every rank passes ``ok``."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _newest_common(
