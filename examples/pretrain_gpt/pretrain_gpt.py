@@ -788,6 +788,7 @@ class Trainer:
             return None
         rec = self.recovery
         if rec is not None and rec.snapshots is not None:
+            rec.snapshots.prepare()  # this world's parity group (collective)
             return rec.snapshots  # the slots (and their parity) outlive a regroup
         from megatron.core import parallel_state as ps
 
@@ -808,6 +809,7 @@ class Trainer:
             rec.snapshots = manager
             manager.should_abort = rec.world_changed
         manager.log = lambda line: rec.log(line) if rec is not None else self._print(line)
+        manager.prepare()  # the parity group, built collectively by every rank (redundancy)
         return manager
 
     def _snapshot_state(self) -> Any:
