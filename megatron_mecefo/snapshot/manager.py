@@ -261,15 +261,13 @@ class SnapshotManager:
             store.add(key, 1)
 
     def _submit_parity(self, slot: Slot, iteration: int, header: Any, store: Any, key: str) -> None:
-        from megatron_mecefo.snapshot.parity import exchange_parity
-
-        worker, epoch, m, me = self._worker, self._epoch, self.config.redundancy, self.slot_id
+        worker, epoch = self._worker, self._epoch
         assert worker is not None
 
         def job() -> None:
             if epoch != self._epoch:
                 return  # the world was abandoned: its collectives are not run
-            parity = exchange_parity(slot.buffer, header, m, worker.group, me)
+            parity = self._exchange_parity(slot, header, worker.group)
             with self._lock:
                 if epoch != self._epoch or self._held[slot.index] != (iteration, epoch):
                     return
@@ -279,6 +277,12 @@ class SnapshotManager:
             store.add(key, 1)  # after the parity: a snapshot counts only with it
 
         worker.submit(job)
+
+    def _exchange_parity(self, slot: Slot, header: Dict[str, Any], group: Any) -> Any:
+        """On the worker: :func:`.parity.exchange_parity` of ``slot`` over ``group``."""
+        from megatron_mecefo.snapshot.parity import exchange_parity
+
+        return exchange_parity(slot.buffer, header, self.config.redundancy, group, self.slot_id)
 
     def _dist_opt_map(self, state: TrainingState) -> Any:
         """:func:`dist_opt_map` of the live optimizer, computed once per optimizer (it only
