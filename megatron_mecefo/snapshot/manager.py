@@ -161,9 +161,14 @@ class SnapshotManager:
 
             if self._worker is not None:
                 self._worker.close()
+            t0 = time.perf_counter()
             self._worker = ParityWorker(clone_group(source))
             # Weak: the old world's data-parallel group must be freed with its world.
             self._worker_of = weakref.ref(source)
+            self.log(
+                f"> MeCeFO snapshot: parity group built ({dist.get_world_size(source)} members, "
+                f"background worker) in {time.perf_counter() - t0:.3f} s"
+            )
         return self._worker
 
     def before_optimizer_step(self) -> None:
