@@ -148,6 +148,7 @@ def step_overhead(
                         "step_time_s": statistics.median(t["step_time_s"] for t in train),
                         "snapshot_s_per_step": _per_step(train, "snapshot_s"),
                         "commit_wait_s_per_step": _per_step(train, "snapshot_commit_wait_s"),
+                        "copy_wait_s_per_step": _per_step(train, "snapshot_copy_wait_s"),
                         "parity_s_per_step": _per_step(train, "snapshot_parity_s"),
                         "load_avg_1min_at_start": load,
                     }
@@ -175,6 +176,7 @@ def step_overhead(
             "snapshot_s_per_step": snap,
             "snapshot_share_of_step": snap / step,
             "commit_wait_s_per_step": statistics.median(x["commit_wait_s_per_step"] for x in rs),
+            "copy_wait_s_per_step": statistics.median(x.get("copy_wait_s_per_step", 0) for x in rs),
             "parity_s_per_step_background": statistics.median(x["parity_s_per_step"] for x in rs),
             "runs": rs,
         }

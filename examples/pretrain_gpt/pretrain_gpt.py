@@ -711,6 +711,7 @@ class Trainer:
                 # Cumulative seconds the training thread spent in snapshot code.
                 record["snapshot_s"] = self.snapshots.main_thread_s
                 record["snapshot_commit_wait_s"] = self.snapshots.commit_wait_s
+                record["snapshot_copy_wait_s"] = self.snapshots.copy_wait_s
                 record["snapshot_parity_s"] = self.snapshots.parity_s
             self.history.append(record)
             window.append(record)

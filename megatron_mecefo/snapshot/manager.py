@@ -175,11 +175,10 @@ class SnapshotManager:
         """The copy reads the live parameters and optimizer state, which the step writes."""
         t0 = time.perf_counter()
         self.copier.fence()
+        self.copy_wait_s += time.perf_counter() - t0
         if self._in_flight is not None and not self.copier.busy:
-            self._finish_local()  # CPU: the copy is done; its parity can start now
-        dt = time.perf_counter() - t0
-        self.copy_wait_s += dt
-        self.main_thread_s += dt
+            self._finish_local()  # CPU: the copy is done; commit it or start its parity now
+        self.main_thread_s += time.perf_counter() - t0
 
     def after_step(self, state: TrainingState, iteration: int) -> bool:
         """Snapshot ``state`` if ``iteration`` is due; returns whether one was started."""
