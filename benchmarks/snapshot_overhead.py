@@ -102,6 +102,11 @@ STEP_VARIANTS: Dict[str, Tuple[List[str], Any]] = {
         ["--use-distributed-optimizer", "--mecefo-snapshot-redundancy", "1"],
         1,
     ),
+    "every 1, dist-opt m=1, 4 slots": (
+        ["--use-distributed-optimizer", "--mecefo-snapshot-redundancy", "1"]
+        + ["--mecefo-snapshot-slots", "4"],
+        1,
+    ),
     "every 1, dist-opt m=1, 2 slots": (
         ["--use-distributed-optimizer", "--mecefo-snapshot-redundancy", "1"]
         + ["--mecefo-snapshot-slots", "2"],

@@ -162,7 +162,10 @@ class SnapshotManager:
             if self._worker is not None:
                 self._worker.close()
             t0 = time.perf_counter()
-            self._worker = ParityWorker(clone_group(source))
+            store, epoch = self.store, self._epoch
+            self._worker = ParityWorker(
+                clone_group(source), on_idle=lambda: self._learn_commits(store, epoch)
+            )
             # Weak: the old world's data-parallel group must be freed with its world.
             self._worker_of = weakref.ref(source)
             self.log(
@@ -234,7 +237,7 @@ class SnapshotManager:
             empty = [i for i in range(len(self.slots)) if i not in held]
             if empty:
                 return self.slots[empty[0]]
-            safe = [it for it, _ in held.values() if it in self._everywhere]
+            safe = [it for it, _ in held.values() if it in self._everywhere]  # or the worker's
             newest = max(safe) if safe else None
             # Free: older than the newest everywhere-committed snapshot, or taken in an earlier
             # world and not that one (its commit can no longer be learned; it is not needed).
@@ -281,6 +284,26 @@ class SnapshotManager:
             store.add(key, 1)  # after the parity: a snapshot counts only with it
 
         worker.submit(job)
+
+    def _learn_commits(self, store: Any, epoch: int) -> None:
+        """On the idle worker: which of this world's held snapshots every rank has committed
+        (the store round trips run here, so the training thread usually finds the snapshot
+        it must wait for already known; commits happen in snapshot order)."""
+        if epoch != self._epoch:
+            return  # the world was abandoned: its store may be gone
+        world = self.world_size
+        pending = sorted(
+            h[0]
+            for h in list(self._held)
+            if h is not None and h[1] == epoch and h[0] not in self._everywhere
+        )
+        for it in pending:
+            if int(store.add(f"{self._key_prefix}/{it}", 0)) < world:
+                break
+            with self._lock:
+                if epoch != self._epoch:
+                    return
+                self._everywhere.add(it)
 
     def _exchange_parity(self, slot: Slot, header: Dict[str, Any], group: Any) -> Any:
         """On the worker: :func:`.parity.exchange_parity` of ``slot`` over ``group``."""
@@ -342,7 +365,8 @@ class SnapshotManager:
             time.sleep(0.001)
         self.commit_wait_s += time.perf_counter() - t0
         held = {h[0] for h in self._held if h is not None}
-        self._everywhere = {it for it in self._everywhere if it in held} | {iteration}
+        with self._lock:
+            self._everywhere = {it for it in self._everywhere if it in held} | {iteration}
         self.last_committed = max(iteration, self.last_committed or iteration)
 
     def flush(self) -> Optional[int]:

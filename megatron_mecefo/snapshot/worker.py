@@ -21,9 +21,18 @@ from typing import Callable, Optional
 class ParityWorker:
     """Runs submitted jobs in order on one daemon thread."""
 
-    def __init__(self, group: object, name: str = "mecefo-parity") -> None:
+    def __init__(
+        self,
+        group: object,
+        name: str = "mecefo-parity",
+        on_idle: Optional[Callable[[], None]] = None,
+        idle_s: float = 0.01,
+    ) -> None:
         self.group = group
         """The gloo group the jobs' collectives use (dropped with the worker)."""
+        self.on_idle = on_idle
+        """Called every ``idle_s`` while no job is queued (e.g. learning peers' commits)."""
+        self.idle_s = idle_s
         self.error: Optional[BaseException] = None
         self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._pending = 0
@@ -43,7 +52,15 @@ class ParityWorker:
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=self.idle_s if self.on_idle else None)
+            except queue.Empty:
+                try:
+                    if self.error is None:
+                        self.on_idle()
+                except Exception:  # noqa: BLE001 (best effort: the training thread asks itself)
+                    pass
+                continue
             if job is None:
                 break
             try:
@@ -57,7 +74,7 @@ class ParityWorker:
                     self._pending -= 1
                     self._cond.notify_all()
             job = None  # an idle worker must not keep the last job's group alive
-        self.group = None  # the thread ends: its reference to the group goes with it
+        self.group = self.on_idle = None  # the thread ends: its references go with it
 
     def drain(self, timeout: Optional[float] = None) -> None:
         """Wait until every submitted job has finished; re-raise the worker's error."""
