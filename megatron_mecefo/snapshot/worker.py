@@ -5,10 +5,12 @@ finished snapshot it runs the group's parity exchange (:func:`.parity.exchange_p
 a gloo group of its own (:func:`.parity.clone_group`, same members as the data-parallel
 group), stores the parity with the slot and adds the rank's commit to the store. Every member
 submits the same snapshots in the same order, so every member runs the same collectives on
-that group. After the first error the worker skips what is left (the peers then fail in
-their collective, as on a death); :meth:`ParityWorker.close` lets it end without waiting for
-it: a worker blocked in a collective of a dead world ends when gloo fails it (a peer's socket
-closes, or the group's timeout), and its late result is discarded by the manager.
+that group. While idle it runs the manager's ``on_idle`` (learning which snapshots every rank
+has committed, so the training thread does not ask the store). After the first error the
+worker skips what is left (the peers then fail in their collective, as on a death);
+:meth:`ParityWorker.close` lets it end without waiting for it: a worker blocked in a
+collective of a dead world ends when gloo fails it (a peer's socket closes, or the group's
+timeout), and its late result is discarded by the manager.
 """
 
 from __future__ import annotations
