@@ -89,46 +89,76 @@ def _holder(directory: Path) -> subprocess.Popen:
     return proc
 
 
-def step_overhead(data: str, iters: int, repeats: int) -> Dict[str, Any]:
+# name -> (extra trainer flags, snapshot interval or None); "dist-opt": the distributed
+# optimizer with m = 1 parity, as ``make demo-snapshot``; "2 slots": the previous rule (a
+# barrier on the previous snapshot's commit at every snapshot).
+STEP_VARIANTS: Dict[str, Tuple[List[str], Any]] = {
+    "none": ([], None),
+    "every 10": ([], 10),
+    "every 1": ([], 1),
+    "none, dist-opt": (["--use-distributed-optimizer"], None),
+    "every 10, dist-opt m=1": (
+        ["--use-distributed-optimizer", "--mecefo-snapshot-redundancy", "1"],
+        10,
+    ),
+    "every 1, dist-opt m=1": (
+        ["--use-distributed-optimizer", "--mecefo-snapshot-redundancy", "1"],
+        1,
+    ),
+    "every 1, dist-opt m=1, 4 slots": (
+        ["--use-distributed-optimizer", "--mecefo-snapshot-redundancy", "1"]
+        + ["--mecefo-snapshot-slots", "4"],
+        1,
+    ),
+    "every 1, dist-opt m=1, 2 slots": (
+        ["--use-distributed-optimizer", "--mecefo-snapshot-redundancy", "1"]
+        + ["--mecefo-snapshot-slots", "2"],
+        1,
+    ),
+}
+
+
+def _per_step(train: List[Dict[str, Any]], key: str) -> float:
+    """Mean per-step increase of a cumulative metric (0 when the run has none)."""
+    if key not in train[0]:
+        return 0.0
+    return statistics.mean(b[key] - a[key] for a, b in zip(train, train[1:], strict=False))
+
+
+def step_overhead(
+    data: str, iters: int, repeats: int, names: List[str] | None = None
+) -> Dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     shm = Path("/dev/shm") / f"mecefo-bench-{os.getpid()}"
     holder = _holder(shm)
-    variants = {"none": [], "every 10": ["10"], "every 1": ["1"]}
+    variants = {n: STEP_VARIANTS[n] for n in (names or list(STEP_VARIANTS))}
     runs: Dict[str, List[Dict[str, float]]] = {v: [] for v in variants}
     try:
         for r in range(repeats):
-            for name, interval in variants.items():
+            for name, (flags, interval) in variants.items():
                 metrics = Path(tempfile.mkdtemp()) / "m.jsonl"
-                extra = []
+                extra = list(flags)
                 if interval:
-                    extra = ["--mecefo-snapshot-interval", interval[0],
-                             "--mecefo-snapshot-dir", str(shm)]  # fmt: skip
+                    extra += ["--mecefo-snapshot-interval", str(interval),
+                              "--mecefo-snapshot-dir", str(shm)]  # fmt: skip
+                else:
+                    extra = [f for f in flags if f == "--use-distributed-optimizer"]
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=8",
                        f"--master_port={_free_port()}", str(TRAINER),
                        *DEMO, "--data-path", data, "--train-iters", str(iters), *extra,
                        "--metrics-file", str(metrics)]  # fmt: skip
+                load = os.getloadavg()[0]
                 subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=1800)
                 train = [json.loads(x) for x in metrics.read_text().splitlines()]
                 train = [t for t in train if t["type"] == "train"][2:]
-                snap = (
-                    [
-                        b["snapshot_s"] - a["snapshot_s"]
-                        for a, b in zip(train, train[1:], strict=False)
-                    ]
-                    if interval
-                    else [0.0]
-                )
-                wait = [0.0]
-                if interval:
-                    pairs = zip(train, train[1:], strict=False)
-                    wait = [
-                        b["snapshot_commit_wait_s"] - a["snapshot_commit_wait_s"] for a, b in pairs
-                    ]
                 runs[name].append(
                     {
                         "step_time_s": statistics.median(t["step_time_s"] for t in train),
-                        "snapshot_s_per_step": statistics.mean(snap),
-                        "commit_wait_s_per_step": statistics.mean(wait),
+                        "snapshot_s_per_step": _per_step(train, "snapshot_s"),
+                        "commit_wait_s_per_step": _per_step(train, "snapshot_commit_wait_s"),
+                        "copy_wait_s_per_step": _per_step(train, "snapshot_copy_wait_s"),
+                        "parity_s_per_step": _per_step(train, "snapshot_parity_s"),
+                        "load_avg_1min_at_start": load,
                     }
                 )
                 shutil.rmtree(metrics.parent, ignore_errors=True)
@@ -139,16 +169,23 @@ def step_overhead(data: str, iters: int, repeats: int) -> Dict[str, Any]:
         os.killpg(holder.pid, signal.SIGTERM)
         holder.wait()
     out = {}
-    base = statistics.median(x["step_time_s"] for x in runs["none"])
+    base = {
+        n: statistics.median(x["step_time_s"] for x in runs[n])
+        for n in ("none", "none, dist-opt")
+        if n in runs
+    }
     for name, rs in runs.items():
         step = statistics.median(x["step_time_s"] for x in rs)
         snap = statistics.median(x["snapshot_s_per_step"] for x in rs)
+        ref = base.get("none, dist-opt" if "dist-opt" in name else "none")
         out[name] = {
             "median_step_time_s": step,
-            "step_time_vs_none": step / base,
+            "step_time_vs_none": step / ref if ref else None,
             "snapshot_s_per_step": snap,
             "snapshot_share_of_step": snap / step,
             "commit_wait_s_per_step": statistics.median(x["commit_wait_s_per_step"] for x in rs),
+            "copy_wait_s_per_step": statistics.median(x.get("copy_wait_s_per_step", 0) for x in rs),
+            "parity_s_per_step_background": statistics.median(x["parity_s_per_step"] for x in rs),
             "runs": rs,
         }
     return out
@@ -317,10 +354,8 @@ def summary(result: Dict[str, Any]) -> str:
     if "step" in result:
         s = result["step"]
         parts.append(
-            "step overhead (snapshot code on the training thread, share of step): every 1 "
-            f"{s['every 1']['snapshot_share_of_step']:.2%}, every 10 "
-            f"{s['every 10']['snapshot_share_of_step']:.2%}; step time vs none x"
-            f"{s['every 1']['step_time_vs_none']:.3f} / x{s['every 10']['step_time_vs_none']:.3f}"
+            "step overhead (snapshot code on the training thread, share of step): "
+            + ", ".join(f"{n} {v['snapshot_share_of_step']:.2%}" for n, v in s.items())
         )
     if "ec" in result:
         best = {(r["codec"], r["m"], r["op"]): r["MBps_cpu"] for r in result["ec"]["rows"]}
@@ -352,6 +387,8 @@ def main() -> None:
                    choices=["step", "ec", "memory_vs_disk", "recovery_size"])  # fmt: skip
     p.add_argument("--data-path", default=str(REPO / "data" / "stdlib_text_document"))
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--variants", nargs="+", default=None, choices=list(STEP_VARIANTS),
+                   help="step part: the variants to run round-robin (default: all)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--ec-mib", type=int, default=64)
     p.add_argument("--state-mib", type=int, default=256)
@@ -374,7 +411,7 @@ def main() -> None:
 
         result["recovery_size"] = recovery_size(a.recovery_mib, REPO / "results")
     if "step" in a.parts:
-        result["step"] = step_overhead(a.data_path, a.iters, a.repeats)
+        result["step"] = step_overhead(a.data_path, a.iters, a.repeats, a.variants)
     result["machine"]["load_avg_at_end"] = os.getloadavg()
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -714,6 +714,7 @@ class Trainer:
                 # Cumulative seconds the training thread spent in snapshot code.
                 record["snapshot_s"] = self.snapshots.main_thread_s
                 record["snapshot_commit_wait_s"] = self.snapshots.commit_wait_s
+                record["snapshot_copy_wait_s"] = self.snapshots.copy_wait_s
                 record["snapshot_parity_s"] = self.snapshots.parity_s
             self.history.append(record)
             window.append(record)
@@ -831,6 +832,7 @@ class Trainer:
             return None
         rec = self.recovery
         if rec is not None and rec.snapshots is not None:
+            rec.snapshots.prepare()  # this world's parity group (collective)
             return rec.snapshots  # the slots (and their parity) outlive a regroup
         from megatron.core import parallel_state as ps
 
@@ -851,6 +853,7 @@ class Trainer:
             rec.snapshots = manager
             manager.should_abort = rec.world_changed
         manager.log = lambda line: rec.log(line) if rec is not None else self._print(line)
+        manager.prepare()  # the parity group, built collectively by every rank (redundancy)
         return manager
 
     def _snapshot_state(self) -> Any:

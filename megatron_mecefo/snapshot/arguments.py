@@ -37,6 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "rebuilt from its peers' snapshots and parity (XOR for m = 1, zfec for m >= 2; see "
         "python -m megatron_mecefo.snapshot.survival).",
     )
+    g.add_argument(
+        "--mecefo-snapshot-slots",
+        dest="snapshot_slots",
+        type=int,
+        default=None,
+        help="Host slots per rank, each the size of the rank's snapshot (default: 3 with "
+        "--mecefo-snapshot-interval 1, else 2). The newest snapshot every rank committed is "
+        "never overwritten: with 2 slots each snapshot waits for every rank's commit of the "
+        "previous one; a third slot removes that per-snapshot barrier.",
+    )
 
 
 class SnapshotFlagError(ValueError):
@@ -47,22 +57,33 @@ def validate(args: argparse.Namespace, dp_size: int) -> Optional[SnapshotConfig]
     """The snapshot config, or None when snapshots are off.
 
     Raises:
-        SnapshotFlagError: On a negative interval or redundancy, a directory flag without an
-            interval, a redundancy of at least the DP size, or a directory with no live holder.
+        SnapshotFlagError: On a negative interval or redundancy, fewer than 2 slots, a
+            directory, redundancy or slots flag without an interval, a redundancy of at least
+            the DP size, or a directory with no live holder.
     """
     k, d, m = (
         args.snapshot_interval,
         args.snapshot_dir,
         args.snapshot_redundancy,
     )
+    n = getattr(args, "snapshot_slots", None)
     if k < 0:
         raise SnapshotFlagError(
             f"--mecefo-snapshot-interval={k}: must be >= 0 (0 turns snapshots off)"
         )
     if m < 0:
         raise SnapshotFlagError(f"--mecefo-snapshot-redundancy={m}: must be >= 0")
+    if n is not None and n < 2:
+        raise SnapshotFlagError(
+            f"--mecefo-snapshot-slots={n}: needs at least 2 (a crash during a copy must leave "
+            "the previous snapshot intact); use 3 for one snapshot per iteration"
+        )
     if k == 0:
-        for flag, value in (("--mecefo-snapshot-dir", d), ("--mecefo-snapshot-redundancy", m)):
+        for flag, value in (
+            ("--mecefo-snapshot-dir", d),
+            ("--mecefo-snapshot-redundancy", m),
+            ("--mecefo-snapshot-slots", n),
+        ):
             if value:
                 raise SnapshotFlagError(
                     f"{flag}={value} needs --mecefo-snapshot-interval K > 0 (snapshots are off)"
@@ -97,4 +118,4 @@ def validate(args: argparse.Namespace, dp_size: int) -> Optional[SnapshotConfig]
                 f"`python -m megatron_mecefo.snapshot.holder --dir {d}` (one per node) first"
             )
         d = os.path.abspath(d)
-    return SnapshotConfig(interval=k, directory=d, redundancy=m)
+    return SnapshotConfig(interval=k, directory=d, redundancy=m, slots=n)

@@ -14,6 +14,7 @@ import argparse
 import json
 import mmap
 import os
+import re
 import shutil
 import signal
 import sys
@@ -42,7 +43,10 @@ def describe(directory: str) -> List[str]:
         if not (name.startswith("rank") and os.path.isdir(sub)):
             continue
         slots = []
-        for i in (0, 1):
+        indices = sorted(  # slot<i>.bin; not slots.slot_indices: the holder stays torch-free
+            int(n[4:-4]) for n in os.listdir(sub) if re.fullmatch(r"slot\d+\.bin", n)
+        )
+        for i in indices or [0, 1]:
             try:
                 with open(os.path.join(sub, f"slot{i}.json")) as f:
                     slots.append(str(json.load(f)["iteration"]))

@@ -1,8 +1,9 @@
-"""``SnapshotManager``: when to snapshot, the two-slot rotation, the commit and the restore."""
+"""``SnapshotManager``: when to snapshot, the slot rotation, the commit and the restore."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -20,7 +21,8 @@ from megatron_mecefo.snapshot.contents import (
     restore,
 )
 from megatron_mecefo.snapshot.copier import Copier
-from megatron_mecefo.snapshot.slots import Slot, plan_layout
+from megatron_mecefo.snapshot.slots import Slot, plan_layout, slot_indices
+from megatron_mecefo.snapshot.worker import ParityWorker
 
 
 def default_store() -> Any:
@@ -30,12 +32,32 @@ def default_store() -> Any:
     return distributed_c10d._get_default_store()
 
 
+def _slot_count(config: SnapshotConfig, directory: Optional[str]) -> int:
+    """The configured number of slots, or more when the holder's directory has more (an
+    earlier incarnation ran with more slots: its snapshots stay readable)."""
+    found = slot_indices(directory) if directory is not None else []
+    return max([config.n_slots] + [i + 1 for i in found])
+
+
 class SnapshotManager:
     """One per rank. Call :meth:`before_optimizer_step` before every ``optimizer.step()`` and
     :meth:`after_step` after it; :meth:`restore` at start-up.
 
+    **Slots.** ``config.n_slots`` host slots (3 at one snapshot per iteration, else 2). A new
+    snapshot goes into an empty slot, else into one whose snapshot is older than the newest
+    snapshot every rank has committed (``L``), else into the oldest slot newer than ``L``
+    once that one is committed everywhere (the wait; it then becomes ``L``): the slot holding
+    ``L`` is never written. With 2 slots that wait is for the previous snapshot, i.e. a
+    world-wide barrier at every snapshot; with 3 it is for the one before, normally long done.
+
+    **Parity** (redundancy m > 0). A finished copy is handed to a background worker
+    (:mod:`.worker`) that exchanges its parity over a gloo group of its own with the
+    data-parallel group's members (:func:`.parity.clone_group`; built collectively by
+    :meth:`prepare`, and again by the first :meth:`take` of a new world), then commits it: a
+    snapshot counts only with its parity.
+
     Args:
-        config: Interval, holder directory, redundancy.
+        config: Interval, holder directory, redundancy, slots.
         rank: This process's global rank (names its directory under the holder's).
         world_size: Ranks that must commit a snapshot for it to count; None: the current
             torch.distributed world's size, read at each commit.
@@ -43,9 +65,9 @@ class SnapshotManager:
             default store, read at each commit (under the recovery supervisor that is the
             membership store, under the generation's prefix).
         log: Where to print (rank 0 usually passes ``print``; others a no-op).
-        parity_group: With redundancy m > 0: returns the current data-parallel process group,
-            over which each snapshot's parity is exchanged (read at each exchange, so it
-            follows a regroup).
+        parity_group: With redundancy m > 0: returns the current data-parallel process group
+            (read at each snapshot, so a regroup is followed); the parity is exchanged over a
+            clone of it.
         slot_id: This process's stable identity in parity records (the recovery slot, i.e.
             the original global rank); default ``rank``.
     """
@@ -65,7 +87,8 @@ class SnapshotManager:
         self.parity_group = parity_group
         self.slot_id = rank if slot_id is None else slot_id
         self.parity_s = 0.0
-        """Seconds the training thread spent exchanging parity (part of main_thread_s)."""
+        """Seconds the background worker spent exchanging parity (not on the training
+        thread)."""
         self.parity_bytes = 0
         """Bytes of parity this rank holds for its newest snapshot."""
         self.should_abort: Any = None
@@ -79,14 +102,27 @@ class SnapshotManager:
             directory = os.path.join(config.directory, f"rank{rank}")
             os.makedirs(directory, exist_ok=True)
         self.directory = directory
-        self.slots = [Slot(0, directory), Slot(1, directory)]
+        self.slots = [Slot(i, directory) for i in range(_slot_count(config, directory))]
         self.copier = Copier()
-        self._next = 0
         self._in_flight: Optional[int] = None  # iteration being copied
         self._in_flight_slot: Optional[Slot] = None
+        self._in_flight_header: Dict[str, Any] = {}
         self._map: Any = None
         self._map_of: Optional[weakref.ref] = None
-        self._uncounted: Optional[int] = None  # copied locally, not yet added to the store
+        self._epoch = 0
+        """The world: bumped by :meth:`abandon`; a snapshot's commit can only be learned in
+        the world that took it."""
+        self._held: List[Optional[Tuple[int, int]]] = [None] * len(self.slots)
+        """Per slot: (iteration, world) of the sealed snapshot it holds, or None."""
+        for slot in self.slots:  # an earlier incarnation's snapshots (holder directory)
+            header = slot.header()
+            if header is not None:
+                self._held[slot.index] = (int(header["iteration"]), -1)
+        self._everywhere: set = set()
+        """Iterations known to be committed by every rank."""
+        self._lock = threading.Lock()
+        self._worker: Optional[ParityWorker] = None
+        self._worker_of: Optional[weakref.ref] = None  # the data-parallel group it clones
         self.last_committed: Optional[int] = None
         self.taken: List[int] = []
         self.copy_wait_s = 0.0
@@ -111,13 +147,41 @@ class SnapshotManager:
     def due(self, iteration: int) -> bool:
         return self.config.enabled and iteration % self.config.interval == 0
 
+    def prepare(self) -> None:
+        """Collective over the world (every rank, at start-up of each world): build this
+        world's parity group and worker (no-op without redundancy)."""
+        if self.config.redundancy and self.parity_group is not None:
+            self._ensure_worker()
+
+    def _ensure_worker(self) -> ParityWorker:
+        source = self.parity_group()
+        current = self._worker_of() if self._worker_of is not None else None
+        if self._worker is None or current is not source:
+            from megatron_mecefo.snapshot.parity import clone_group
+
+            if self._worker is not None:
+                self._worker.close()
+            t0 = time.perf_counter()
+            store, epoch = self.store, self._epoch
+            self._worker = ParityWorker(
+                clone_group(source), on_idle=lambda: self._learn_commits(store, epoch)
+            )
+            # Weak: the old world's data-parallel group must be freed with its world.
+            self._worker_of = weakref.ref(source)
+            self.log(
+                f"> MeCeFO snapshot: parity group built ({dist.get_world_size(source)} members, "
+                f"background worker) in {time.perf_counter() - t0:.3f} s"
+            )
+        return self._worker
+
     def before_optimizer_step(self) -> None:
         """The copy reads the live parameters and optimizer state, which the step writes."""
         t0 = time.perf_counter()
         self.copier.fence()
-        dt = time.perf_counter() - t0
-        self.copy_wait_s += dt
-        self.main_thread_s += dt
+        self.copy_wait_s += time.perf_counter() - t0
+        if self._in_flight is not None and not self.copier.busy:
+            self._finish_local()  # CPU: the copy is done; commit it or start its parity now
+        self.main_thread_s += time.perf_counter() - t0
 
     def after_step(self, state: TrainingState, iteration: int) -> bool:
         """Snapshot ``state`` if ``iteration`` is due; returns whether one was started."""
@@ -129,20 +193,24 @@ class SnapshotManager:
         return True
 
     def take(self, state: TrainingState, iteration: int) -> None:
-        """Start copying ``state`` into the slot not holding the newest snapshot."""
+        """Start copying ``state`` into a slot that holds no snapshot still needed."""
+        if self.config.redundancy and self.parity_group is not None:
+            self._ensure_worker()  # a new world: a collective, at the same point on every rank
         self._finish_local()
-        previous = self._uncounted_commit()
-        if previous is not None:
-            # The slot about to be written may hold the last snapshot every rank committed:
-            # only overwrite it once the newer one (``previous``) counts everywhere.
-            self.wait_committed(previous)
+        slot = self._slot_to_write()
         tensors, meta = collect(state)
         meta["iteration"] = iteration
         if self.config.redundancy:
             meta["dist_opt_map"] = self._dist_opt_map(state)
         entries, nbytes = plan_layout(tensors)
-        slot = self.slots[self._next]
-        slot.invalidate()
+        with self._lock:
+            for other in self.slots:
+                held = self._held[other.index]
+                # ``slot``, and any snapshot of this iteration or later: another timeline (the
+                # run restarted from an older point), which must not shadow this one.
+                if other is slot or (held is not None and held[0] >= iteration):
+                    self._held[other.index] = None
+                    other.invalidate()
         buffer = slot.ensure(nbytes)
         header = {
             "iteration": iteration,
@@ -159,19 +227,89 @@ class SnapshotManager:
 
         self.copier.start(buffer, tensors, entries, finish)
         self._in_flight, self._in_flight_slot = iteration, slot
-        self._next = 1 - self._next
+        self._in_flight_header = header
         self.taken.append(iteration)
 
+    def _slot_to_write(self) -> Slot:
+        """A slot whose snapshot is not needed (class doc); waits for a commit if none is."""
+        while True:
+            held = {i: h for i, h in enumerate(self._held) if h is not None}
+            empty = [i for i in range(len(self.slots)) if i not in held]
+            if empty:
+                return self.slots[empty[0]]
+            safe = [it for it, _ in held.values() if it in self._everywhere]  # or the worker's
+            newest = max(safe) if safe else None
+            # Free: older than the newest everywhere-committed snapshot, or taken in an earlier
+            # world and not that one (its commit can no longer be learned; it is not needed).
+            free = [
+                i
+                for i, (it, world) in held.items()
+                if it != newest and ((newest is not None and it < newest) or world != self._epoch)
+            ]
+            if free:
+                return self.slots[min(free, key=lambda i: held[i][0])]
+            self.wait_committed(min(it for it, _ in held.values() if it != newest))
+
     def _finish_local(self) -> None:
+        """The copy in flight is done: commit it, or (with parity) hand it to the worker,
+        which commits it once its parity is stored."""
         if self._in_flight is None:
             return
         t0 = time.perf_counter()
         self.copier.join()
         self.copy_wait_s += time.perf_counter() - t0
-        self._uncounted, self._in_flight = self._in_flight, None
+        iteration, slot = self._in_flight, self._in_flight_slot
+        self._in_flight, self._in_flight_slot = None, None
+        self._held[slot.index] = (iteration, self._epoch)
+        store, key = self.store, f"{self._key_prefix}/{iteration}"
         if self.config.redundancy and self.parity_group is not None:
-            # Before the commit: a snapshot counts only once its parity is stored.
-            self._exchange_parity(self._in_flight_slot)
+            self._submit_parity(slot, iteration, self._in_flight_header, store, key)
+        else:
+            store.add(key, 1)
+
+    def _submit_parity(self, slot: Slot, iteration: int, header: Any, store: Any, key: str) -> None:
+        worker, epoch = self._worker, self._epoch
+        assert worker is not None
+
+        def job() -> None:
+            if epoch != self._epoch:
+                return  # the world was abandoned: its collectives are not run
+            parity = self._exchange_parity(slot, header, worker.group)
+            with self._lock:
+                if epoch != self._epoch or self._held[slot.index] != (iteration, epoch):
+                    return
+                slot.parity = parity
+                self.parity_bytes = parity.nbytes
+                self.parity_s += parity.seconds
+            store.add(key, 1)  # after the parity: a snapshot counts only with it
+
+        worker.submit(job)
+
+    def _learn_commits(self, store: Any, epoch: int) -> None:
+        """On the idle worker: which of this world's held snapshots every rank has committed
+        (the store round trips run here, so the training thread usually finds the snapshot
+        it must wait for already known; commits happen in snapshot order)."""
+        if epoch != self._epoch:
+            return  # the world was abandoned: its store may be gone
+        world = self.world_size
+        pending = sorted(
+            h[0]
+            for h in list(self._held)
+            if h is not None and h[1] == epoch and h[0] not in self._everywhere
+        )
+        for it in pending:
+            if int(store.add(f"{self._key_prefix}/{it}", 0)) < world:
+                break
+            with self._lock:
+                if epoch != self._epoch:
+                    return
+                self._everywhere.add(it)
+
+    def _exchange_parity(self, slot: Slot, header: Dict[str, Any], group: Any) -> Any:
+        """On the worker: :func:`.parity.exchange_parity` of ``slot`` over ``group``."""
+        from megatron_mecefo.snapshot.parity import exchange_parity
+
+        return exchange_parity(slot.buffer, header, self.config.redundancy, group, self.slot_id)
 
     def _dist_opt_map(self, state: TrainingState) -> Any:
         """:func:`dist_opt_map` of the live optimizer, computed once per optimizer (it only
@@ -182,34 +320,25 @@ class SnapshotManager:
             self._map, self._map_of = dist_opt_map(state), weakref.ref(state.optimizer)
         return self._map
 
-    def _exchange_parity(self, slot: Slot) -> None:
-        from megatron_mecefo.snapshot.parity import exchange_parity
-
-        t0 = time.perf_counter()
-        header = slot.header()
-        slot.parity = exchange_parity(
-            slot.buffer, header, self.config.redundancy, self.parity_group(), self.slot_id
-        )
-        self.parity_bytes = slot.parity.nbytes
-        self.parity_s += time.perf_counter() - t0
-
     def abandon(self) -> None:
         """The world failed: wait for a copy in flight (it reads live tensors) and forget it;
-        a snapshot without its parity exchanged and committed never counts."""
+        a snapshot without its parity exchanged and committed never counts. The parity worker
+        is let go without waiting: blocked in a collective of the dead world, it ends when
+        gloo fails that collective (a peer's socket closes when the world is destroyed, or the
+        group's timeout), and whatever it finishes is discarded."""
         try:
             self.copier.join()
         except RuntimeError:
             pass
-        if self._in_flight_slot is not None and self._in_flight is not None:
-            self._in_flight_slot.invalidate()
-        self._in_flight, self._in_flight_slot, self._uncounted = None, None, None
-
-    def _uncounted_commit(self) -> Optional[int]:
-        """Add this rank's commit of the last finished snapshot to the store."""
-        iteration, self._uncounted = self._uncounted, None
-        if iteration is not None:
-            self.store.add(f"{self._key_prefix}/{iteration}", 1)
-        return iteration
+        with self._lock:
+            self._epoch += 1
+            if self._in_flight_slot is not None and self._in_flight is not None:
+                self._held[self._in_flight_slot.index] = None
+                self._in_flight_slot.invalidate()
+            self._in_flight, self._in_flight_slot = None, None
+            worker, self._worker, self._worker_of = self._worker, None, None
+        if worker is not None:
+            worker.close()
 
     def commits(self, iteration: int) -> int:
         """How many ranks have committed the snapshot of ``iteration``."""
@@ -220,6 +349,8 @@ class SnapshotManager:
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.commit_timeout_s
         while self.commits(iteration) < self.world_size:
+            if self._worker is not None:
+                self._worker.raise_error()
             if self.should_abort is not None and self.should_abort():
                 raise RuntimeError(
                     f"snapshot of iteration {iteration}: the world changed while waiting for "
@@ -233,16 +364,34 @@ class SnapshotManager:
                 )
             time.sleep(0.001)
         self.commit_wait_s += time.perf_counter() - t0
-        self.last_committed = iteration
+        held = {h[0] for h in self._held if h is not None}
+        with self._lock:
+            self._everywhere = {it for it in self._everywhere if it in held} | {iteration}
+        self.last_committed = max(iteration, self.last_committed or iteration)
 
     def flush(self) -> Optional[int]:
-        """Finish the copy in flight and its commit (at the end of training); returns the
-        newest snapshot every rank committed."""
+        """Finish the copy in flight, its parity and its commit (at the end of training);
+        returns the newest snapshot every rank committed."""
         self._finish_local()
-        last = self._uncounted_commit()
-        if last is not None:
-            self.wait_committed(last)
+        if self._worker is not None:
+            self._worker.drain()
+        mine = [h[0] for h in self._held if h is not None and h[1] == self._epoch]
+        if mine:
+            self.wait_committed(max(mine))
         return self.last_committed
+
+    def _rolled_back_to(self, slot: Slot, iteration: int) -> None:
+        """After restoring ``iteration``: drop the newer snapshots (another timeline: the run
+        goes on from ``iteration`` and would take them again) and keep this one safe."""
+        with self._lock:
+            for other in self.slots:
+                held = self._held[other.index]
+                if other is not slot and held is not None and held[0] >= iteration:
+                    self._held[other.index] = None
+                    other.invalidate()
+            self._held[slot.index] = (iteration, self._epoch)
+        self._everywhere = {iteration}
+        self.last_committed = iteration
 
     # ------------------------------------------------------------------ restoring
     def local_snapshots(self, verify: bool = True) -> Dict[int, Tuple[Slot, Dict[str, Any]]]:
@@ -289,9 +438,7 @@ class SnapshotManager:
             del mine[iteration]
         tensors = slot.read(header)
         restore(state, tensors, header["meta"])
-        # The next snapshot must not overwrite the one just restored.
-        self._next = 1 - slot.index
-        self.last_committed = iteration
+        self._rolled_back_to(slot, iteration)  # the next snapshots must not overwrite it
         seconds = time.perf_counter() - t0
         nbytes = torch.tensor([header["nbytes"]], dtype=torch.int64)
         dist.all_reduce(nbytes, group=group)
@@ -366,8 +513,7 @@ class SnapshotManager:
         merged = {n: t for n, t in tensors.items() if not n.startswith("optim")}
         merged.update(optim)
         restore(state, merged, own_header["meta"])
-        self._next = 1 - slot.index  # keep the snapshot rolled back to
-        self.last_committed = iteration
+        self._rolled_back_to(slot, iteration)  # keep the snapshot rolled back to
         lost = [s for s in slot.parity.members if s not in self._survivors(group)]
         rebuilt = {s: optimizer_digest(*shards[s]) for s in lost}
         seconds = time.perf_counter() - t0

@@ -207,3 +207,33 @@ def optimizer_digest(header: Dict[str, Any], data: np.ndarray) -> str:
             h.update(name.encode())
             h.update(memoryview(np.ascontiguousarray(data[offset : offset + nbytes])))
     return h.hexdigest()
+
+
+def group_timeout(group: Any) -> Any:
+    """The collective timeout of a gloo ``group`` (a ``timedelta``), or None if unknown."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def clone_group(group: Any) -> Any:
+    """Collective over the whole world (every rank, at the same point): a new gloo group with
+    the members of ``group`` (this rank's data-parallel group), for the background parity
+    exchange, so that its collectives never interleave with the training thread's on
+    ``group``. Every rank creates every clone, in sorted order of the members (``new_group``
+    is collective over the world); the clones get ``group``'s timeout.
+
+    Returns:
+        The clone this rank belongs to.
+    """
+    mine = dist.get_process_group_ranks(group)
+    every: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    timeout = group_timeout(group)
+    own = None
+    for ranks in sorted({tuple(int(r) for r in e) for e in every}):
+        new = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+        if dist.get_rank() in ranks:
+            own = new
+    return own

@@ -1,10 +1,13 @@
-"""Two preallocated host slots per rank, and the protocol that keeps the last good one safe.
+"""Preallocated host slots per rank (2 or more), and the protocol that keeps the last good one
+safe.
 
 A slot is a flat uint8 buffer plus a header (JSON: iteration, tensor layout, metadata,
 checksum). Writing snapshot N into a slot first deletes that slot's header, then copies the
 bytes, then computes the checksum and writes the header atomically (``os.replace``). A process
 killed at any point leaves at most the slot being written without a header, so the other
-slot, holding the previous snapshot, stays valid. Snapshots alternate between the two slots.
+slots, holding the previous snapshots, stay valid. Which slot a snapshot goes to is the
+manager's rule (:class:`~.manager.SnapshotManager`): never the one holding the newest snapshot
+every rank committed.
 
 Backing: with a holder directory the buffers are files in shared memory
 (``/dev/shm/<job>/rank<R>/slot<i>.bin``, mapped with ``torch.from_file(shared=True)``), so
@@ -48,6 +51,19 @@ def plan_layout(tensors: Dict[str, torch.Tensor]) -> Tuple[List[Entry], int]:
         )
         offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
     return entries, offset
+
+
+def slot_indices(directory: str) -> List[int]:
+    """The indices of the slot files (``slot<i>.bin``) in a rank's directory, sorted."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if name.startswith("slot") and name.endswith(".bin") and name[4:-4].isdigit():
+            out.append(int(name[4:-4]))
+    return sorted(out)
 
 
 def _pin(buffer: torch.Tensor) -> torch.Tensor:

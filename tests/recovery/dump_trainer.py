@@ -72,12 +72,11 @@ def _digest_log() -> None:
 
     exchange = manager.SnapshotManager._exchange_parity
 
-    def logged(self, slot):
-        header = slot.header()
+    def logged(self, slot, header, group):
         digest = optimizer_digest(header, slot.buffer[: header["nbytes"]].numpy())
         with open(Path(out) / f"slot{self.slot_id}.txt", "a") as f:
             f.write(f"{header['iteration']} {digest}\n")
-        return exchange(self, slot)
+        return exchange(self, slot, header, group)
 
     manager.SnapshotManager._exchange_parity = logged
 

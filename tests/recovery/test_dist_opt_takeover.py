@@ -64,8 +64,11 @@ def _kill_one(tmp_path: Path, optimizer: List[str]) -> tuple:
     assert "died: SIGKILL" in log and "recovery path peers+parity" in log
     (restore,) = job.records_of("snapshot_restore")
     s = restore["iteration"]
-    # The newest snapshot with parity everywhere: 3 (4's parity is exchanged when 5 is taken).
-    assert restore["path"] == "peers+parity" and s == 3, restore
+    # The newest snapshot with parity everywhere: 3 (4's copy is handed to the parity worker
+    # at iteration 5's optimizer step, which nobody reaches), or 2 if the background worker had
+    # not finished 3's exchange when rank 2 died (3 slots: 2's commit everywhere was awaited
+    # before snapshot 4 was taken).
+    assert restore["path"] == "peers+parity" and s in (2, 3), restore
     # The rebuilt shard is, bit for bit, the one rank 2 held at the snapshot (its own SHA-256
     # of the optimizer tensors, written before its parity exchange).
     assert list(restore["rebuilt"]) == ["2"]

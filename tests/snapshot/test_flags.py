@@ -25,6 +25,9 @@ def _args(*argv: str) -> argparse.Namespace:
         (["--mecefo-snapshot-interval", "1", "--mecefo-snapshot-redundancy", "1"],
          r"--mecefo-snapshot-redundancy=1: parity protects the distributed optimizer.*add "
          r"--use-distributed-optimizer"),
+        (["--mecefo-snapshot-interval", "1", "--mecefo-snapshot-slots", "1"],
+         r"--mecefo-snapshot-slots=1: needs at least 2 .* use 3 for one snapshot per iteration"),
+        (["--mecefo-snapshot-slots", "3"], r"--mecefo-snapshot-slots=3 needs --mecefo-snapshot-i"),
         (["--mecefo-snapshot-interval", "1", "--mecefo-snapshot-dir", "/nonexistent/mecefo"],
          r"no live snapshot holder there; start one with `python -m "),
     ],
@@ -45,3 +48,8 @@ def test_good_snapshot_flags() -> None:
     assert validate(_args(), dp_size=4) is None
     config = validate(_args("--mecefo-snapshot-interval", "10"), dp_size=4)
     assert config.interval == 10 and config.directory is None and config.enabled
+    # Slots: 3 at one snapshot per iteration (no per-snapshot barrier), else 2; or as given.
+    assert config.n_slots == 2
+    assert validate(_args("--mecefo-snapshot-interval", "1"), dp_size=4).n_slots == 3
+    given = validate(_args("--mecefo-snapshot-interval", "1", "--mecefo-snapshot-slots", "4"), 4)
+    assert given.n_slots == 4
