@@ -280,7 +280,6 @@ def memory_vs_disk(mib: int) -> Dict[str, Any]:
     from megatron.core.dist_checkpointing import ShardedTensor
 
     from megatron_mecefo.snapshot.config import SnapshotConfig
-    from megatron_mecefo.snapshot.contents import TrainingState
     from megatron_mecefo.snapshot.manager import SnapshotManager
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True)
@@ -289,18 +288,9 @@ def memory_vs_disk(mib: int) -> Dict[str, Any]:
     from megatron_mecefo.runtime import enable_cpu_runtime
 
     enable_cpu_runtime()  # dist_checkpointing's writer calls torch.cuda.synchronize()
-    torch.manual_seed(0)
-    n = (mib << 20) // 4 // 3  # params + two Adam moments
-    model = torch.nn.Linear(n // 1024, 1024, bias=False)
+    from snapshot_recovery import adam_state
 
-    class Wrapped:
-        optimizer = torch.optim.Adam(model.parameters())
-
-    model(torch.ones(1, n // 1024)).sum().backward()
-    Wrapped.optimizer.step()
-    state = TrainingState([model], Wrapped(), None, {"iteration": 1})
-    tensors = {"w": model.weight.data}
-    tensors.update({k: v for k, v in Wrapped.optimizer.state[model.weight].items() if v.dim()})
+    state, tensors = adam_state(mib, 0)
     nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
     shm = Path("/dev/shm") / f"mecefo-bench-mem-{os.getpid()}"
     holder = _holder(shm)

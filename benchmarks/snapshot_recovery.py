@@ -35,7 +35,9 @@ import torch
 RANKS = 4
 
 
-def _state(mib: int, seed: int) -> tuple:
+def adam_state(mib: int, seed: int) -> tuple:
+    """A ``TrainingState`` of about ``mib`` MiB (one weight and its two Adam moments, after
+    one step) and its tensors by name."""
     from megatron_mecefo.snapshot.contents import TrainingState
 
     torch.manual_seed(seed)
@@ -98,7 +100,7 @@ def _worker(
             print(f"  recovery_size: {mib:.0f} MiB/rank {path}: {seconds:.3f} s", flush=True)
 
     for mib in sizes:
-        state, tensors = _state(mib, seed=rank)
+        state, tensors = adam_state(mib, seed=rank)
         nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
         real_mib = nbytes / 2**20
         shm = os.path.join(shm_base, f"shm{mib}")  # the slots in /dev/shm, as a holder's

@@ -448,12 +448,18 @@ class Supervisor:
     def _record_cost(self) -> None:
         """The supervisor's own CPU (its loop, the coordinator and, on node 0, the store's
         server thread), for the armed-cost account of ``benchmarks/recovery_latency.py``."""
+        if not self.cfg.records_file:
+            return
         record = {"type": "supervisor_cost", "node": self.node, "cpu_s": _cpu_s(),
                   "wall_s": time.monotonic() - self.t_start}  # fmt: skip
         if self._steady is not None:
-            last = int(self.ms.get_str("progress") or 0)
-            record["steady"] = {"cpu_s": record["cpu_s"] - self._steady[0],
-                                "iterations": last - self._steady[1]}  # fmt: skip
+            try:  # node 0's store may be gone already (this node finished after it)
+                last = int(self.ms.get_str("progress") or 0)
+            except Exception:  # noqa: BLE001 (a statistic, never a reason to fail the exit)
+                last = None
+            if last is not None:
+                record["steady"] = {"cpu_s": record["cpu_s"] - self._steady[0],
+                                    "iterations": last - self._steady[1]}  # fmt: skip
         append_jsonl(self.cfg.records_file, record)
 
     def _finish_node(self) -> int:
