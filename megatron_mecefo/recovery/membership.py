@@ -173,9 +173,11 @@ class MembershipStore:
         """Block until generation ``number + 1`` is published or ``timeout_s`` passes; the
         store wakes the caller when the key appears (no polling). Holds this client's lock
         while it waits: use a client of its own."""
-        self._wait_for(f"gen/{number + 1}", timeout_s)
+        self.wait_for(f"gen/{number + 1}", timeout_s)
 
-    def _wait_for(self, key: str, timeout_s: float) -> None:
+    def wait_for(self, key: str, timeout_s: float) -> None:
+        """Block until ``key`` exists or ``timeout_s`` passes (the store answers the moment
+        it is set). Holds this client's lock while it waits."""
         from torch.distributed import DistStoreError
 
         try:
@@ -258,4 +260,4 @@ class MembershipStore:
         """Block until event ``number + 1`` is published or ``timeout_s`` passes (a writer
         killed between counting and publishing costs the waiter one timeout). Holds this
         client's lock while it waits: use a client of its own."""
-        self._wait_for(f"event/{number + 1}", timeout_s)
+        self.wait_for(f"event/{number + 1}", timeout_s)

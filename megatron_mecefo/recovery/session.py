@@ -759,10 +759,12 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
     if standby:  # a warm standby: import now, wait for the slot of a dead rank
         _warm_up()
         ms = MembershipStore.connect(config.store, config.init_timeout_s)
+        # Blocks in the store until the supervisor assigns a slot (no polling: idle standbys
+        # took the store's server thread from the ranks); the supervisor ends it with the job.
         while (assigned := ms.get_json(f"assign/{standby}")) is None:
             if ms.get_str("done") is not None or ms.get_str("fatal") is not None:
                 raise SystemExit(0)
-            time.sleep(config.poll_interval_s)
+            ms.wait_for(f"assign/{standby}", config.init_timeout_s)
         os.environ.update(
             MECEFO_RECOVERY_SLOT=str(assigned["slot"]),
             MECEFO_RECOVERY_INC=str(assigned["inc"]),
