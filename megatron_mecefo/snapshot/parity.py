@@ -154,14 +154,15 @@ def rebuild_group(
     # The small part (who holds which parity blocks, the CRCs) as objects; the bytes (each
     # survivor's slot and parity blocks, packed into one buffer of a common size) with one
     # tensor all_gather: pickling them took most of the rebuild's time at 64 MiB.
+    held = sorted(parity.blocks)
     every: List[Any] = [None] * size
-    dist.all_gather_object(every, (my_slot, sorted(parity.blocks), parity.crcs), group=group)
+    dist.all_gather_object(every, (my_slot, held, parity.crcs), group=group)
     length, top = parity.length, max(int(h["nbytes"]) for h in parity.headers)
     most = max(len(keys) for _, keys, _ in every)
     packed = torch.zeros(top + most * length, dtype=torch.uint8)
     view = packed.numpy()
     view[: own.size] = own
-    for j, key in enumerate(sorted(parity.blocks)):
+    for j, key in enumerate(held):
         view[top + j * length : top + (j + 1) * length] = parity.blocks[key]
     gathered = [torch.empty_like(packed) for _ in range(size)]
     dist.all_gather(gathered, packed, group=group)
