@@ -1,12 +1,18 @@
 """The commit vote: an optimizer step is applied only if every member finished its sync.
 
 torchft's ``should_commit``, over the membership store. After the gradient sync, each member
-writes ``vote/<g>/<iteration>/<slot>`` and waits until either every member of generation
-``g`` has voted (commit) or the generation has moved on (a member died or left: abort). The
-outcome is then fixed by an atomic ``compare_set`` on ``decision/<g>/<iteration>``: the first
-member to decide writes it and every other member adopts that value, so no step is applied by
-some members and not others. An aborted iteration is redone in the next generation, with the
-same samples, under the takeover plan.
+adds 1 to ``votes/<g>/<iteration>`` and waits until either every member of generation ``g``
+has voted (commit) or the generation has moved on (a member died or left: abort).
+
+The counter is the arbiter, so no step is applied by some members and not others: an abort
+adds :data:`ABORT_WEIGHT` to the same counter. The store orders the additions, and the outcome
+is COMMIT exactly when the last vote comes before the first abort. The member whose vote
+completes the count sees exactly the member count, and the first aborter sees every vote in or
+not. Whoever decides writes ``decision/<g>/<iteration>`` with a plain ``set``: no reply is
+awaited, so the commit costs its voter one round trip. The other members wait on that key. A
+lost ``set`` (its writer's node died with it in flight) costs a wait until the look for a newer
+generation, whose abort then finds the same outcome in the counter. An aborted iteration is
+redone in the next generation, with the same samples, under the takeover plan.
 
 :class:`AsyncVoter` runs the vote on a worker thread with its own store client, so that its
 round trips overlap the optimizer's gradient preparation (copy to main grads, norm, clipping),
@@ -33,6 +39,11 @@ class StepAborted(RuntimeError):
     """The members did not all finish the iteration: it is redone after the regroup."""
 
 
+ABORT_WEIGHT = 1 << 40
+"""What an abort adds to the vote counter: more than any member count, so the counter tells how
+many votes and whether an abort came before (see the module docstring)."""
+
+
 def vote(
     ms: MembershipStore,
     generation: int,
@@ -44,41 +55,61 @@ def vote(
 ) -> bool:
     """Vote for ``iteration`` in ``generation``; True when the step may be applied.
 
-    The members count their votes with one atomic ``add``; the one that completes the count
-    writes the commit. Everyone else blocks in ``get`` on the decision key (answered by the
-    store the moment it is written, no polling); every ``poll_interval_s * 50`` it looks
-    whether a failure generation has superseded this one, and then writes the abort. ``compare_set``
-    keeps the first decision written, so all members apply the same one. ``outcome["last"]``
-    (when given) tells whether this member's vote completed the count: its vote never waited
-    for a peer, so its duration is the protocol's own cost.
+    The member whose ``add`` completes the count writes the commit; a member whose ``add``
+    comes after an abort knows the outcome from the count. Every other member blocks in
+    ``get`` on the decision key (answered by the store the moment it is written, no polling);
+    every ``poll_interval_s * 50`` it looks whether a failure generation has superseded this
+    one, and then aborts. ``outcome["last"]`` (when given) tells whether this member's vote
+    completed the count: its vote never waited for a peer, so its duration is the protocol's
+    own cost. ``slot`` names the voter in errors only.
     """
-    decision_key = f"decision/{generation}/{iteration}"
-    count = int(ms.store.add(f"votes/{generation}/{iteration}", 1))
+    count = int(ms.store.add(_votes_key(generation, iteration), 1))
     if outcome is not None:
         outcome["last"] = count == len(members)
-    if count == len(members):
-        # compare_set answers with the value now stored: the decision, with no wait or get.
-        return ms.store.compare_set(decision_key, "", COMMIT).decode() == COMMIT
-    # ``get`` blocks in the store until the key exists and answers with its value: one round
-    # trip after the decision is written, where ``wait`` then ``get`` took two. The client's
-    # timeout is lowered meanwhile so that a death is looked for every ``50 * poll`` s.
+    if count == len(members):  # every vote in, no abort before: commit (one round trip)
+        ms.store.set(_decision_key(generation, iteration), COMMIT)
+        return True
+    if count > len(members):  # an abort came before this vote: with this one missing
+        return False
+    # ``get`` blocks in the store until the key exists and answers with its value. The
+    # client's timeout is lowered meanwhile so that a death is looked for every ``50 * poll`` s.
     previous = ms.store.timeout
     ms.store.set_timeout(timedelta(seconds=max(poll_interval_s * 50, 0.05)))
     try:
         while True:
             try:
-                return ms.store.get(decision_key).decode() == COMMIT
+                return ms.store.get(_decision_key(generation, iteration)).decode() == COMMIT
             except DistStoreError:  # no decision yet: has a member died meanwhile?
                 if _superseded(ms, generation, iteration):
-                    ms.store.compare_set(decision_key, "", ABORT)
+                    return abort(ms, generation, iteration, len(members))
     finally:
         ms.store.set_timeout(previous)
 
 
-def abort(ms: MembershipStore, generation: int, iteration: int) -> None:
-    """Decide ABORT for ``iteration`` unless a decision was taken (this member will not apply
-    the step, so no member may: the first decision written stands for everyone)."""
-    ms.store.compare_set(f"decision/{generation}/{iteration}", "", ABORT)
+def abort(ms: MembershipStore, generation: int, iteration: int, members: int) -> bool:
+    """Abort ``iteration`` unless every one of the ``members`` has voted already; returns the
+    outcome that stands for everyone (True: commit).
+
+    The first abort decides from the count it finds and writes the decision. A later one can
+    tell the outcome from the count unless every vote is in, and then reads the first one's.
+    """
+    total = int(ms.store.add(_votes_key(generation, iteration), ABORT_WEIGHT)) - ABORT_WEIGHT
+    votes = total % ABORT_WEIGHT
+    if total < ABORT_WEIGHT:  # the first abort
+        decision = COMMIT if votes == members else ABORT
+        ms.store.set(_decision_key(generation, iteration), decision)
+        return decision == COMMIT
+    if votes < members:  # not every vote in even now: the first abort found fewer still
+        return False
+    return ms.store.get(_decision_key(generation, iteration)).decode() == COMMIT
+
+
+def _votes_key(generation: int, iteration: int) -> str:
+    return f"votes/{generation}/{iteration}"
+
+
+def _decision_key(generation: int, iteration: int) -> str:
+    return f"decision/{generation}/{iteration}"
 
 
 def _superseded(ms: MembershipStore, generation: int, iteration: int) -> bool:

@@ -555,7 +555,7 @@ class RecoverySession:
                 return result
             except BaseException:
                 if pending.pop("vote", None) is not None and not future.done():
-                    abort(session.ms, gen.number, iteration)  # wakes the peers' votes now
+                    abort(session.ms, gen.number, iteration, len(gen.members))  # wakes the peers
                 raise
 
         def update_after_commit(*a: Any, **k: Any) -> Any:

@@ -198,6 +198,33 @@ def test_commit_vote_is_all_or_nothing(store: str) -> None:
     assert first == {"last": False} and last == {"last": True}
 
 
+def test_vote_counter_orders_votes_and_aborts(store: str) -> None:
+    """The counter decides: COMMIT exactly when the last vote precedes the first abort, and
+    every later vote or abort, in any order, finds that same outcome."""
+    ms = MembershipStore.connect(store)
+    ms.publish(Generation(number=0, replicas=(), members={0: 0, 1: 0}))
+    # Iteration 1: both vote, then a member aborts (its step failed after its vote counted).
+    t = threading.Thread(
+        target=lambda: vote(MembershipStore.connect(store), 0, 1, 0, [0, 1], 0.005)
+    )
+    t.start()
+    assert vote(ms, 0, 1, 1, [0, 1], 0.005) is True
+    t.join(10)
+    assert abort(ms, 0, 1, 2) is True and abort(ms, 0, 1, 2) is True  # both find the commit
+    assert ms.store.get("decision/0/1") == b"commit"
+    # Iteration 2: one vote, then an abort, then the last vote (too late), then another abort
+    # that finds every vote in and reads the first abort's decision.
+    waiting = AsyncVoter(store, 0.02).start(0, 2, 0, [0, 1])
+    time.sleep(0.1)
+    assert abort(ms, 0, 2, 2) is False
+    assert waiting.result(10)[0] is False
+    assert vote(ms, 0, 2, 1, [0, 1], 0.005) is False  # its add finds the abort
+    assert abort(ms, 0, 2, 2) is False
+    # Iteration 3: an abort before any vote; a later abort with votes still missing.
+    assert abort(ms, 0, 3, 2) is False and abort(ms, 0, 3, 2) is False
+    assert vote(ms, 0, 3, 0, [0, 1], 0.005) is False
+
+
 def test_async_vote_overlaps_and_a_member_that_fails_aborts_everyone(store: str) -> None:
     """The worker-thread vote decides like :func:`vote` while the caller keeps computing, and
     leaves the store client's timeout as it was; a member whose optimizer step failed before
@@ -218,7 +245,7 @@ def test_async_vote_overlaps_and_a_member_that_fails_aborts_everyone(store: str)
     time.sleep(0.1)
     assert not waiting.done()
     t0 = time.perf_counter()
-    abort(ms, 0, 2)
+    assert abort(ms, 0, 2, 2) is False
     assert waiting.result(10)[0] is False
     assert time.perf_counter() - t0 < 0.5  # woken by the decision, not by its 1 s look
     assert voters[1].start(0, 2, 1, [0, 1]).result(10)[0] is False  # the late vote adopts it
