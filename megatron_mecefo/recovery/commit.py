@@ -8,11 +8,15 @@ The counter is the arbiter, so no step is applied by some members and not others
 adds :data:`ABORT_WEIGHT` to the same counter. The store orders the additions, and the outcome
 is COMMIT exactly when the last vote comes before the first abort. The member whose vote
 completes the count sees exactly the member count, and the first aborter sees every vote in or
-not. Whoever decides writes ``decision/<g>/<iteration>`` with a plain ``set``: no reply is
-awaited, so the commit costs its voter one round trip. The other members wait on that key. A
-lost ``set`` (its writer's node died with it in flight) costs a wait until the look for a newer
-generation, whose abort then finds the same outcome in the counter. An aborted iteration is
-redone in the next generation, with the same samples, under the takeover plan.
+not. The commit is announced by the key ``commit/<g>/<iteration>``, written with a plain
+``set`` (no reply awaited): the voter that completes the count pays one round trip, and the
+others wait for that key's existence, one round trip more (reading a value would take two).
+A waiter that finds no commit within ``poll_interval_s * 10`` reads the counter (an abort
+shows there) and looks whether a failure generation superseded this one (then it aborts).
+The first abort writes ``decision/<g>/<iteration>`` for a later abort that cannot tell the
+outcome from the counter. A lost ``set`` (its writer's node died with it in flight) costs a
+waiter one look. An aborted iteration is redone in the next generation, with the same
+samples, under the takeover plan.
 
 :class:`AsyncVoter` runs the vote on a worker thread with its own store client, so that its
 round trips overlap the optimizer's gradient preparation (copy to main grads, norm, clipping),
@@ -55,35 +59,33 @@ def vote(
 ) -> bool:
     """Vote for ``iteration`` in ``generation``; True when the step may be applied.
 
-    The member whose ``add`` completes the count writes the commit; a member whose ``add``
-    comes after an abort knows the outcome from the count. Every other member blocks in
-    ``get`` on the decision key (answered by the store the moment it is written, no polling);
-    every ``poll_interval_s * 50`` it looks whether a failure generation has superseded this
-    one, and then aborts. ``outcome["last"]`` (when given) tells whether this member's vote
-    completed the count: its vote never waited for a peer, so its duration is the protocol's
-    own cost. ``slot`` names the voter in errors only.
+    The member whose ``add`` completes the count announces the commit; a member whose ``add``
+    comes after an abort knows the outcome from the count. Every other member waits in the
+    store for the commit key (answered the moment it is written, no polling) and, every
+    ``poll_interval_s * 10``, reads the counter and looks for a newer failure generation.
+    ``outcome["last"]`` (when given) tells whether this member's vote completed the count: its
+    vote never waited for a peer, so its duration is the protocol's own cost. ``slot`` names
+    the voter in errors only.
     """
+    n = len(members)
     count = int(ms.store.add(_votes_key(generation, iteration), 1))
     if outcome is not None:
-        outcome["last"] = count == len(members)
-    if count == len(members):  # every vote in, no abort before: commit (one round trip)
-        ms.store.set(_decision_key(generation, iteration), COMMIT)
+        outcome["last"] = count == n
+    if count == n:  # every vote in, no abort before: commit (one round trip)
+        ms.store.set(_commit_key(generation, iteration), "")
         return True
-    if count > len(members):  # an abort came before this vote: with this one missing
-        return False
-    # ``get`` blocks in the store until the key exists and answers with its value. The
-    # client's timeout is lowered meanwhile so that a death is looked for every ``50 * poll`` s.
-    previous = ms.store.timeout
-    ms.store.set_timeout(timedelta(seconds=max(poll_interval_s * 50, 0.05)))
-    try:
-        while True:
-            try:
-                return ms.store.get(_decision_key(generation, iteration)).decode() == COMMIT
-            except DistStoreError:  # no decision yet: has a member died meanwhile?
-                if _superseded(ms, generation, iteration):
-                    return abort(ms, generation, iteration, len(members))
-    finally:
-        ms.store.set_timeout(previous)
+    wait = timedelta(seconds=max(poll_interval_s * 10, 0.02))
+    looks = 0
+    while count < n:  # not every vote in yet, and no abort: wait for the commit
+        try:
+            ms.store.wait([_commit_key(generation, iteration)], wait)
+            return True
+        except DistStoreError:  # no commit yet: an abort, or a death meanwhile?
+            count = int(ms.store.add(_votes_key(generation, iteration), 0))
+            looks += 1
+            if count < n and looks % 5 == 0 and _superseded(ms, generation, iteration):
+                return abort(ms, generation, iteration, n)
+    return _outcome(ms, generation, iteration, count, n)
 
 
 def abort(ms: MembershipStore, generation: int, iteration: int, members: int) -> bool:
@@ -94,18 +96,29 @@ def abort(ms: MembershipStore, generation: int, iteration: int, members: int) ->
     tell the outcome from the count unless every vote is in, and then reads the first one's.
     """
     total = int(ms.store.add(_votes_key(generation, iteration), ABORT_WEIGHT)) - ABORT_WEIGHT
-    votes = total % ABORT_WEIGHT
-    if total < ABORT_WEIGHT:  # the first abort
-        decision = COMMIT if votes == members else ABORT
+    if total < ABORT_WEIGHT:  # the first abort decides
+        decision = COMMIT if total == members else ABORT
         ms.store.set(_decision_key(generation, iteration), decision)
         return decision == COMMIT
-    if votes < members:  # not every vote in even now: the first abort found fewer still
+    return _outcome(ms, generation, iteration, total, members)
+
+
+def _outcome(ms: MembershipStore, generation: int, iteration: int, count: int, n: int) -> bool:
+    """The outcome from a reading ``count`` of the vote counter that has all ``n`` votes in or
+    an abort in it: commit when the votes completed before any abort."""
+    if count < ABORT_WEIGHT:  # every vote in and no abort: the commit stands
+        return True
+    if count % ABORT_WEIGHT < n:  # not every vote in even now: the first abort found fewer
         return False
     return ms.store.get(_decision_key(generation, iteration)).decode() == COMMIT
 
 
 def _votes_key(generation: int, iteration: int) -> str:
     return f"votes/{generation}/{iteration}"
+
+
+def _commit_key(generation: int, iteration: int) -> str:
+    return f"commit/{generation}/{iteration}"
 
 
 def _decision_key(generation: int, iteration: int) -> str:

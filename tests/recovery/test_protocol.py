@@ -223,13 +223,21 @@ def test_vote_counter_orders_votes_and_aborts(store: str) -> None:
     # Iteration 3: an abort before any vote; a later abort with votes still missing.
     assert abort(ms, 0, 3, 2) is False and abort(ms, 0, 3, 2) is False
     assert vote(ms, 0, 3, 0, [0, 1], 0.005) is False
+    # Iteration 4: the last voter dies between its count and its commit key; the waiting
+    # member reads the complete count at its next look and commits, as would any abort.
+    waiting = AsyncVoter(store, 0.02).start(0, 4, 0, [0, 1])
+    time.sleep(0.1)
+    assert ms.store.add("votes/0/4", 1) == 2  # the vote, without the commit key
+    assert waiting.result(10)[0] is True
+    assert abort(ms, 0, 4, 2) is True
 
 
 def test_async_vote_overlaps_and_a_member_that_fails_aborts_everyone(store: str) -> None:
     """The worker-thread vote decides like :func:`vote` while the caller keeps computing, and
     leaves the store client's timeout as it was; a member whose optimizer step failed before
-    the count completed writes ABORT, which wakes the waiting peer with that decision at once
-    (not after its ``50 * poll`` look for a newer generation) and stands against a late vote."""
+    the count completed aborts, which the waiting peer finds at its next look at the counter
+    (``10 * poll``, not after its ``50 * poll`` look for a newer generation), and which stands
+    against a late vote."""
     ms = MembershipStore.connect(store)
     ms.publish(Generation(number=0, replicas=(), members={0: 0, 1: 0}))
     voters = [AsyncVoter(store, 0.02), AsyncVoter(store, 0.02)]
@@ -247,7 +255,7 @@ def test_async_vote_overlaps_and_a_member_that_fails_aborts_everyone(store: str)
     t0 = time.perf_counter()
     assert abort(ms, 0, 2, 2) is False
     assert waiting.result(10)[0] is False
-    assert time.perf_counter() - t0 < 0.5  # woken by the decision, not by its 1 s look
+    assert time.perf_counter() - t0 < 0.5  # found at a 0.2 s look, not at its 1 s one
     assert voters[1].start(0, 2, 1, [0, 1]).result(10)[0] is False  # the late vote adopts it
     assert voters[0]._ms.store.timeout.total_seconds() > 1  # restored after the short waits
     assert voters[0].cpu_s > 0
