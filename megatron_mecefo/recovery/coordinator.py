@@ -140,6 +140,8 @@ class Coordinator:
         supervisor); if nobody confirms the death within another timeout (its supervisor is
         gone too), the coordinator declares it dead itself."""
         keys = sorted(self.ready - self.dead)
+        declare: List[Tuple[int, int]] = []
+        unanswered: List[Tuple[int, int]] = []
         for key, count in zip(keys, self.ms.heartbeats(keys), strict=True):
             slot, inc = key
             seen = self._hb.get(key)
@@ -158,11 +160,20 @@ class Coordinator:
                     f"{silent:.1f} s; asking its supervisor to SIGKILL it"
                 )
             elif now - self._kill_requested[key] > self.cfg.heartbeat_timeout_s:
-                self.ms.report_dead(
-                    slot, inc, {"exit_code": None, "reason": "heartbeat, no supervisor", "t": 0}
-                )
-                self.dead.add(key)
-                self.ready.discard(key)
+                declare.append(key)
+            else:
+                unanswered.append(key)
+        if declare:
+            # A node that died took its supervisor: its ranks fell silent together, but their
+            # timeouts lapse a check apart. Every rank silent for the timeout whose kill request
+            # is unanswered goes with them, so a node's death is one failure generation.
+            declare += unanswered
+        for slot, inc in declare:
+            self.ms.report_dead(
+                slot, inc, {"exit_code": None, "reason": "heartbeat, no supervisor", "t": 0}
+            )
+            self.dead.add((slot, inc))
+            self.ready.discard((slot, inc))
 
     def alive_slots(self) -> List[int]:
         """Slots whose current process can train: not known dead, and either ready or a

@@ -179,13 +179,8 @@ def test_two_supervisors_kill_a_node(tmp_path: Path) -> None:
         job.stop()
     assert rc[0] == 0 and rc[1] == -9, (rc, job.log()[-4000:])
     check_every_sample_once(train_records(job.metrics), 200, 16)
-    # The node's two ranks fall silent together, but each is declared dead when its own
-    # heartbeat timeout lapses: one failure generation, or two when their last beats fell on
-    # either side of a heartbeat check.
-    failures = [r for r in job.records_of("recovery") if r["ranks_lost"]]
-    assert 1 <= len(failures) <= 2, failures
-    assert {s for r in failures for s in r["ranks_lost"]} >= {2, 3}
-    assert sorted(failures[-1]["replicas"]) == [0, 1]
+    (failure,) = [r for r in job.records_of("recovery") if r["ranks_lost"]]
+    assert sorted(failure["replicas"]) == [0, 1] and set(failure["ranks_lost"]) >= {2, 3}
 
 
 @pytest.mark.slow
