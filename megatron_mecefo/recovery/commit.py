@@ -64,8 +64,8 @@ def vote(
     store for the commit key (answered the moment it is written, no polling) and, every
     ``poll_interval_s * 10``, reads the counter and looks for a newer failure generation.
     ``outcome["last"]`` (when given) tells whether this member's vote completed the count: its
-    vote never waited for a peer, so its duration is the protocol's own cost. ``slot`` names
-    the voter in errors only.
+    vote never waited for a peer, so its duration is the protocol's own cost. ``slot`` is not
+    used: the counter counts votes, not voters (kept so that callers name who votes).
     """
     n = len(members)
     count = int(ms.store.add(_votes_key(generation, iteration), 1))
