@@ -15,7 +15,12 @@ setup(
     # Install torch first and pin it: an unpinned torch pulls the CUDA build.
     install_requires=["torch>=2.6", "megatron-core>=0.16.1", "numpy", "psutil"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "tensorboard", "zfec>=1.5", "pyeclib>=1.6"],
+        # The tests also run Megatron-LM's own pretrain_gpt.py (its megatron/training needs
+        # what the megatron-lm extra lists).
+        "test": [
+            "pytest>=8", "pytest-timeout", "tensorboard", "zfec>=1.5", "pyeclib>=1.6",
+            "six", "regex", "pyyaml", "pydantic",
+        ],  # fmt: skip
         # In-memory snapshots' Reed-Solomon parity (m >= 2): zfec, the fastest measured here
         # (benchmarks/snapshot_overhead.py); pyeclib (its wheel bundles ISA-L) the alternative.
         "snapshot": ["zfec>=1.5", "pyeclib>=1.6"],

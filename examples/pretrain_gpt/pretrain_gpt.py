@@ -30,7 +30,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     t_start = time.perf_counter()
     device = _select_device(args)
     if os.environ.get("MECEFO_RECOVERY"):  # under megatron_mecefo.recovery.supervisor
-        from megatron_mecefo.recovery.session import run_recoverable
+        from megatron_mecefo.recovery.generations import run_recoverable
 
         trainer = run_recoverable(args, lambda session: Trainer(args, device, session))
     else:
@@ -65,12 +65,18 @@ def _fail(message: str) -> None:
 
 
 class Trainer:
-    """One training run: distributed setup, model, optimizer, data, loop, eval, checkpoints."""
+    """One training run: distributed setup, model, optimizer, data, loop, eval, checkpoints.
+
+    Under the recovery supervisor it is a :class:`megatron_mecefo.recovery.trainer.
+    RecoverableTrainer` (the state, :meth:`rewind_data`, :meth:`hook_phases`, :meth:`emit`,
+    :meth:`snapshot_state`, the recovery checkpoint and :meth:`release`).
+    """
 
     def __init__(self, args: Any, device: Any, recovery: Any = None) -> None:
         import torch
         import torch.distributed as dist
 
+        self.built = False  # the recovery session's: the model and optimizer exist
         self.args = args
         self.device = device
         self.recovery = recovery  # a megatron_mecefo.recovery RecoverySession, or None
@@ -141,8 +147,55 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
         self.saved: list[int] = []
+        self.built = True
         if recovery is not None:  # restore or heal the state, hook the commit vote
             recovery.on_built(self)
+
+    # ------------------------------------------------------------------ RecoverableTrainer
+    def rewind_data(self, consumed_samples: int) -> None:
+        """Read the training set from ``consumed_samples`` on (a redone iteration)."""
+        self.train_iter = self._iterators(self.train_ds, consumed_samples)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}  # everything this trainer carries is in the common state
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def hook_phases(self, phase: Any) -> None:
+        """Fire the kill-injection phases forward, backward and grad-sync."""
+        import functools
+
+        from megatron_mecefo.recovery.step_hooks import phase_forward_step
+
+        fwd_bwd = self.forward_backward
+
+        @functools.wraps(fwd_bwd)
+        def forward_backward(*, forward_step_func: Any, **kw: Any) -> Any:
+            if not kw.get("forward_only", False):
+                forward_step_func = phase_forward_step(forward_step_func, phase, self.iteration + 1)
+            return fwd_bwd(forward_step_func=forward_step_func, **kw)
+
+        self.forward_backward = forward_backward
+        finalize = self.config.finalize_model_grads_func
+
+        @functools.wraps(finalize)
+        def finalize_model_grads(*a: Any, **k: Any) -> Any:
+            phase("grad-sync", self.iteration + 1)
+            return finalize(*a, **k)
+
+        self.config.finalize_model_grads_func = finalize_model_grads
+
+    def emit(self, record: dict[str, Any]) -> None:
+        self._emit(record)
+
+    def snapshot_state(self) -> Any:
+        return self._snapshot_state()
+
+    def release(self) -> None:
+        """Drop every reference (model, optimizer, groups, iterators) of this world."""
+        self.__dict__.clear()
+        self.built = False
 
     # ------------------------------------------------------------------ setup
     def _init_parallel_state(self) -> None:

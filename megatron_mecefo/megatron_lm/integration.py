@@ -60,6 +60,9 @@ def extra_args_provider(other: Optional[Callable] = None) -> Callable:
         if other is not None:
             parser = other(parser)
         parser = add_arguments(parser)
+        from megatron_mecefo.recovery.arguments import add_arguments as add_recovery_arguments
+
+        parser = add_recovery_arguments(parser)  # --mecefo-kill (under the supervisor)
         sys.argv[:] = normalize_argv(sys.argv)
         _check_after_parsing(parser)
         return parser
@@ -111,6 +114,11 @@ def check_parsed_args(args: Any) -> None:
         abft_config_from_args(args, getattr(args, "transformer_impl", None), "raise")
     except AbftConfigError as err:
         exit_with_config_error(err)
+    supervised = os.environ.get("MECEFO_RECOVERY")
+    if supervised or getattr(args, "mecefo_kill", None):
+        from megatron_mecefo.megatron_lm.recovery import check_recovery_args
+
+        check_recovery_args(args)
     if not getattr(args, "mecefo", False):
         given = mecefo_flags_given(args, add_arguments(argparse.ArgumentParser()))
         if given:
@@ -149,10 +157,15 @@ class MegatronLMIntegration:
     """The per-process MeCeFO wiring of one Megatron-LM run; see the module docstring."""
 
     def __init__(self) -> None:
+        self._hooks_installed = False
+        self._abft_hooks_installed = False
+        self._summary_registered = False
         self.reset()
 
     def reset(self) -> None:
-        """Forget the model, the controller and the dataset (for an in-process restart)."""
+        """Forget the model, the controller and the dataset (before ``pretrain()`` is entered
+        again in a new world). The wrapped ``megatron.training.training`` names stay: they
+        read this object's state at every call."""
         self.config: Optional[FaultToleranceConfig] = None
         self.state: Any = None
         self.chunks: List[Any] = []
@@ -162,10 +175,14 @@ class MegatronLMIntegration:
         """``args.consumed_train_samples`` minus the sample offset the training data loader
         was built at: nonzero in a later phase of ``--phase-transition-iterations``, where
         Megatron-LM builds it at ``consumed_train_samples_in_current_phase``."""
-        self._hooks_installed = False
         self.abft_config: Any = None
         self.abft: Any = None
         self._abft_open_step: Optional[int] = None
+        self.recovery: Any = None
+        """The Megatron-LM adapter of the recovery session
+        (:class:`~megatron_mecefo.megatron_lm.recovery.MegatronLMTrainer`) under the
+        supervisor: the original replica layout, the schedule of real failures, the phase
+        hooks and the summary's recovery rows come from it."""
 
     # ------------------------------------------------------------------ set-up
     def _setup(self, args: Any) -> bool:
@@ -287,6 +304,9 @@ class MegatronLMIntegration:
         import atexit
         import importlib
 
+        if self._abft_hooks_installed:
+            return
+        self._abft_hooks_installed = True
         training = importlib.import_module(_TRAINING)
         get_fbf = training.get_forward_backward_func
 
@@ -369,6 +389,8 @@ class MegatronLMIntegration:
                 self.loader_offset = int(get_args().consumed_train_samples) - int(
                     consumed_samples or 0
                 )
+            if self.recovery is not None:  # each replica reads its original share
+                return self.recovery.build_loader(build_loader, dataset, consumed_samples)
             return build_loader(dataset, consumed_samples)
 
         self._finalize = self._wrap_finalize_lazily(finalize)
@@ -385,6 +407,10 @@ class MegatronLMIntegration:
     def _wrap_finalize_lazily(self, finalize: Callable) -> Callable:
         @functools.wraps(finalize)
         def wrapped(*a: Any, **kw: Any) -> Any:
+            if self.recovery is not None:  # kill injection (--mecefo-kill R:I:grad-sync)
+                from megatron.training import get_args
+
+                self.recovery.phase("grad-sync", get_args().curr_iteration + 1)
             if self.controller is None:
                 return finalize(*a, **kw)
             return self.controller.wrap_finalize(finalize)(*a, **kw)
@@ -417,12 +443,17 @@ class MegatronLMIntegration:
 
         args = get_args()
         ft = self.config
-        dp = ps.get_data_parallel_world_size()
+        dp, replica = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        schedule = ft.build_schedule(dp, _train_iters(args))
+        if self.recovery is not None:  # the original replicas, plus the real failures
+            replica, dp = self.recovery.replica_layout()
+            schedule = ft.build_schedule(dp, _train_iters(args))
+            schedule = self.recovery.wrap_schedule(schedule)
         self.controller = MecefoController(
-            schedule=ft.build_schedule(dp, _train_iters(args)),
+            schedule=schedule,
             policy=ft.build_policy(dp, self.state, self.chunks),
             state=self.state,
-            replica=ps.get_data_parallel_rank(),
+            replica=replica,
             layout=GlobalBatchLayout(args.global_batch_size, args.micro_batch_size, dp),
             mha_parameters=mha_group_parameters(self.chunks),
             calculate_per_token_loss=args.calculate_per_token_loss,
@@ -434,12 +465,16 @@ class MegatronLMIntegration:
 
         order = ORDERS[1] if getattr(args, "use_tp_pp_dp_mapping", False) else ORDERS[0]
         units = ReplicaTopology.from_parallel_state(order).describe()
-        if torch.distributed.get_rank() == 0:
+        # Under the supervisor, a later generation's changes are logged by the session.
+        first = self.recovery is None or self.recovery.session.generation == 0
+        if torch.distributed.get_rank() == 0 and first:
             print(
                 f"> MeCeFO: policy {ft.policy}, {self.controller.schedule.description}; "
                 f"failure units: {units}",
                 flush=True,
             )
+        if not self._summary_registered:  # once per process, whatever its rank becomes
+            self._summary_registered = True
             atexit.register(self._summary)
         return self.controller
 
@@ -469,6 +504,12 @@ class MegatronLMIntegration:
             consumed = args.consumed_train_samples - self.loader_offset
             ctrl.begin_iteration(args.curr_iteration + 1, consumed)
             self._log(ctrl)
+            if self.recovery is not None:  # kill injection at forward and backward
+                from megatron_mecefo.recovery.step_hooks import phase_forward_step
+
+                kw["forward_step_func"] = phase_forward_step(
+                    kw["forward_step_func"], self.recovery.phase, args.curr_iteration + 1
+                )
             wrapped = ctrl.wrap_forward_backward(
                 inner,
                 fetch=self._fetch,
@@ -489,13 +530,29 @@ class MegatronLMIntegration:
                 print(line, flush=True)
 
     def _summary(self) -> None:
+        import torch
+
         c = self.controller
+        if c is None or (torch.distributed.is_initialized() and torch.distributed.get_rank()):
+            return  # the summary is rank 0's (under recovery: of the last world)
         print(
             f"> MeCeFO summary: {c.degraded_iterations} degraded iterations "
             f"({c.fallback_iterations} with a fallback), samples processed "
             f"{c.samples_processed} / skipped {c.samples_skipped}",
             flush=True,
         )
+        if self.recovery is not None:
+            for key, value in self.recovery.summary_rows():
+                print(f"> MeCeFO recovery summary: {key}: {value}", flush=True)
+
+
+_CURRENT: Optional[MegatronLMIntegration] = None
+"""The integration :func:`install` made in this process (the recovery wrapper finds it)."""
+
+
+def current() -> Optional[MegatronLMIntegration]:
+    """The integration :func:`install` made in this process, if any."""
+    return _CURRENT
 
 
 def _abft(spec: Any) -> Any:
@@ -512,7 +569,8 @@ def install(args: Any = None, model_cfg: Any = None) -> MegatronLMIntegration:
     ``pretrain``. core_v0.19 and later: call it with the parsed ``args`` and the
     ``GPTModelConfig`` before ``pretrain(full_config, ...)``.
     """
-    integration = MegatronLMIntegration()
+    global _CURRENT
+    integration = _CURRENT = MegatronLMIntegration()
     if args is not None and model_cfg is not None:
         integration.configure_model(args, model_cfg)
     return integration

@@ -1,12 +1,13 @@
-"""The rank side: run the example trainer through membership generations.
+"""The rank side's per-process recovery state: :class:`RecoverySession`.
 
-``run_recoverable(args, make_trainer)`` is what ``pretrain_gpt.py`` calls under the
-supervisor. Per generation it waits until this process is a member, meets the other members
-in the store, builds the torch.distributed world on the prefix ``world<g>/`` of the
-supervisor's store, and lets the trainer build Megatron's parallel state, GPTModel, DDP and
-the optimizer in it. :meth:`RecoverySession.on_built` then puts back the local state carried
-from the previous world (or heals a joiner from a data-parallel peer), agreed on by an
-all-gather of (valid, iteration) over the new world, and hooks the trainer:
+One session lives through every membership generation of a rank (the loop is in
+:mod:`.generations`). It holds the membership store, the heartbeat, the commit voter and the
+state carried between worlds, and it works on any :class:`~.trainer.RecoverableTrainer`. Once
+the trainer's model and optimizer exist in a new world, :meth:`RecoverySession.on_built` puts
+back the local state carried from the previous world (or heals a joiner from a data-parallel
+peer; a death under the distributed optimizer goes through :mod:`.restore`), agreed on by an
+all-gather of (valid, iteration) over the new world, and hooks the trainer
+(:mod:`.step_hooks`):
 
 * kill injection at each phase (``--mecefo-kill``);
 * the commit vote before every optimizer step (:mod:`.commit`; rank 0's also sets the progress
@@ -18,40 +19,43 @@ all-gather of (valid, iteration) over the new world, and hooks the trainer:
 
 A collective error or an aborted vote ends the generation: the rank exports its state at the
 last committed boundary, drops every reference to the old groups (:mod:`.abort`), and waits for
-the next generation, which redoes the in-flight iteration under the takeover plan.
+the next generation, which redoes the in-flight iteration under the takeover plan. The records
+and summary rows are in :mod:`.reporting`.
 """
 
 from __future__ import annotations
 
-import atexit
-import functools
 import gc
 import os
-import sys
 import time
-import traceback
 from collections import deque
 from dataclasses import asdict
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional
 
-from megatron_mecefo.recovery import records as rec_mod
+from megatron_mecefo.recovery import reporting
 from megatron_mecefo.recovery.abort import GenerationWatchdog, build_aborter, release_megatron
-from megatron_mecefo.recovery.commit import AsyncVoter, StepAborted, abort
+from megatron_mecefo.recovery.commit import AsyncVoter
 from megatron_mecefo.recovery.config import RecoveryConfig
 from megatron_mecefo.recovery.fault_injection import KillInjector, parse_kills
 from megatron_mecefo.recovery.heartbeat import Heartbeat
 from megatron_mecefo.recovery.membership import Generation, JobLayout, MembershipStore
 from megatron_mecefo.recovery.membership_schedule import MembershipSchedule
+from megatron_mecefo.recovery.restore import take_over_from_snapshot
 from megatron_mecefo.recovery.state_transfer import (
     boundary_snapshot,
     export_state,
     heal,
     import_state,
 )
+from megatron_mecefo.recovery.step_hooks import install_commit_vote
 
 
 class RegroupRequest(RuntimeError):
     """The generation changed: leave the world at this iteration boundary."""
+
+
+_EXIT = {"code": 0}
+"""The exit code the process ends with (``generations._exit_now``)."""
 
 
 class RecoveryAbort(SystemExit):
@@ -149,7 +153,8 @@ class RecoverySession:
         """The trainer's ``SnapshotManager``: kept across worlds (its slots and parity)."""
         self.takeover_pending = False
         """A rank died under the distributed optimizer: the next world rolls back to the last
-        snapshot with parity and rebuilds the lost shards (:meth:`_take_over_from_snapshot`)."""
+        snapshot with parity and rebuilds the lost shards
+        (:func:`.restore.take_over_from_snapshot`)."""
         self.takeover_info: Optional[Dict[str, Any]] = None
         self.saved_layouts: Dict[int, str] = {}
         """Checkpoint iteration -> this rank's position when it saved it (its per-rank files,
@@ -289,7 +294,7 @@ class RecoverySession:
         # joiner dies during the heal), the next world imports it again.
         self.valid = self.carry is not None or (gen.number == 0 and self.inc == 0)
         if self.carry is not None and self.takeover_pending:
-            self._take_over_from_snapshot(trainer)
+            take_over_from_snapshot(self, trainer)
         elif self.carry is not None:
             import_state(trainer, self.carry)
         # Agree on the state: the members with valid state at the highest iteration are the
@@ -345,136 +350,6 @@ class RecoverySession:
             wait_after=watch.wait_generation_after,
         ).start()
 
-    def _take_over_from_snapshot(self, trainer: Any) -> None:
-        """Distributed optimizer, after a real death: every member rolls back to the newest
-        snapshot held with parity by all, the lost members' slots are rebuilt from their
-        peers and parity, and the optimizer is re-sharded over this world's data-parallel
-        group. When the snapshots cannot serve (more than m members of a group lost, or no
-        snapshot with parity held by all: one verdict for the whole world), the members load
-        the newest disk checkpoint instead (:meth:`_fall_back_to_disk`). The iterations after
-        the restored one are then replayed with the dead replicas failed from its next
-        iteration (the carry's history of them is dropped)."""
-        from megatron.core import parallel_state as ps
-
-        from megatron_mecefo.snapshot.erasure import SnapshotLost
-
-        manager = trainer.snapshots
-        state = trainer._snapshot_state()
-        # Megatron's OptimizerParamScheduler.load_state_dict adds the saved steps to its own.
-        trainer.scheduler.num_steps = 0
-        served, why = None, ""
-        if manager is None or not manager.config.redundancy:
-            why = "no in-memory snapshots with parity"
-        else:
-            try:  # every branch below is taken alike on every rank (manager.takeover agrees)
-                served = manager.takeover(state, ps.get_data_parallel_group_gloo())
-            except SnapshotLost as err:
-                why = str(err).split("; falling back")[0]
-            if served is None and not why:
-                why = "no snapshot with parity is held by every survivor"
-        if served is None:
-            self._fall_back_to_disk(trainer, why)
-            return
-        s, carried = served["iteration"], self.carry["iteration"]
-        trainer.iteration = int(state.counters["iteration"])
-        trainer.consumed_samples = int(state.counters["consumed_samples"])
-        ctrl = getattr(trainer, "controller", None)
-        for key, value in state.extra.get("controller", {}).items():
-            setattr(ctrl, key, value)
-        self._replay_from(trainer, s)
-        self.takeover_info = {
-            "recovery_path": "peers+parity",
-            "rolled_back_to": s,
-            "replayed_to": carried + 1,  # up to the iteration that was in flight
-            "samples_redone": (carried + 1 - s) * self.args.global_batch_size,
-            "snapshot_restore_s": served["seconds"],
-        }
-        trainer._emit(
-            {
-                "type": "snapshot_restore",
-                **served,
-                "generation": self.generation,
-                "discarded_iterations": list(range(s + 1, carried + 1)),
-            }
-        )
-        self.takeover_pending = False
-
-    def _fall_back_to_disk(self, trainer: Any, why: str) -> None:
-        """Recovery path 4: load the newest checkpoint of ``--save``/``--load`` at or before
-        the carried iteration into this world (the distributed optimizer re-sharded over its
-        data-parallel size), and replay from the checkpoint's next iteration; without one,
-        stop with a message naming the flags. Never continues with a lost shard."""
-        import torch.distributed as dist
-
-        carried = self.carry["iteration"]
-        find = getattr(trainer, "recovery_checkpoint", None)
-        found = find(carried) if find is not None else None
-        # One file system, but one verdict all the same: every rank loads the same checkpoint
-        # or none does.
-        every: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, found)
-        if found is None or any(e != every[0] for e in every):
-            self.fatal(
-                f"{why}, and there is no checkpoint to fall back to (neither --save nor --load "
-                f"holds one at or before iteration {carried}): the job stops rather than "
-                "continue with a lost optimizer shard. "
-                "Save checkpoints (--save DIR --save-interval N) to fall back to disk, or raise "
-                "--mecefo-snapshot-redundancy"
-            )
-        directory, c = found
-        self.log(f"> MeCeFO recovery: {why}: falling back to the checkpoint of iteration {c}")
-        seconds = trainer.load_recovery_checkpoint(directory, self.saved_layouts.get(c))
-        if trainer.snapshots is not None:
-            trainer.snapshots.forget()  # they belong to the discarded iterations
-        history = [r for r in self.carry["history"] if r["iteration"] <= c]
-        ctrl = getattr(trainer, "controller", None)
-        if ctrl is not None:  # its running counts at c, as the uninterrupted run has them
-            plans = [r["mecefo"] for r in history if "mecefo" in r]
-            ctrl.degraded_iterations = sum(int(bool(p.get("degraded"))) for p in plans)
-            ctrl.fallback_iterations = sum(int(bool(p.get("fallback"))) for p in plans)
-            ctrl.samples_processed = sum(int(p.get("samples_processed", 0)) for p in plans)
-            ctrl.samples_skipped = sum(int(p.get("samples_skipped", 0)) for p in plans)
-        if self.schedule is not None:  # replicas lost after c are down from c + 1 in the replay
-            from megatron_mecefo.takeover.failure_schedule import NEVER
-
-            for event in self.schedule.real:
-                if event[2] >= NEVER and event[1] > c + 1:
-                    event[1] = c + 1
-        self._replay_from(trainer, c)
-        self.log(
-            f"> MeCeFO recovery: recovery path disk (dist_checkpointing): iteration {c} from "
-            f"{directory}, optimizer re-sharded over {len(self.gen.replicas)} replicas; "
-            f"{seconds:.3f} s"
-        )
-        self.takeover_info = {
-            "recovery_path": "disk",
-            "rolled_back_to": c,
-            "replayed_to": carried + 1,
-            "samples_redone": (carried + 1 - c) * self.args.global_batch_size,
-            "disk_load_s": seconds,
-        }
-        trainer._emit(
-            {
-                "type": "snapshot_restore",
-                "path": "disk",
-                "iteration": c,
-                "seconds": seconds,
-                "directory": directory,
-                "reason": why,
-                "generation": self.generation,
-                "discarded_iterations": list(range(c + 1, carried + 1)),
-            }
-        )
-        self.takeover_pending = False
-
-    def _replay_from(self, trainer: Any, s: int) -> None:
-        """The trainer's state is that of iteration ``s``: keep the carried history up to it
-        and rewind the data iterator to its consumed samples."""
-        trainer.history = [r for r in self.carry["history"] if r["iteration"] <= s]
-        trainer.evals = [r for r in self.carry["evals"] if r.get("iteration", 0) <= s]
-        trainer.saved = [i for i in self.carry["saved"] if i <= s]
-        trainer.train_iter = trainer._iterators(trainer.train_ds, trainer.consumed_samples)
-
     def _check_replicas_identical(self, trainer: Any, dp_group: Any) -> None:
         """After a heal: parameters and optimizer state hash alike on every DP replica."""
         import torch
@@ -495,77 +370,8 @@ class RecoverySession:
 
     def _hook(self, trainer: Any) -> None:
         """Phase hooks (kill injection) and the commit vote around the trainer's calls."""
-        session = self
-        fwd_bwd = trainer.forward_backward
-
-        @functools.wraps(fwd_bwd)
-        def forward_backward(*, forward_step_func: Callable, **kw: Any) -> Any:
-            if kw.get("forward_only", False):
-                return fwd_bwd(forward_step_func=forward_step_func, **kw)
-            iteration = trainer.iteration + 1
-            fired = {"backward": False}
-
-            def step(data_iterator: Any, model: Any, *a: Any, **k: Any) -> Any:
-                session.injector.phase("forward", iteration)
-                output, loss_func = forward_step_func(data_iterator, model, *a, **k)
-                if output.requires_grad and not fired["backward"]:
-                    fired["backward"] = True
-                    output.register_hook(lambda g: session.injector.phase("backward", iteration))
-                return output, loss_func
-
-            return fwd_bwd(forward_step_func=step, **kw)
-
-        trainer.forward_backward = forward_backward
-        finalize = trainer.config.finalize_model_grads_func
-
-        @functools.wraps(finalize)
-        def finalize_model_grads(*a: Any, **k: Any) -> Any:
-            session.injector.phase("grad-sync", trainer.iteration + 1)
-            return finalize(*a, **k)
-
-        trainer.config.finalize_model_grads_func = finalize_model_grads
-        optimizer = trainer.optimizer
-        optimizer_step, ready_step = optimizer.step, optimizer.step_with_ready_grads
-        pending: Dict[str, Any] = {}
-
-        def await_decision() -> None:
-            future, iteration = pending.pop("vote")
-            t_wait = time.perf_counter()
-            commit, completed, protocol_s = future.result()
-            waited = time.perf_counter() - t_wait
-            session.vote_s.append(waited)
-            if completed:
-                session.vote_last_s.append(waited)
-                session.vote_protocol_s.append(protocol_s)
-            if not commit:
-                raise StepAborted(f"iteration {iteration}: not every member finished its sync")
-
-        def step_after_commit(*a: Any, **k: Any) -> Any:
-            # The vote runs while the optimizer prepares the gradients (main grads, norm,
-            # clipping: nothing a redo needs); the update itself waits for the decision.
-            iteration, gen = trainer.iteration + 1, session.gen
-            future = session.voter.start(
-                gen.number, iteration, session.slot, gen.members, report_progress=session.rank == 0
-            )
-            pending["vote"] = (future, iteration)
-            try:
-                result = optimizer_step(*a, **k)
-                if "vote" in pending:  # no update (inf/nan in the grads): agree all the same
-                    await_decision()
-                return result
-            except BaseException:
-                if pending.pop("vote", None) is not None and not future.done():
-                    abort(session.ms, gen.number, iteration, len(gen.members))  # wakes the peers
-                raise
-
-        def update_after_commit(*a: Any, **k: Any) -> Any:
-            if "vote" in pending:
-                iteration = pending["vote"][1]
-                await_decision()
-                session.injector.phase("optimizer", iteration)
-            return ready_step(*a, **k)
-
-        optimizer.step, optimizer.step_with_ready_grads = step_after_commit, update_after_commit
+        trainer.hook_phases(self.injector.phase)
+        install_commit_vote(self, trainer)
 
     def committed(self, trainer: Any) -> None:
         """Right after a committed iteration: snapshot and the pending record (rank 0's vote
@@ -577,7 +383,7 @@ class RecoverySession:
         if self.record_pending:
             self.record_pending = False
             self.times["done"] = time.time()
-            self._write_record(trainer)
+            reporting.write_record(self, trainer)
 
     def at_boundary(self, trainer: Any) -> None:
         """At the end of an iteration (after logging, eval, save): the generation check."""
@@ -594,106 +400,10 @@ class RecoverySession:
             self.hooks_s[-1] += time.perf_counter() - t0
         self.injector.phase("between", it)
 
-    def _write_record(self, trainer: Any) -> None:
-        gen = self.gen
-        self.ms.set_json(f"rt/{gen.number}/{self.slot}", self.times)
-        if self.rank != 0:
-            return
-        keys = [f"rt/{gen.number}/{s}" for s in gen.members]
-        deadline = time.time() + self.cfg.collective_timeout_s
-        while not self.ms.store.check(keys) and time.time() < deadline:
-            self.sleep()
-        times = {s: self.ms.get_json(f"rt/{gen.number}/{s}") or {} for s in gen.members}
-        # A failure generation that was never formed (a replacement came up during the
-        # regroup, so a planned generation superseded it before its rendezvous) still gets
-        # its own record, timed by this generation's members.
-        for skipped in self.ms.unformed_failures(gen.number):
-            self._emit_record(trainer, skipped, times, superseded_by=gen.number)
-        self._emit_record(trainer, gen, times)
-
-    def _emit_record(
-        self, trainer: Any, gen: Generation, times: Dict[int, Any], superseded_by: int = 0
-    ) -> None:
-        kills, deaths = {}, {}
-        for s in gen.lost:
-            inc = self._last_inc(s)
-            k = self.ms.get_json(f"killed/{s}/{inc}")
-            if k:
-                kills[s] = k["t"]
-            d = self.ms.dead_info(s, inc)
-            if d:
-                deaths[s] = d
-        record = rec_mod.build_record(
-            gen,
-            times,
-            kills,
-            deaths,
-            trainer.iteration,
-            redone=gen.at_iteration is None,
-            global_batch_size=self.args.global_batch_size,
-        )
-        if superseded_by:
-            record["superseded_by"] = superseded_by
-        if self.takeover_info is not None and not superseded_by:
-            record.update(self.takeover_info)
-            self.takeover_info = None
-        self.ms.set_json(f"record/{gen.number}", record)
-        trainer._emit(record)
-        rec_mod.append_jsonl(self.cfg.records_file, record)
-        print(rec_mod.log_line(record), flush=True)
-
-    def _last_inc(self, slot: int) -> int:
-        text = self.ms.get_str(f"inc/{slot}")
-        inc = int(text) if text else 0
-        while inc > 0 and self.ms.dead_info(slot, inc) is None:
-            inc -= 1
-        return inc
-
     def summary_rows(self) -> List[tuple]:
-        rows = []
-        if self.vote_s:
-            votes = sorted(self.vote_s)
-            rows.append(
-                (
-                    "commit vote",
-                    f"p50 {1000 * votes[len(votes) // 2]:.1f} ms, max {1000 * votes[-1]:.1f} ms"
-                    f" per iteration ({len(votes)} votes on rank 0)",
-                )
-            )
-        records = []
-        for g in range(1, self.generation + 1):
-            r = self.ms.get_json(f"record/{g}")
-            if r:
-                records.append(r)
-        return rows + rec_mod.summary_rows(records)
+        """The summary's recovery rows (:func:`.reporting.summary_rows`)."""
+        return reporting.summary_rows(self)
 
-    def armed_cost(self, trainer: Any) -> Dict[str, Any]:
-        """What the armed supervisor cost this rank in a run without failures: the commit
-        votes this rank completed (no waiting for a peer: the training thread's wait for the
-        decision after the overlap, and the store round trips themselves), the boundary
-        hooks, and the CPU of the heartbeat, watchdog and vote threads; with the step time.
-        ``benchmarks/recovery_latency.py`` aggregates these over the ranks."""
-        watchdog_cpu = self.watchdog_cpu_s + (self.watchdog.cpu_s if self.watchdog else 0.0)
-        steps = [r["step_time_s"] for r in trainer.history if r.get("type") == "train"]
-        return {
-            "type": "armed_cost",
-            "slot": self.slot,
-            "iterations": self.iterations_run,
-            "vote_s": list(self.vote_s),
-            "vote_last_s": list(self.vote_last_s),
-            "vote_protocol_s": list(self.vote_protocol_s),
-            "hooks_s": list(self.hooks_s),
-            "thread_cpu_s": self.heartbeat.cpu_s + watchdog_cpu + self.voter.cpu_s,
-            "thread_cpu_split_s": {
-                "heartbeat": self.heartbeat.cpu_s,
-                "watchdog": watchdog_cpu,
-                "vote": self.voter.cpu_s,
-            },
-            "process_cpu_s": time.process_time(),
-            "step_time_s": steps,
-        }
-
-    # ------------------------------------------------------------------ leaving a world
     def leave(self, trainer: Any, planned: bool) -> None:
         """Keep the state of the last boundary, drop every reference to the world's groups."""
         if self.watchdog is not None:
@@ -704,11 +414,12 @@ class RecoverySession:
             self.snapshots.abandon()  # the copy in flight reads tensors released below
         if trainer is not None:
             self.saved_layouts.update(getattr(trainer, "saved_layouts", {}))
-            if self.valid:
+            if self.valid and trainer.built:
                 self.carry = export_state(trainer, self.boundary or boundary_snapshot(trainer))
             self.times["exported"] = time.time()
-            release_megatron(trainer.model_chunks, trainer.model, trainer.config)
-            trainer.__dict__.clear()
+            if trainer.built:
+                release_megatron(trainer.model_chunks, trainer.model, trainer.config)
+            trainer.release()
         self.times["dropped"] = time.time()
         self.aborter.destroy()  # ends with gc.collect(): the sockets close now
         self.times["released"] = time.time()
@@ -749,146 +460,3 @@ WATCHDOG_WAIT_S = 600.0
 """Longest single store wait of a generation watchdog. Long, because torch logs a warning at
 every store wait that times out; a stopped watchdog lingers in its wait until the next
 generation is published (which wakes it) or this passes, harmlessly (own client, no abort)."""
-
-
-def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -> Any:
-    """Train under the supervisor; returns the trainer that finished, or exits (module doc)."""
-    config = RecoveryConfig.from_env()
-    assert config is not None
-    standby = os.environ.get("MECEFO_RECOVERY_STANDBY")
-    if standby:  # a warm standby: import now, wait for the slot of a dead rank
-        _warm_up()
-        ms = MembershipStore.connect(config.store, config.init_timeout_s)
-        # Blocks in the store until the supervisor assigns a slot (no polling: idle standbys
-        # took the store's server thread from the ranks); the supervisor ends it with the job.
-        while (assigned := ms.get_json(f"assign/{standby}")) is None:
-            if ms.get_str("done") is not None or ms.get_str("fatal") is not None:
-                raise SystemExit(0)
-            ms.wait_for(f"assign/{standby}", config.init_timeout_s)
-        os.environ.update(
-            MECEFO_RECOVERY_SLOT=str(assigned["slot"]),
-            MECEFO_RECOVERY_INC=str(assigned["inc"]),
-            RANK=str(assigned["slot"]),
-        )
-    # Worlds left after a failure can leave gloo threads in leaked C++ objects, which abort
-    # ("terminate called without an active exception") when the interpreter tears them down
-    # at exit: end the process right after the Python-level exit handlers instead.
-    atexit.register(_exit_now)
-    sys.excepthook = _record_crash
-    try:
-        session = RecoverySession(args, config)
-    except Exception as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise RecoveryAbort(2) from None
-    # Import what the trainer imports now (a joiner: before it says ready, not inside the
-    # switch window), then freeze those objects out of the garbage collector: the full
-    # collection that closes an old world's sockets then scans only what was built since
-    # (measured at DP4 under load: 0.8 s -> see the recovery records' release_split_s).
-    _warm_up()
-    gc.freeze()
-    session.ms.mark_ready(session.slot, session.inc, {"pid": os.getpid(), "t": time.time()})
-    after = -1
-    while True:
-        gen = session.wait_for_membership(after)
-        if gen is None:
-            print(f"> MeCeFO recovery: rank {session.slot}: training finished; exiting", flush=True)
-            raise RecoveryAbort(0)
-        after = gen.number
-        session.times["membership"] = time.time()
-        if not session.rendezvous(gen):
-            continue
-        session.times["arrived"] = time.time()
-        trainer, outcome, error = None, "failed", ""
-        try:
-            session.init_world(gen)
-            session.times["world"] = time.time()
-            trainer = make_trainer(session)
-            outcome = _train(trainer)
-        except RegroupRequest:
-            outcome = "planned"
-        except (RuntimeError, OSError) as err:  # gloo: "Connection closed by peer", timeouts
-            outcome, error = "failed", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-            if os.environ.get("MECEFO_RECOVERY_TRACE"):
-                traceback.print_exc()
-        if outcome == "done":
-            session.ms.store.set("done", "1")
-            session.heartbeat.stop()
-            rec_mod.append_jsonl(session.cfg.records_file, session.armed_cost(trainer))
-            return trainer
-        now = time.time()
-        if outcome == "failed" and args.use_distributed_optimizer and session.valid:
-            snaps = session.snapshots
-            parity = snaps is not None and snaps.config.redundancy and snaps.parity_snapshots()
-            if not parity and not _has_checkpoint(args):
-                session.ms.set_fatal(DIST_OPT_MESSAGE)
-                print(f"> MeCeFO recovery: error: {DIST_OPT_MESSAGE}", flush=True)
-                raise RecoveryAbort(3)
-            # The next world rebuilds the lost shards from the snapshots' parity, or loads the
-            # disk checkpoint when they cannot serve.
-            session.takeover_pending = True
-        session.times = {"detect": now, "left": now}
-        if outcome == "failed":
-            session.ms.report_error(gen.number, session.slot, error)
-            print(
-                f"> MeCeFO recovery: rank {session.slot} left generation {gen.number}: {error}",
-                flush=True,
-            )
-        failed_iteration = trainer.iteration + 1 if trainer is not None else 0
-        session.leave(trainer, planned=outcome == "planned")
-        trainer = None
-        if outcome == "failed":
-            session.injector.phase("regroup", failed_iteration)
-
-
-def _has_checkpoint(args: Any) -> bool:
-    """Whether ``--save`` or ``--load`` names a checkpoint (a tracker file): the disk fallback
-    of a death under the distributed optimizer (the next world checks it and agrees)."""
-    return any(
-        d and os.path.isfile(os.path.join(d, "latest_checkpointed_iteration.txt"))
-        for d in (getattr(args, "save", None), getattr(args, "load", None))
-    )
-
-
-_EXIT = {"code": 0}
-
-
-def _exit_now() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_EXIT["code"])
-
-
-def _record_crash(exc_type: Any, exc: Any, tb: Any, _hook: Any = sys.excepthook) -> None:
-    if isinstance(exc, SystemExit):
-        _EXIT["code"] = exc.code if isinstance(exc.code, int) else 1
-    else:
-        _EXIT["code"] = 1
-    _hook(exc_type, exc, tb)
-
-
-def _warm_up() -> None:
-    """Import what building the trainer imports (about 10 s of a cold start under load)."""
-    import importlib
-
-    for name in (
-        "megatron.core.models.gpt",
-        "megatron.core.distributed",
-        "megatron.core.optimizer",
-        "megatron.core.optimizer_param_scheduler",
-        "megatron.core.pipeline_parallel",
-        "megatron.core.transformer.transformer_config",
-        "megatron_mecefo.data",
-        "megatron_mecefo.gpt.layer_specs",
-        "megatron_mecefo.techniques.specs",
-        "megatron_mecefo.takeover.controller",
-        "megatron_mecefo.runtime",
-    ):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-
-
-def _train(trainer: Any) -> str:
-    trainer.train()
-    return "done"

@@ -55,6 +55,7 @@ def export_state(trainer: Any, boundary: Dict[str, Any]) -> Dict[str, Any]:
         "history": list(trainer.history),
         "evals": list(trainer.evals),
         "saved": list(trainer.saved),
+        "extra": trainer.extra_state(),
     }
 
 
@@ -91,7 +92,8 @@ def import_state(trainer: Any, state: Dict[str, Any]) -> None:
     for name, (basis, step) in state["mecefo_basis"].items():
         modules[name].mecefo_basis = basis
         modules[name].mecefo_basis_step = step
-    trainer.train_iter = trainer._iterators(trainer.train_ds, trainer.consumed_samples)
+    trainer.load_extra_state(state.get("extra", {}))
+    trainer.rewind_data(trainer.consumed_samples)
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

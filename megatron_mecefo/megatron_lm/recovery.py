@@ -1,0 +1,427 @@
+"""MeCeFO's in-process recovery inside Megatron-LM's own ``pretrain_gpt.py``.
+
+Megatron-LM re-enters ``pretrain()`` in-process after a fault through
+``megatron/training/inprocess_restart.py`` (nvidia-resiliency-ext's ``inprocess.Wrapper``, which
+reloads a checkpoint). The patch in ``patches/`` calls :func:`maybe_wrap_for_inprocess_restart`
+at that call site instead: outside MeCeFO's supervisor it is Megatron-LM's own function; under
+it (``MECEFO_RECOVERY`` set) ``pretrain`` runs through the recovery session's generation loop
+(:func:`megatron_mecefo.recovery.generations.run_recoverable`), once per membership generation:
+
+1. the session builds the generation's world (store prefix ``world<g>/``, ranks in Megatron's
+   order); Megatron-LM's ``_initialize_distributed`` finds it initialised and keeps it;
+2. ``pretrain()`` is entered; ``WORLD_SIZE`` stays the job's, so ``validate_args`` derives the
+   *original* data-parallel size (the micro-batch calculator, the LR increment), while
+   Megatron-Core's groups span the members only;
+3. ``setup_model_and_optimizer`` is wrapped (:class:`MegatronLMTrainer`): in a later generation
+   its checkpoint load is skipped (``args.load`` hidden for that call), and the session puts
+   back the state carried in memory from the last committed iteration (parameters, optimizer,
+   LR scheduler, RNG, counters, MeCeFO bases and controller counts) or heals a joiner from a
+   data-parallel peer, checked by digest;
+4. the optimizer's ``step`` waits for the commit vote (no step is half-applied; the in-flight
+   iteration is redone with the same samples), and the iteration is booked at the commit
+   (iteration, consumed samples, the LR scheduler's step);
+5. the failed set comes from membership (the controller's schedule), the training loader reads
+   each replica's *original* share, and DDP's scale is 1/n of the original replicas;
+6. a failure leaves ``pretrain()`` with an exception: the state of the last commit is kept,
+   Megatron-LM's global state is destroyed as its in-process restart does
+   (``destroy_global_state``, ``destroy_rerun_state_machine``), and the next generation starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from megatron_mecefo.megatron_lm.arguments import exit_with_config_error
+from megatron_mecefo.recovery.config import ENV
+
+_TRAINING = "megatron.training.training"
+_ACTIVE: Optional["MegatronLMTrainer"] = None
+"""The adapter of the generation in progress: the wrapped Megatron-LM names delegate to it."""
+_INSTALLED: List[bool] = []
+
+
+def maybe_wrap_for_inprocess_restart(pretrain: Callable) -> Tuple[Callable, Any]:
+    """The patched call site in ``pretrain_gpt.py``: Megatron-LM's own function, or MeCeFO's
+    in-process recovery under ``python -m megatron_mecefo.recovery.supervisor``.
+
+    Returns ``(pretrain, store)`` as Megatron-LM's ``maybe_wrap_for_inprocess_restart`` does.
+    """
+    if not os.environ.get(ENV):
+        from megatron.training import inprocess_restart
+
+        return inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    if any(a == "--inprocess-restart" for a in sys.argv):
+        exit_with_config_error(
+            "--inprocess-restart (nvidia-resiliency-ext's in-process restart, which reloads a "
+            "checkpoint) cannot run under the MeCeFO recovery supervisor, which re-enters "
+            "pretrain() itself with the state in memory; drop --inprocess-restart"
+        )
+
+    @functools.wraps(pretrain)
+    def recoverable(*a: Any, **kw: Any) -> None:
+        run_pretrain(pretrain, a, kw)
+
+    return recoverable, None
+
+
+def check_recovery_args(args: Any) -> None:
+    """Start-up checks of Megatron-LM's parsed flags for ``--mecefo-kill`` and the supervisor
+    (the parser hook of :func:`.integration.extra_args_provider` calls it); under the
+    supervisor it also hands the collective timeout to ``--distributed-timeout-minutes``."""
+    from megatron_mecefo.recovery.arguments import validate
+    from megatron_mecefo.recovery.config import RecoveryConfig
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    job = job_args(args, world)
+    message = validate(job, world)
+    if message:
+        exit_with_config_error(
+            message.replace("examples/pretrain_gpt/pretrain_gpt.py", "pretrain_gpt.py")
+        )
+    config = RecoveryConfig.from_env()
+    if config is None:
+        return
+    if getattr(args, "inprocess_restart", False):
+        exit_with_config_error(
+            "--inprocess-restart cannot run under the MeCeFO recovery supervisor (it re-enters "
+            "pretrain() itself); drop --inprocess-restart"
+        )
+    for flag, value, ok in (
+        ("--context-parallel-size", getattr(args, "context_parallel_size", 1) or 1, 1),
+        ("--use-tp-pp-dp-mapping", bool(getattr(args, "use_tp_pp_dp_mapping", False)), False),
+        ("--num-experts", getattr(args, "num_experts", None), None),
+    ):
+        if value != ok:
+            exit_with_config_error(
+                f"{flag}={value} under the MeCeFO recovery supervisor: its membership assumes "
+                "TP x PP x DP ranks in Megatron's default order (tp-cp-ep-dp-pp) with no "
+                f"context or expert parallelism; drop {flag}"
+            )
+    if getattr(args, "use_distributed_optimizer", False):
+        exit_with_config_error(
+            "--use-distributed-optimizer under the MeCeFO recovery supervisor in Megatron-LM: "
+            "a dead rank's optimizer shard would have to be rebuilt from in-memory snapshots, "
+            "which only the example trainer (examples/pretrain_gpt) has so far; drop "
+            "--use-distributed-optimizer, or train with the example trainer"
+        )
+    # Every group Megatron-LM creates waits at most the supervisor's backstop.
+    args.distributed_timeout_minutes = config.collective_timeout_s / 60.0
+
+
+def job_args(args: Any, world_size: int) -> argparse.Namespace:
+    """What the recovery session reads of the job, from Megatron-LM's parsed flags."""
+    from megatron_mecefo.megatron_lm.arguments import FaultToleranceConfig
+
+    tp = int(args.tensor_model_parallel_size)
+    pp = int(args.pipeline_model_parallel_size)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    dp = max(world_size // (tp * pp * cp), 1)
+    gbs = args.global_batch_size or args.micro_batch_size * dp
+    train_iters = args.train_iters or (args.train_samples or 0) // gbs
+    try:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # the flag checks run before torch is needed
+        device = "cpu"
+    return argparse.Namespace(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
+        world_size=world_size,
+        global_batch_size=gbs,
+        train_iters=train_iters,
+        mecefo=bool(getattr(args, "mecefo", False)),
+        mecefo_kill=list(getattr(args, "mecefo_kill", None) or []),
+        mecefo_seed=getattr(args, "mecefo_seed", None),
+        seed=args.seed,
+        mecefo_grad_error_interval=getattr(args, "mecefo_grad_error_interval", 0),
+        mecefo_config=FaultToleranceConfig.from_args(args),
+        device=device,
+        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        save=args.save,
+        load=args.load,
+    )
+
+
+def run_pretrain(pretrain: Callable, a: tuple, kw: Dict[str, Any]) -> None:
+    """``pretrain(*a, **kw)`` once per membership generation until training finishes."""
+    from megatron.training.arguments import parse_args
+
+    from megatron_mecefo.megatron_lm.integration import current
+    from megatron_mecefo.recovery.generations import run_recoverable
+
+    integration = current()
+    if integration is None:
+        exit_with_config_error(
+            "the MeCeFO recovery supervisor needs the plugin installed in pretrain_gpt.py "
+            "(mecefo.install(), patches/megatron-lm-core_v0.16.1.patch); apply the patch"
+        )
+    # The flags as pretrain() will parse them (the plugin's checks run in the parser hook).
+    args = parse_args(kw.get("extra_args_provider"))
+    job = job_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    run_recoverable(job, lambda session: MegatronLMTrainer(session, integration, pretrain, a, kw))
+
+
+class _DataParallelView:
+    """``megatron.core.mpu`` with the original data-parallel rank and size (the samplers')."""
+
+    def __init__(self, mpu: Any, rank: int, size: int) -> None:
+        self._mpu, self._rank, self._size = mpu, rank, size
+
+    def get_data_parallel_rank(self, *a: Any, **k: Any) -> int:
+        return self._rank
+
+    def get_data_parallel_world_size(self, *a: Any, **k: Any) -> int:
+        return self._size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mpu, name)
+
+
+class MegatronLMTrainer:
+    """Megatron-LM's ``pretrain()`` as a :class:`~megatron_mecefo.recovery.trainer.
+    RecoverableTrainer` for one membership generation (see the module docstring).
+
+    Args:
+        session: The rank's :class:`~megatron_mecefo.recovery.session.RecoverySession`.
+        integration: The plugin's :class:`~.integration.MegatronLMIntegration`.
+        pretrain: Megatron-LM's ``pretrain``; ``a`` and ``kw`` are its arguments.
+    """
+
+    def __init__(
+        self, session: Any, integration: Any, pretrain: Callable, a: tuple, kw: Dict[str, Any]
+    ) -> None:
+        self.session, self.integration = session, integration
+        self._pretrain, self._a, self._kw = pretrain, a, kw
+        self.built = False
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.model: List[Any] = []
+        self.model_chunks: List[Any] = []
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.config: Any = None
+        self.history: List[Dict[str, Any]] = []
+        self.evals: List[Dict[str, Any]] = []
+        self.saved: List[int] = []
+        self.snapshots: Any = None
+        self.flops = 0.0
+        """Megatron-LM's ``num_floating_point_operations_so_far`` at the last commit."""
+        self.consumed_valid = 0
+        """``args.consumed_valid_samples`` at the last boundary."""
+        self._phase: Optional[Callable[[str, int], None]] = None
+        self._scheduler_booked = False
+
+    # ------------------------------------------------------------------ RecoverableTrainer
+    @property
+    def controller(self) -> Any:
+        return self.integration.controller
+
+    def train(self) -> None:
+        """Enter Megatron-LM's ``pretrain()`` in this generation's world."""
+        global _ACTIVE
+        _install_hooks()
+        self.integration.reset()
+        self.integration.recovery = self
+        # Megatron-LM reads RANK in parse_args (rank-0 printing before the world exists);
+        # WORLD_SIZE stays the job's: the original data-parallel size (module docstring).
+        os.environ["RANK"] = str(self.session.rank)
+        _ACTIVE = self
+        self._pretrain(*self._a, **self._kw)
+
+    def rewind_data(self, consumed_samples: int) -> None:
+        """Megatron-LM builds its loaders after the restore, at ``consumed_samples``."""
+        self.consumed_samples = int(consumed_samples)
+
+    def extra_state(self) -> Dict[str, Any]:
+        return {"flops": self.flops, "consumed_valid_samples": self.consumed_valid}
+
+    def load_extra_state(self, state: Dict[str, Any]) -> None:
+        self.flops = float(state.get("flops", 0.0))
+        self.consumed_valid = int(state.get("consumed_valid_samples", 0))
+
+    def hook_phases(self, phase: Callable[[str, int], None]) -> None:
+        """The integration's forward-backward and finalize wrappers call :meth:`phase`."""
+        self._phase = phase
+
+    def phase(self, name: str, iteration: int) -> None:
+        if self._phase is not None:
+            self._phase(name, iteration)
+
+    def emit(self, record: Dict[str, Any]) -> None:
+        """Megatron-LM keeps no metrics file of ours: the records file and log have them."""
+
+    def snapshot_state(self) -> Any:
+        raise NotImplementedError("in-memory snapshots are not wired into Megatron-LM yet")
+
+    def recovery_checkpoint(self, before: int) -> Optional[Tuple[str, int]]:
+        return None  # the distributed optimizer is refused at start-up under the supervisor
+
+    def load_recovery_checkpoint(self, directory: str, basis_layout: Optional[str]) -> float:
+        raise NotImplementedError("the disk fallback is not wired into Megatron-LM yet")
+
+    def release(self) -> None:
+        """Drop this world's objects and Megatron-LM's global state, as its in-process restart
+        does (``inprocess_restart.destroy_state``)."""
+        global _ACTIVE
+        from megatron.core import rerun_state_machine
+        from megatron.training import global_vars, training
+
+        self.integration.reset()
+        self.model, self.model_chunks, self.optimizer, self.scheduler = [], [], None, None
+        self.config, self.built, self._phase = None, False, None
+        writer = getattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None)
+        if writer is not None:
+            writer.close()
+        try:
+            from megatron.training.async_utils import reset_persistent_async_worker
+
+            reset_persistent_async_worker()
+        except ImportError:
+            pass
+        training.destroy_global_state()
+        rerun_state_machine.destroy_rerun_state_machine()
+        _ACTIVE = None
+
+    # ------------------------------------------------------------------ Megatron-LM hooks
+    def replica_layout(self) -> Tuple[int, int]:
+        return self.session.replica_layout()
+
+    def wrap_schedule(self, base: Any) -> Any:
+        return self.session.wrap_schedule(base)
+
+    def summary_rows(self) -> List[tuple]:
+        return self.session.summary_rows()
+
+    def build_loader(self, build: Callable, dataset: Any, consumed_samples: int) -> Any:
+        """Megatron-LM's loader with the original data-parallel rank and size."""
+        from megatron.training.datasets import data_samplers
+
+        replica, n = self.session.replica_layout()
+        mpu = data_samplers.mpu
+        data_samplers.mpu = _DataParallelView(mpu, replica, n)
+        try:
+            return build(dataset, consumed_samples)
+        finally:
+            data_samplers.mpu = mpu
+
+    def setup(self, original: Callable, a: tuple, kw: Dict[str, Any]) -> Any:
+        """``setup_model_and_optimizer``, then the session's restore/heal/hooks."""
+        from megatron.core.utils import get_model_config
+        from megatron.training import get_args
+        from megatron.training.utils import unwrap_model
+
+        args = get_args()
+        hidden = (args.load, args.pretrained_checkpoint)
+        if self.session.generation > 0:  # the state comes from memory, not from --load
+            args.load = args.pretrained_checkpoint = None
+        try:
+            model, optimizer, scheduler = original(*a, **kw)
+        finally:
+            args.load, args.pretrained_checkpoint = hidden
+        self.model, self.model_chunks = model, unwrap_model(model)
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.config = get_model_config(model[0])
+        self.iteration = int(args.iteration)
+        self.consumed_samples = int(args.consumed_train_samples)
+        self.flops = float(args.num_floating_point_operations_so_far)
+        self.consumed_valid = int(args.consumed_valid_samples)
+        if self.integration.config is not None and self.integration.config.enabled:
+            self.integration.controller or self.integration._build_controller()
+        self.built = True
+        if self.session.generation > 0:
+            self.session.log(
+                "> MeCeFO recovery: pretrain() re-entered in generation "
+                f"{self.session.generation}; no checkpoint read, the state comes from memory"
+            )
+        self.session.on_built(self)
+        args.iteration = self.iteration
+        args.consumed_train_samples = self.consumed_samples
+        args.num_floating_point_operations_so_far = self.flops
+        args.consumed_valid_samples = self.consumed_valid
+        self._book_at_commit(args)
+        return model, optimizer, scheduler
+
+    def _book_at_commit(self, args: Any) -> None:
+        """Book an iteration the moment its update is applied (the vote committed): its
+        number, samples, FLOPs and the LR scheduler's step, then the session's boundary
+        snapshot. Megatron-LM books it later (after the loss reduction, which a death can
+        interrupt), and counts samples with the *members'* data-parallel size."""
+        from megatron.training import training
+
+        optimizer, scheduler = self.optimizer, self.scheduler
+        step, scheduler_step = optimizer.step, scheduler.step
+        gbs = int(args.global_batch_size)
+
+        def step_and_book(*a: Any, **k: Any) -> Any:
+            result = step(*a, **k)
+            self.iteration += 1
+            self.consumed_samples += gbs
+            self.flops += training.num_floating_point_operations(args, gbs)
+            if result[0]:  # update_successful: the scheduler steps now, not after the reduction
+                scheduler_step(increment=gbs)
+                self._scheduler_booked = True
+            self.session.committed(self)
+            return result
+
+        def scheduler_step_once(*a: Any, **k: Any) -> Any:
+            if self._scheduler_booked:  # train_step's own call for the booked iteration
+                self._scheduler_booked = False
+                return None
+            return scheduler_step(*a, **k)
+
+        optimizer.step, scheduler.step = step_and_book, scheduler_step_once
+
+    def log_iteration(self) -> None:
+        """Before Megatron-LM logs an iteration: its sample count is the booked one."""
+        from megatron.training import get_args
+
+        get_args().consumed_train_samples = self.consumed_samples
+
+    def boundary(self) -> None:
+        """After the iteration's evaluation and checkpoint: the generation check."""
+        from megatron.training import get_args
+
+        self.consumed_valid = int(get_args().consumed_valid_samples)
+        self.session.at_boundary(self)
+
+
+def _install_hooks() -> None:
+    """Wrap the ``megatron.training.training`` names the adapter needs (once per process)."""
+    if _INSTALLED:
+        return
+    import importlib
+
+    training = importlib.import_module(_TRAINING)
+    setup = training.setup_model_and_optimizer
+    log = training.training_log
+    decide = training.checkpoint_and_decide_exit
+
+    @functools.wraps(setup)
+    def setup_model_and_optimizer(*a: Any, **kw: Any) -> Any:
+        if _ACTIVE is None:
+            return setup(*a, **kw)
+        return _ACTIVE.setup(setup, a, kw)
+
+    @functools.wraps(log)
+    def training_log(*a: Any, **kw: Any) -> Any:
+        if _ACTIVE is not None:
+            _ACTIVE.log_iteration()
+        return log(*a, **kw)
+
+    @functools.wraps(decide)
+    def checkpoint_and_decide_exit(*a: Any, **kw: Any) -> Any:
+        result = decide(*a, **kw)
+        if _ACTIVE is not None and not result:
+            _ACTIVE.boundary()
+        return result
+
+    training.setup_model_and_optimizer = setup_model_and_optimizer
+    training.training_log = training_log
+    training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
+    _INSTALLED.append(True)

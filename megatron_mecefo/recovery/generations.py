@@ -1,0 +1,170 @@
+"""The rank side's generation loop: ``run_recoverable(args, make_trainer)``.
+
+A trainer calls it under the supervisor (``MECEFO_RECOVERY`` set). Per membership generation
+it waits until this process is a member, meets the other members in the store, builds the
+torch.distributed world on the prefix ``world<g>/`` of the supervisor's store, and runs the
+trainer that ``make_trainer(session)`` returns. The trainer calls
+:meth:`~.session.RecoverySession.on_built` once its model and optimizer exist in the world
+(restore, heal, hooks). A collective error or an aborted vote ends the generation: the rank
+keeps its state at the last committed boundary, drops the world (:meth:`~.session.
+RecoverySession.leave`) and waits for the next generation, which redoes the in-flight
+iteration under the takeover plan. ``training finished`` ends the loop with the trainer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+from megatron_mecefo.recovery import records as rec_mod
+from megatron_mecefo.recovery import reporting
+from megatron_mecefo.recovery.config import RecoveryConfig
+from megatron_mecefo.recovery.membership import MembershipStore
+from megatron_mecefo.recovery.session import (
+    _EXIT,
+    DIST_OPT_MESSAGE,
+    RecoveryAbort,
+    RecoverySession,
+    RegroupRequest,
+)
+
+
+def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -> Any:
+    """Train under the supervisor; returns the trainer that finished, or exits (module doc)."""
+    config = RecoveryConfig.from_env()
+    assert config is not None
+    standby = os.environ.get("MECEFO_RECOVERY_STANDBY")
+    if standby:  # a warm standby: import now, wait for the slot of a dead rank
+        _warm_up()
+        ms = MembershipStore.connect(config.store, config.init_timeout_s)
+        # Blocks in the store until the supervisor assigns a slot (no polling: idle standbys
+        # took the store's server thread from the ranks); the supervisor ends it with the job.
+        while (assigned := ms.get_json(f"assign/{standby}")) is None:
+            if ms.get_str("done") is not None or ms.get_str("fatal") is not None:
+                raise SystemExit(0)
+            ms.wait_for(f"assign/{standby}", config.init_timeout_s)
+        os.environ.update(
+            MECEFO_RECOVERY_SLOT=str(assigned["slot"]),
+            MECEFO_RECOVERY_INC=str(assigned["inc"]),
+            RANK=str(assigned["slot"]),
+        )
+    # Worlds left after a failure can leave gloo threads in leaked C++ objects, which abort
+    # ("terminate called without an active exception") when the interpreter tears them down
+    # at exit: end the process right after the Python-level exit handlers instead.
+    atexit.register(_exit_now)
+    sys.excepthook = _record_crash
+    try:
+        session = RecoverySession(args, config)
+    except Exception as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise RecoveryAbort(2) from None
+    # Import what the trainer imports now (a joiner: before it says ready, not inside the
+    # switch window), then freeze those objects out of the garbage collector: the full
+    # collection that closes an old world's sockets then scans only what was built since
+    # (measured at DP4 under load: 0.8 s -> see the recovery records' release_split_s).
+    _warm_up()
+    gc.freeze()
+    session.ms.mark_ready(session.slot, session.inc, {"pid": os.getpid(), "t": time.time()})
+    after = -1
+    while True:
+        gen = session.wait_for_membership(after)
+        if gen is None:
+            print(f"> MeCeFO recovery: rank {session.slot}: training finished; exiting", flush=True)
+            raise RecoveryAbort(0)
+        after = gen.number
+        session.times["membership"] = time.time()
+        if not session.rendezvous(gen):
+            continue
+        session.times["arrived"] = time.time()
+        trainer, outcome, error = None, "failed", ""
+        try:
+            session.init_world(gen)
+            session.times["world"] = time.time()
+            trainer = make_trainer(session)
+            trainer.train()
+            outcome = "done"
+        except RegroupRequest:
+            outcome = "planned"
+        except (RuntimeError, OSError) as err:  # gloo: "Connection closed by peer", timeouts
+            outcome, error = "failed", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            if os.environ.get("MECEFO_RECOVERY_TRACE"):
+                traceback.print_exc()
+        if outcome == "done":
+            session.ms.store.set("done", "1")
+            session.heartbeat.stop()
+            rec_mod.append_jsonl(session.cfg.records_file, reporting.armed_cost(session, trainer))
+            return trainer
+        now = time.time()
+        if outcome == "failed" and args.use_distributed_optimizer and session.valid:
+            snaps = session.snapshots
+            parity = snaps is not None and snaps.config.redundancy and snaps.parity_snapshots()
+            if not parity and not _has_checkpoint(args):
+                session.ms.set_fatal(DIST_OPT_MESSAGE)
+                print(f"> MeCeFO recovery: error: {DIST_OPT_MESSAGE}", flush=True)
+                raise RecoveryAbort(3)
+            # The next world rebuilds the lost shards from the snapshots' parity, or loads the
+            # disk checkpoint when they cannot serve.
+            session.takeover_pending = True
+        session.times = {"detect": now, "left": now}
+        if outcome == "failed":
+            session.ms.report_error(gen.number, session.slot, error)
+            print(
+                f"> MeCeFO recovery: rank {session.slot} left generation {gen.number}: {error}",
+                flush=True,
+            )
+        failed_iteration = trainer.iteration + 1 if getattr(trainer, "built", False) else 0
+        session.leave(trainer, planned=outcome == "planned")
+        trainer = None
+        if outcome == "failed":
+            session.injector.phase("regroup", failed_iteration)
+
+
+def _has_checkpoint(args: Any) -> bool:
+    """Whether ``--save`` or ``--load`` names a checkpoint (a tracker file): the disk fallback
+    of a death under the distributed optimizer (the next world checks it and agrees)."""
+    return any(
+        d and os.path.isfile(os.path.join(d, "latest_checkpointed_iteration.txt"))
+        for d in (getattr(args, "save", None), getattr(args, "load", None))
+    )
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT["code"])
+
+
+def _record_crash(exc_type: Any, exc: Any, tb: Any, _hook: Any = sys.excepthook) -> None:
+    if isinstance(exc, SystemExit):
+        _EXIT["code"] = exc.code if isinstance(exc.code, int) else 1
+    else:
+        _EXIT["code"] = 1
+    _hook(exc_type, exc, tb)
+
+
+def _warm_up() -> None:
+    """Import what building the trainer imports (about 10 s of a cold start under load)."""
+    import importlib
+
+    for name in (
+        "megatron.core.models.gpt",
+        "megatron.core.distributed",
+        "megatron.core.optimizer",
+        "megatron.core.optimizer_param_scheduler",
+        "megatron.core.pipeline_parallel",
+        "megatron.core.transformer.transformer_config",
+        "megatron_mecefo.data",
+        "megatron_mecefo.gpt.layer_specs",
+        "megatron_mecefo.techniques.specs",
+        "megatron_mecefo.takeover.controller",
+        "megatron_mecefo.runtime",
+    ):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass

@@ -1,0 +1,83 @@
+"""The hooks the session puts around a training step: kill-injection phases and the commit
+vote.
+
+* :func:`phase_forward_step` wraps a forward-step function so that the ``forward`` phase fires
+  before the first micro-batch and ``backward`` when the first backward starts; each trainer
+  calls it from its own forward-backward wrapper (:meth:`RecoverableTrainer.hook_phases`), and
+  fires ``grad-sync`` before its gradient sync.
+* :func:`install_commit_vote` makes the optimizer's update wait for the commit vote
+  (:mod:`.commit`): every member votes once its gradient sync finished, and the update runs
+  only if every member did, so no step is half-applied; an aborted vote raises
+  :class:`~.commit.StepAborted` and the iteration is redone in the next world.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict
+
+from megatron_mecefo.recovery.commit import StepAborted, abort
+from megatron_mecefo.recovery.trainer import PhaseHook
+
+
+def phase_forward_step(forward_step_func: Callable, phase: PhaseHook, iteration: int) -> Callable:
+    """``forward_step_func`` firing ``forward`` (each micro-batch; a kill fires once) and
+    ``backward`` (when the first backward of the iteration starts)."""
+    fired = {"backward": False}
+
+    def step(data_iterator: Any, model: Any, *a: Any, **k: Any) -> Any:
+        phase("forward", iteration)
+        output, loss_func = forward_step_func(data_iterator, model, *a, **k)
+        if output.requires_grad and not fired["backward"]:
+            fired["backward"] = True
+            output.register_hook(lambda g: phase("backward", iteration))
+        return output, loss_func
+
+    return step
+
+
+def install_commit_vote(session: Any, trainer: Any) -> None:
+    """Wrap ``trainer.optimizer``: the update of iteration ``trainer.iteration + 1`` waits for
+    the members' commit vote (the vote overlaps the gradient preparation)."""
+    optimizer = trainer.optimizer
+    optimizer_step, ready_step = optimizer.step, optimizer.step_with_ready_grads
+    pending: Dict[str, Any] = {}
+
+    def await_decision() -> None:
+        future, iteration = pending.pop("vote")
+        t_wait = time.perf_counter()
+        commit, completed, protocol_s = future.result()
+        waited = time.perf_counter() - t_wait
+        session.vote_s.append(waited)
+        if completed:
+            session.vote_last_s.append(waited)
+            session.vote_protocol_s.append(protocol_s)
+        if not commit:
+            raise StepAborted(f"iteration {iteration}: not every member finished its sync")
+
+    def step_after_commit(*a: Any, **k: Any) -> Any:
+        # The vote runs while the optimizer prepares the gradients (main grads, norm,
+        # clipping: nothing a redo needs); the update itself waits for the decision.
+        iteration, gen = trainer.iteration + 1, session.gen
+        future = session.voter.start(
+            gen.number, iteration, session.slot, gen.members, report_progress=session.rank == 0
+        )
+        pending["vote"] = (future, iteration)
+        try:
+            result = optimizer_step(*a, **k)
+            if "vote" in pending:  # no update (inf/nan in the grads): agree all the same
+                await_decision()
+            return result
+        except BaseException:
+            if pending.pop("vote", None) is not None and not future.done():
+                abort(session.ms, gen.number, iteration, len(gen.members))  # wakes the peers
+            raise
+
+    def update_after_commit(*a: Any, **k: Any) -> Any:
+        if "vote" in pending:
+            iteration = pending["vote"][1]
+            await_decision()
+            session.injector.phase("optimizer", iteration)
+        return ready_step(*a, **k)
+
+    optimizer.step, optimizer.step_with_ready_grads = step_after_commit, update_after_commit

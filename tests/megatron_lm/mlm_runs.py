@@ -1,0 +1,143 @@
+"""Running Megatron-LM's own ``pretrain_gpt.py`` (core_v0.16.1) on CPU ranks, for the tests.
+
+The tree comes from ``../shared/megatron-lm/Megatron-LM-core_v0.16.1.tar.gz`` (Megatron-LM at
+core_v0.16.1 without ``megatron/core``; the wheel provides that), unpacked into a temporary
+folder and patched with ``patches/megatron-lm-core_v0.16.1.patch``. ``MEGATRON_LM_DIR`` points
+at another checkout of that tag instead. Every run happens in its own process session and is
+killed with all its processes if it fails or hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from conftest import REPO, child_env, free_port
+
+PATCHES = REPO / "patches"
+TARBALL = REPO.parent / "shared" / "megatron-lm" / "Megatron-LM-core_v0.16.1.tar.gz"
+LAUNCHER = PATCHES / "run_megatron_lm_cpu.py"
+
+# A tiny GPT on mock data, on CPU ranks over gloo (no fused kernels, the local spec), dropout
+# off (a replica that recomputes another's micro-batch draws its own dropout masks).
+CPU_GPT = [
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+    "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "16",
+    "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--log-interval", "1", "--lr", "1e-3", "--lr-decay-style", "constant",
+    "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--seed", "1234",
+    "--ckpt-format", "torch", "--save-interval", "100000",
+]  # fmt: skip
+MECEFO = ["--mecefo", "--mecefo-rank", "16"]
+LOST = re.compile(r"replica (\d+) lost; failed from iteration (\d+) on")
+REJOINED = re.compile(r"replica (\d+) rejoined at iteration (\d+)")
+SAMPLES = re.compile(r"MeCeFO summary: .*samples processed (\d+) / skipped (\d+)")
+
+
+def unpack_megatron_lm(root: Path) -> Optional[Path]:
+    """The patched Megatron-LM tree under ``root``, or None without the tarball."""
+    checkout = os.environ.get("MEGATRON_LM_DIR")
+    if checkout:
+        return Path(checkout)
+    if not TARBALL.is_file():
+        return None
+    with tarfile.open(TARBALL) as tar:
+        tar.extractall(root, filter="data")
+    tree = root / "Megatron-LM-core_v0.16.1"
+    patch = PATCHES / "megatron-lm-core_v0.16.1.patch"
+    subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+    return tree
+
+
+def run_logged(cmd: List[str], log_path: Path, timeout: float = 600, **env: str) -> int:
+    """Run ``cmd`` in its own session, output to ``log_path``; kill the session at the end."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, env=child_env(**env), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=log_path.parent,
+        )  # fmt: skip
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return -999
+        finally:
+            try:  # the launcher and whatever it left behind (ranks, standbys)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def torchrun(tree: Path, argv: List[str], work: Path, nproc: int = 4) -> Tuple[int, str]:
+    """Megatron-LM under torchrun (no supervisor): stock, or a simulated failure."""
+    log = work / f"torchrun_{len(list(work.glob('torchrun_*')))}.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", str(LAUNCHER), "--megatron-lm-dir", str(tree),
+           *CPU_GPT, *argv]  # fmt: skip
+    rc = run_logged(cmd, log)
+    return rc, log.read_text()
+
+
+def supervised(
+    tree: Path,
+    argv: List[str],
+    work: Path,
+    nproc: int = 4,
+    supervisor: Optional[List[str]] = None,
+    timeout: float = 600,
+) -> Tuple[int, str]:
+    """Megatron-LM under MeCeFO's recovery supervisor (records in ``work/records.jsonl``,
+    pids in ``work/pids.txt``)."""
+    log = work / f"supervised_{len(list(work.glob('supervised_*')))}.log"
+    cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor",
+           f"--nproc-per-node={nproc}", "--records", str(work / "records.jsonl"),
+           "--pid-file", str(work / "pids.txt"),
+           *(supervisor if supervisor is not None else ["--replace", "never"]),
+           "--", str(LAUNCHER), "--megatron-lm-dir", str(tree), *CPU_GPT, *argv]  # fmt: skip
+    rc = run_logged(cmd, log, timeout=timeout)
+    return rc, log.read_text()
+
+
+def final_params(save_dir: Path) -> Dict[str, torch.Tensor]:
+    """The model tensors of the newest ``--ckpt-format torch`` checkpoint in ``save_dir``,
+    keyed ``<mp_rank folder>/<name>`` (every pipeline stage)."""
+    iteration = (save_dir / "latest_checkpointed_iteration.txt").read_text().strip()
+    out: Dict[str, torch.Tensor] = {}
+    for path in sorted((save_dir / f"iter_{int(iteration):07d}").glob("mp_rank_*/*.pt")):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        for name, value in state["model"].items():
+            if isinstance(value, torch.Tensor):
+                out[f"{path.parent.name}/{name}"] = value
+    return out
+
+
+def max_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two parameter sets with the same keys."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def failures_from_log(output: str) -> List[str]:
+    """``--mecefo-fail`` values that simulate the real losses and rejoins of a supervised run:
+    ``R:F`` (down from F to the end) or ``R:F:T`` (back at T)."""
+    events: Dict[int, List[int]] = {}
+    for replica, start in LOST.findall(output):
+        events.setdefault(int(replica), []).append(int(start))
+    values = []
+    for replica, back in REJOINED.findall(output):
+        start = events[int(replica)].pop(0)
+        values.append(f"{replica}:{start}:{back}")
+    values += [f"{r}:{s}" for r, starts in events.items() for s in starts]
+    return values

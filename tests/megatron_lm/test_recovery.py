@@ -1,0 +1,233 @@
+"""Real rank deaths inside Megatron-LM's own ``pretrain_gpt.py``, survived in-process.
+
+Megatron-LM core_v0.16.1 (``mlm_runs``) runs under MeCeFO's recovery supervisor; ranks are
+SIGKILLed at a phase of an iteration (``--mecefo-kill``) or from outside. Each run is checked
+against the simulated-failure run of the same schedule under torchrun (``--mecefo-fail``):
+the final parameters of the ``--save`` checkpoint, every sample processed once, no checkpoint
+read. ``make test`` runs three: ``--mecefo`` without failures against stock Megatron-LM, one
+simulated failure (the reference) and one real SIGKILL; the rest are ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+from mlm_runs import (
+    MECEFO,
+    SAMPLES,
+    failures_from_log,
+    final_params,
+    max_difference,
+    supervised,
+    torchrun,
+    unpack_megatron_lm,
+)
+
+TOLERANCE = 1e-6
+"""fp32 bound on |real - simulated| per parameter. The survivors' all-reduce sums over the
+members only, where the simulated run adds the failed replica's zero gradient too; the sums
+are the same numbers in another order, so the results agree bitwise or to a few ulps."""
+
+
+@pytest.fixture(scope="module")
+def megatron_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tree = unpack_megatron_lm(tmp_path_factory.mktemp("megatron_lm"))
+    if tree is None:
+        pytest.skip("no Megatron-LM tarball at ../shared/megatron-lm (set MEGATRON_LM_DIR)")
+    return tree
+
+
+def _check_against_simulated(
+    tree: Path, real: str, save: Path, work: Path, argv: List[str], nproc: int = 4
+) -> List[str]:
+    """The simulated run of the real run's schedule ends on the same parameters; returns
+    the schedule."""
+    schedule = failures_from_log(real)
+    fails = [a for v in schedule for a in ("--mecefo-fail", v)]
+    rc, sim = torchrun(tree, [*argv, *MECEFO, *fails, "--save", str(work / "sim")], work, nproc)
+    assert rc == 0, sim[-4000:]
+    diff = max_difference(final_params(save), final_params(work / "sim"))
+    print(f"real vs simulated {schedule}: max |difference| {diff:.3g}")
+    assert diff <= TOLERANCE, (schedule, diff)
+    # Every sample of every global batch processed exactly once, in both runs.
+    assert SAMPLES.findall(real)[-1] == SAMPLES.findall(sim)[-1]
+    processed, skipped = SAMPLES.findall(real)[-1]
+    iterations = int(argv[argv.index("--train-iters") + 1])
+    assert (int(processed), int(skipped)) == (16 * iterations, 0)
+    return schedule
+
+
+def _records(work: Path) -> List[dict]:
+    path = work / "records.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for r in map(json.loads, lines) if r.get("type") == "recovery"]
+
+
+def test_mecefo_without_failure_is_bitwise_stock(megatron_lm: Path, tmp_path: Path) -> None:
+    argv = ["--train-iters", "6"]
+    rc, stock = torchrun(megatron_lm, [*argv, "--save", str(tmp_path / "stock")], tmp_path)
+    assert rc == 0, stock[-4000:]
+    rc, plugin = torchrun(
+        megatron_lm, [*argv, *MECEFO, "--save", str(tmp_path / "mecefo")], tmp_path
+    )
+    assert rc == 0, plugin[-4000:]
+    assert "MeCeFO summary: 0 degraded iterations" in plugin
+    assert max_difference(final_params(tmp_path / "stock"), final_params(tmp_path / "mecefo")) == 0
+
+
+def test_real_sigkill_survived_in_process_equals_simulated(
+    megatron_lm: Path, tmp_path: Path
+) -> None:
+    """DP4: rank 1 is SIGKILLed in its backward of iteration 3; the survivors regroup, re-enter
+    pretrain() with the state in memory and redo iteration 3 without replica 1."""
+    argv = ["--train-iters", "8"]
+    save = tmp_path / "real"
+    rc, real = supervised(
+        megatron_lm, [*argv, *MECEFO, "--mecefo-kill", "1:3:backward", "--save", str(save)],
+        tmp_path,
+    )  # fmt: skip
+    assert rc == 0, real[-6000:]
+    assert "pretrain() re-entered in generation 1; no checkpoint read" in real
+    assert "loading checkpoint" not in real
+    (record,) = _records(tmp_path)
+    assert record["ranks_lost"] == [1] and record["samples_redone"] == 16
+    assert record["iteration"] == 3 and record["kind"] == "failure"
+    schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
+    assert schedule == ["1:3"]
+
+
+PHASE_KILLS = {  # phase -> (kill, the replica's first failed iteration)
+    "forward": ("2:3:forward", 3),
+    "backward": ("2:3:backward", 3),
+    "grad-sync": ("2:3:grad-sync", 3),
+    "optimizer": ("2:3:optimizer", 4),  # the vote passed: iteration 3 commits without it
+    "between": ("2:3:between", 4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", list(PHASE_KILLS))
+@pytest.mark.parametrize("layout", ["dp4", "pp2dp4"])
+def test_kill_in_every_phase(megatron_lm: Path, tmp_path: Path, phase: str, layout: str) -> None:
+    kill, first = PHASE_KILLS[phase]
+    argv = ["--train-iters", "6"]
+    nproc = 4
+    if layout == "pp2dp4":  # 8 ranks; rank 6 is replica 2's last stage
+        argv += ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
+        kill, nproc = kill.replace("2:", "6:", 1), 8
+    save = tmp_path / "real"
+    rc, real = supervised(
+        megatron_lm, [*argv, *MECEFO, "--mecefo-kill", kill, "--save", str(save)], tmp_path,
+        nproc=nproc,
+    )  # fmt: skip
+    assert rc == 0, real[-6000:]
+    schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv, nproc)
+    assert schedule == [f"2:{first}"]
+
+
+@pytest.mark.slow
+def test_rejoin_heals_the_replacement(megatron_lm: Path, tmp_path: Path) -> None:
+    """Rank 0 dies at the grad sync of iteration 4; a warm standby replaces it a second later,
+    rejoins at an iteration boundary and is healed from a peer: Megatron-LM's own weight-hash
+    check then finds every replica identical."""
+    argv = ["--train-iters", "40", "--check-weight-hash-across-dp-replicas-interval", "5"]
+    save = tmp_path / "real"
+    rc, real = supervised(
+        megatron_lm, [*argv, *MECEFO, "--mecefo-kill", "0:4:grad-sync", "--save", str(save)],
+        tmp_path, supervisor=["--replace", "after:1", "--standby", "1"],
+    )  # fmt: skip
+    assert rc == 0, real[-6000:]
+    assert "healed; parameters and optimizer state identical on every data-parallel" in real
+    assert "Weight hashes match after 40 iterations" in real
+    assert "do not match" not in real
+    schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
+    assert len(schedule) == 1 and schedule[0].startswith("0:4:"), schedule
+
+
+def _pids(work: Path) -> dict:
+    """Slot -> pid of the first incarnation of each rank (the supervisor's pid file)."""
+    out = {}
+    for line in (work / "pids.txt").read_text().splitlines():
+        slot, inc, pid = map(int, line.split())
+        if inc == 0 and slot >= 0:
+            out[slot] = pid
+    return out
+
+
+def _wait_for(path: Path, text: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in {path} after {timeout} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigkill", "sigstop", "two_200ms_apart"])
+def test_external_signals(megatron_lm: Path, tmp_path: Path, how: str) -> None:
+    """``kill -9`` from outside at a random moment, a SIGSTOPped rank (found by its missed
+    heartbeats) and two replicas lost 200 ms apart end like an injected kill."""
+    import subprocess
+    import sys
+
+    from mlm_runs import CPU_GPT, LAUNCHER
+
+    argv = ["--train-iters", "60"]
+    save = tmp_path / "real"
+    cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor", "--nproc-per-node=4",
+           "--records", str(tmp_path / "records.jsonl"), "--pid-file", str(tmp_path / "pids.txt"),
+           "--replace", "never", "--heartbeat-timeout", "3",
+           "--", str(LAUNCHER), "--megatron-lm-dir", str(megatron_lm), *CPU_GPT, *argv,
+           *MECEFO, "--save", str(save)]  # fmt: skip
+    log_path = tmp_path / "supervised_0.log"
+    from conftest import child_env
+
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            _wait_for(log_path, "iteration        5/")
+            time.sleep(random.Random(7).uniform(0.0, 0.5))
+            pids = _pids(tmp_path)
+            if how == "sigkill":
+                os.kill(pids[2], signal.SIGKILL)
+            elif how == "sigstop":
+                os.kill(pids[2], signal.SIGSTOP)
+            else:
+                os.kill(pids[1], signal.SIGKILL)
+                time.sleep(0.2)
+                os.kill(pids[3], signal.SIGKILL)
+            rc = proc.wait(timeout=300)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    real = log_path.read_text()
+    assert rc == 0, real[-6000:]
+    schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
+    lost = sorted(int(v.split(":")[0]) for v in schedule)
+    assert lost == ([1, 3] if how == "two_200ms_apart" else [2]), schedule
+
+
+@pytest.mark.slow
+def test_every_replica_lost_ends_with_one_message(megatron_lm: Path, tmp_path: Path) -> None:
+    """DP2 with both replicas killed: one clear message, a non-zero exit, no hang."""
+    argv = ["--train-iters", "8", "--global-batch-size", "8"]
+    rc, out = supervised(
+        megatron_lm,
+        [*argv, *MECEFO, "--mecefo-kill", "0:3:backward", "--mecefo-kill", "1:3:forward"],
+        tmp_path, nproc=2, timeout=240,
+    )  # fmt: skip
+    assert rc not in (0, -999), out[-4000:]
+    assert "training aborted" in out, out[-4000:]
