@@ -30,10 +30,12 @@ from mlm_runs import (
     unpack_megatron_lm,
 )
 
-TOLERANCE = 1e-6
-"""fp32 bound on |real - simulated| per parameter. The survivors' all-reduce sums over the
-members only, where the simulated run adds the failed replica's zero gradient too; the sums
-are the same numbers in another order, so the results agree bitwise or to a few ulps."""
+TOLERANCE = 1e-5
+"""Bound on |real - simulated| per parameter (1% of one Adam step at lr 1e-3). The survivors'
+gradient all-reduce sums over the members only, where the simulated run adds the failed
+replica's zero gradient too: the same numbers summed in another order, which differ in the
+last bits. Adam's update m / (sqrt(v) + eps) grows those bits where v is small (measured:
+up to 5.3e-7 after 4 iterations; the logged losses and grad norms agree to every digit)."""
 
 
 @pytest.fixture(scope="module")
