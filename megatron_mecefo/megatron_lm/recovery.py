@@ -161,10 +161,20 @@ def run_pretrain(pretrain: Callable, a: tuple, kw: Dict[str, Any]) -> None:
             "the MeCeFO recovery supervisor needs the plugin installed in pretrain_gpt.py "
             "(mecefo.install(), patches/megatron-lm-core_v0.16.1.patch); apply the patch"
         )
-    # The flags as pretrain() will parse them (the plugin's checks run in the parser hook).
-    args = parse_args(kw.get("extra_args_provider"))
+    from megatron.training import global_vars
+
+    # core_v0.19: pretrain_gpt.py parsed and validated the flags before pretrain(); up to
+    # core_v0.17, pretrain() parses them: parse them as it will (the plugin's checks run in the
+    # parser hook).
+    parsed = global_vars._GLOBAL_ARGS  # noqa: SLF001  (None until then; get_args asserts)
+    args = parsed if parsed is not None else parse_args(kw.get("extra_args_provider"))
     job = job_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    run_recoverable(job, lambda session: MegatronLMTrainer(session, integration, pretrain, a, kw))
+    run_recoverable(
+        job,
+        lambda session: MegatronLMTrainer(
+            session, integration, pretrain, a, kw, parsed_args=parsed
+        ),
+    )
 
 
 class _DataParallelView:
@@ -191,13 +201,22 @@ class MegatronLMTrainer:
         session: The rank's :class:`~megatron_mecefo.recovery.session.RecoverySession`.
         integration: The plugin's :class:`~.integration.MegatronLMIntegration`.
         pretrain: Megatron-LM's ``pretrain``; ``a`` and ``kw`` are its arguments.
+        parsed_args: core_v0.19: the flags ``pretrain_gpt.py`` parsed before ``pretrain()``
+            (which then reads them from Megatron-LM's globals); None up to core_v0.17.
     """
 
     def __init__(
-        self, session: Any, integration: Any, pretrain: Callable, a: tuple, kw: Dict[str, Any]
+        self,
+        session: Any,
+        integration: Any,
+        pretrain: Callable,
+        a: tuple,
+        kw: Dict[str, Any],
+        parsed_args: Any = None,
     ) -> None:
         self.session, self.integration = session, integration
         self._pretrain, self._a, self._kw = pretrain, a, kw
+        self._parsed_args = parsed_args
         self.built = False
         self.iteration = 0
         self.consumed_samples = 0
@@ -231,8 +250,25 @@ class MegatronLMTrainer:
         # Megatron-LM reads RANK in parse_args (rank-0 printing before the world exists);
         # WORLD_SIZE stays the job's: the original data-parallel size (module docstring).
         os.environ["RANK"] = str(self.session.rank)
+        if self._parsed_args is not None:
+            self._restore_global_args()
         _ACTIVE = self
         self._pretrain(*self._a, **self._kw)
+
+    def _restore_global_args(self) -> None:
+        """core_v0.19: ``pretrain()`` reads the flags from Megatron-LM's globals, which the
+        previous generation's :meth:`release` destroyed (as its in-process restart does): set
+        them again, with this world's rank and the job's world size (the original
+        data-parallel size is kept: ``validate_args`` derived it from ``WORLD_SIZE``)."""
+        from megatron.training import global_vars
+
+        if global_vars._GLOBAL_ARGS is not None:  # noqa: SLF001  (the first generation)
+            return
+        args = self._parsed_args
+        args.rank = self.session.rank
+        args.world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
+        args.iteration = 0
+        global_vars.set_global_variables(args)
 
     def rewind_data(self, consumed_samples: int) -> None:
         """Megatron-LM builds its loaders after the restore, at ``consumed_samples``."""
@@ -362,7 +398,7 @@ class MegatronLMTrainer:
             result = step(*a, **k)
             self.iteration += 1
             self.consumed_samples += gbs
-            self.flops += training.num_floating_point_operations(args, gbs)
+            self.flops += _flops(training, args, gbs)
             if result[0]:  # update_successful: the scheduler steps now, not after the reduction
                 scheduler_step(increment=gbs)
                 self._scheduler_booked = True
@@ -389,6 +425,14 @@ class MegatronLMTrainer:
 
         self.consumed_valid = int(get_args().consumed_valid_samples)
         self.session.at_boundary(self)
+
+
+def _flops(training: Any, args: Any, batch_size: int) -> float:
+    """Megatron-LM's FLOP count of one global batch (0 where its signature is not known)."""
+    try:
+        return float(training.num_floating_point_operations(args, batch_size))
+    except (TypeError, AttributeError):
+        return 0.0
 
 
 def _install_hooks() -> None:

@@ -9,11 +9,12 @@
 #      job trains on, rejoin_node.sh brings node 3 back in a new job step, and the job must
 #      complete every iteration with the failure and the rejoin recorded in the metrics, the
 #      rejoined replica healed, and the last DP weight-hash check passing.
-#   2. megatron_lm_mecefo.sbatch, 8 tasks: with MEGATRON_LM_DIR set, a rank is SIGKILLed after
-#      the first checkpoint; the job must stop with the supervisor's one message, requeue
-#      itself and resume from the checkpoint to the last iteration. Without MEGATRON_LM_DIR
-#      (CI) the script must fail under Slurm with its own message, and this says loudly that
-#      the Megatron-LM run was not exercised.
+#   2. megatron_lm_mecefo.sbatch, 8 tasks, Megatron-LM core_v0.16.1 (MEGATRON_LM_DIR, else the
+#      tarball in ../shared/megatron-lm, unpacked and patched): the same node loss and rejoin
+#      as 1, survived in-process in Megatron-LM's own pretrain_gpt.py: no requeue, no
+#      checkpoint read, the node healed, Megatron-LM's weight-hash check passing at the end.
+#      With neither, the script must fail under Slurm with its own message, and this says
+#      loudly that the Megatron-LM run was not exercised.
 # Every daemon and job it started is stopped by PID / job id, and the folder removed, on exit.
 set -euo pipefail
 
@@ -166,6 +167,12 @@ submit() {  # OUT SCRIPT  (env passed through; each job gets a free port for its
     echo "$id"
 }
 
+standby_warm() {  # node 3's rejoin standby (in $RUN/pids.node3) connected to the store: imported
+    local pid
+    pid=$(awk '$1 == -1 {print $3}' "$RUN/pids.node3" 2> /dev/null | tail -n 1)
+    [ -n "$pid" ] && find "/proc/$pid/fd" -lname 'socket:*' 2> /dev/null | grep -q .
+}
+
 # The tiny CPU run both scripts train (8 ranks, PP2 x DP4).
 export PYTHON=$PY GPUS_PER_NODE=1 TP=1 PP=2 DEVICE=cpu OMP_NUM_THREADS=1
 export SUPERVISOR_ARGS="--heartbeat-interval 0.5 --heartbeat-timeout 6 --collective-timeout 25 --init-timeout 90"
@@ -195,11 +202,6 @@ wait_for_text "$OUT" "membership store at" 300 || { tail -n 30 "$OUT"; fail "job
 rejoin=$!
 wait_for_text "$OUT" "iteration        3/" 300 || { tail -n 30 "$OUT"; fail "job $JOB never reached iteration 3"; }
 victim=$(cat "$RUN/supervisor.node3.pid")
-standby_warm() {  # the standby has connected to the store once its imports are done
-    local pid
-    pid=$(awk '$1 == -1 {print $3}' "$RUN/pids.node3" 2> /dev/null | tail -n 1)
-    [ -n "$pid" ] && find "/proc/$pid/fd" -lname 'socket:*' 2> /dev/null | grep -q .
-}
 for _ in $(seq 600); do standby_warm && break; sleep 0.5; done
 standby_warm || { cat "$TMP/runs/rejoin.out"; fail "the rejoining node's standby never came up"; }
 grep "iteration " "$OUT" | tail -n 1 | cut -c1-60
@@ -247,6 +249,16 @@ if [[ ,$PARTS, == *,mlm,* ]]; then
 RUN=$TMP/runs/mlm
 OUT=$TMP/runs/mlm.out
 export RUN_DIR=$RUN
+# Megatron-LM core_v0.16.1: MEGATRON_LM_DIR, else the tarball beside the project (CI's copy
+# of shared/), unpacked here and patched.
+TARBALL=$REPO/../shared/megatron-lm/Megatron-LM-core_v0.16.1.tar.gz
+if [ -z "${MEGATRON_LM_DIR:-}" ] && [ -f "$TARBALL" ]; then
+    tar xzf "$TARBALL" -C "$TMP"
+    MEGATRON_LM_DIR=$TMP/Megatron-LM-core_v0.16.1
+    (cd "$MEGATRON_LM_DIR" && git apply "$REPO/patches/megatron-lm-core_v0.16.1.patch")
+    export MEGATRON_LM_DIR
+    say "Megatron-LM core_v0.16.1 from $TARBALL, patched, in $MEGATRON_LM_DIR"
+fi
 if [ -z "${MEGATRON_LM_DIR:-}" ]; then
     JOB=$(submit "$OUT" "$REPO/examples/slurm/megatron_lm_mecefo.sbatch")
     wait_job_end "$JOB" 60
@@ -256,46 +268,67 @@ if [ -z "${MEGATRON_LM_DIR:-}" ]; then
     grep -q "error: MEGATRON_LM_DIR=<unset>: no Megatron-LM pretrain_gpt.py there" "$OUT" \
         || fail "megatron_lm_mecefo.sbatch failed without its own message"
     echo "########################################################################################"
-    echo "# megatron_lm_mecefo.sbatch: NOT EXERCISED (no MEGATRON_LM_DIR). Only checked that it  #"
-    echo "# fails under Slurm with its own message. Set MEGATRON_LM_DIR to a patched Megatron-LM #"
-    echo "# checkout (tag core_v0.16.1) to run it: kill, requeue, resume from the checkpoint.     #"
+    echo "# megatron_lm_mecefo.sbatch: NOT EXERCISED (no MEGATRON_LM_DIR, no tarball in          #"
+    echo "# ../shared/megatron-lm). Only checked that it fails under Slurm with its own message. #"
     echo "########################################################################################"
 else
-    MLM_ITERS=${SLURM_TEST_MLM_ITERS:-12}
+    # The same node loss and rejoin as part 1, in Megatron-LM's own pretrain_gpt.py: the job
+    # must train on in-process (no requeue, no checkpoint read), heal the rejoined node and
+    # pass Megatron-LM's own weight-hash check across the data-parallel replicas.
+    MLM_ITERS=${SLURM_TEST_MLM_ITERS:-300}
     export GPT_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 --lr 1e-3 \
 --lr-decay-style constant --train-iters $MLM_ITERS --hidden-dropout 0 --attention-dropout 0 \
---ckpt-format torch" \
+--ckpt-format torch --num-workers 0" \
         DATA_ARGS="--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --seed 1234" \
-        OUTPUT_ARGS="--log-interval 1 --save-interval 4 --eval-iters 0 --eval-interval 1000" \
+        OUTPUT_ARGS="--log-interval 10 --save-interval $MLM_ITERS --eval-iters 0 --eval-interval 100000 \
+--check-weight-hash-across-dp-replicas-interval 50" \
         EXTRA_ARGS="--mecefo-rank 16"
     JOB=$(submit "$OUT" "$REPO/examples/slurm/megatron_lm_mecefo.sbatch")
     say "job $JOB: megatron_lm_mecefo.sbatch ($MEGATRON_LM_DIR), 8 tasks, $MLM_ITERS iterations"
-    wait_for_text "$RUN/checkpoints/latest_checkpointed_iteration.txt" 4 600 \
-        || { tail -n 30 "$OUT"; fail "job $JOB saved no checkpoint"; }
-    wait_for_text "$OUT" "iteration        6/" 120 || { tail -n 30 "$OUT"; fail "no iteration 6"; }
-    victim=$(awk '{print $3}' "$RUN/pids.node3" | head -n 1)
+    wait_for_text "$OUT" "membership store at" 300 || { tail -n 30 "$OUT"; fail "job $JOB never started"; }
+    "$REPO/examples/slurm/rejoin_node.sh" --standby 1 "$RUN" 3 > "$TMP/runs/mlm-rejoin.out" 2>&1 &
+    rejoin=$!
+    wait_for_text "$OUT" "iteration       10/" 300 || { tail -n 30 "$OUT"; fail "job $JOB never reached iteration 10"; }
+    for _ in $(seq 600); do standby_warm && break; sleep 0.5; done
+    standby_warm || { cat "$TMP/runs/mlm-rejoin.out"; fail "the rejoining node's standby never came up"; }
+    victim=$(cat "$RUN/supervisor.node3.pid")
     kill -9 "$victim"
-    say "SIGKILLed rank 3 (pid $victim) of Megatron-LM"
-    # Slurm holds a requeued job back (BeginTime, about 2 minutes); release it at once.
-    for _ in $(seq 300); do
-        scontrol show job "$JOB" | grep -q "Restarts=1" && [ "$(job_state "$JOB")" = PENDING ] && break
-        sleep 1
-    done
-    scontrol update JobId="$JOB" StartTime=now
+    say "SIGKILLed node 3's supervisor (pid $victim; its rank 3 dies with it): a lost node"
     wait_job_end "$JOB" 900
     state=$STATE
-    echo "---- job output (without the iteration lines)"
-    grep -v "^ *\[.*\] iteration\|^ *iteration" "$OUT" | grep -E "MeCeFO|supervisor|error|loading|load" | cut -c1-240 || true
+    wait "$rejoin" && rejoin_rc=0 || rejoin_rc=$?
+    say "job $JOB: $state; rejoin step exit status $rejoin_rc"
+    echo "---- job output (recovery lines)"
+    grep -E "MeCeFO (recovery|Megatron-LM job)|supervisor node|Weight hashes|loaded checkpoint" "$OUT" | cut -c1-220 || true
+    echo "---- rejoin step"
+    grep -E "MeCeFO|supervisor|mecefo_node" "$TMP/runs/mlm-rejoin.out" | cut -c1-220 || true
     [ "$state" = COMPLETED ] || { tail -n 40 "$OUT"; fail "job $JOB ended $state"; }
-    scontrol show job "$JOB" | grep -q "Restarts=1" || fail "job $JOB was not requeued once"
-    [ "$(grep -c "does not run MeCeFO's in-process recovery" "$OUT")" -ge 1 ] || fail "no one-line stop message"
+    [ "$rejoin_rc" -eq 0 ] || fail "the rejoin step exited $rejoin_rc"
+    scontrol show job "$JOB" | grep -q "Restarts=0" || fail "job $JOB was requeued: the loss was not survived in-process"
     grep -q "iteration *$MLM_ITERS/ *$MLM_ITERS" "$OUT" || fail "Megatron-LM did not reach iteration $MLM_ITERS"
-    grep -q '"type": "requeue"' "$RUN/restarts.jsonl" || fail "no requeue record"
-    grep -Eq "loading checkpoint from .* at iteration [1-9]|successfully loaded checkpoint" "$OUT" \
-        || fail "the requeued job did not resume from the checkpoint"
-    cat "$RUN/restarts.jsonl"
-    say "megatron_lm_mecefo.sbatch ($MEGATRON_LM_DIR): PASSED (killed, requeued, resumed)"
+    grep -q "pretrain() re-entered in generation 1; no checkpoint read" "$OUT" \
+        || fail "no in-process re-entry of pretrain() after the loss"
+    grep -q "successfully loaded checkpoint" "$OUT" "$TMP/runs/mlm-rejoin.out" \
+        && fail "a checkpoint was read"
+    cat "$OUT" "$TMP/runs/mlm-rejoin.out" | grep -q "healed; parameters and optimizer state identical" \
+        || fail "no heal line in the log"
+    grep -q "Weight hashes match after $MLM_ITERS iterations" "$OUT" \
+        || fail "no passing weight-hash check at iteration $MLM_ITERS"
+    grep -q "do not match" "$OUT" && fail "a weight-hash check failed"
+    "$PY" - "$RUN/recovery.jsonl" << 'PYCHECK'
+import json, sys
+rec = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+rec = [r for r in rec if r.get("type") == "recovery"]
+fail = [r for r in rec if r["kind"] == "failure"]
+join = [r for r in rec if 3 in r["ranks_joined"]]
+assert fail and 3 in fail[0]["ranks_lost"], f"no failure of rank 3 recorded: {rec}"
+assert join, f"no rejoin of rank 3 recorded: {rec}"
+print(f"[test-slurm] Megatron-LM: failure at iteration {fail[0]['iteration']} (ranks lost "
+      f"{fail[0]['ranks_lost']}), rejoin at iteration {join[-1]['iteration']} (ranks "
+      f"{join[-1]['ranks_joined']}, in a {join[-1]['kind']} generation), healed")
+PYCHECK
+    say "megatron_lm_mecefo.sbatch ($MEGATRON_LM_DIR): PASSED (node lost and rejoined in-process, no requeue)"
 fi
 fi
 say "make test-slurm: PASSED in $(($(date +%s) - T0)) s"
