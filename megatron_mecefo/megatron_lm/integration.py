@@ -63,6 +63,9 @@ def extra_args_provider(other: Optional[Callable] = None) -> Callable:
         from megatron_mecefo.recovery.arguments import add_arguments as add_recovery_arguments
 
         parser = add_recovery_arguments(parser)  # --mecefo-kill (under the supervisor)
+        from megatron_mecefo.snapshot.arguments import add_arguments as add_snapshot_arguments
+
+        add_snapshot_arguments(parser)  # --mecefo-snapshot-* (the distributed optimizer's)
         sys.argv[:] = normalize_argv(sys.argv)
         _check_after_parsing(parser)
         return parser
@@ -115,6 +118,13 @@ def check_parsed_args(args: Any) -> None:
     except AbftConfigError as err:
         exit_with_config_error(err)
     supervised = os.environ.get("MECEFO_RECOVERY")
+    interval = getattr(args, "snapshot_interval", 0)
+    if interval and not supervised:
+        exit_with_config_error(
+            f"--mecefo-snapshot-interval={interval}: in Megatron-LM the in-memory snapshots "
+            "serve the recovery supervisor's takeover of a dead rank's distributed-optimizer "
+            "shard; launch under python -m megatron_mecefo.recovery.supervisor, or drop it"
+        )
     if supervised or getattr(args, "mecefo_kill", None):
         from megatron_mecefo.megatron_lm.recovery import check_recovery_args
 

@@ -42,6 +42,9 @@ _TRAINING = "megatron.training.training"
 _ACTIVE: Optional["MegatronLMTrainer"] = None
 """The adapter of the generation in progress: the wrapped Megatron-LM names delegate to it."""
 _INSTALLED: List[bool] = []
+_CONTROLLER_COUNTS = ("degraded_iterations", "fallback_iterations", "samples_processed",
+                      "samples_skipped")  # fmt: skip
+"""The MeCeFO controller's running counts, kept in snapshots."""
 
 
 def maybe_wrap_for_inprocess_restart(pretrain: Callable) -> Tuple[Callable, Any]:
@@ -101,12 +104,23 @@ def check_recovery_args(args: Any) -> None:
                 "TP x PP x DP ranks in Megatron's default order (tp-cp-ep-dp-pp) with no "
                 f"context or expert parallelism; drop {flag}"
             )
-    if getattr(args, "use_distributed_optimizer", False):
+    from megatron_mecefo.snapshot.arguments import SnapshotFlagError
+    from megatron_mecefo.snapshot.arguments import validate as validate_snapshots
+
+    try:
+        snapshots = validate_snapshots(args, job.data_parallel_size)
+    except SnapshotFlagError as err:
+        exit_with_config_error(err)
+    if getattr(args, "use_distributed_optimizer", False) and not (
+        snapshots is not None and snapshots.redundancy
+    ):
+        # A dead rank's optimizer shard dies with it; Megatron-LM's checkpoints are not a
+        # fallback here (the example trainer's disk fallback is not wired into its loop).
         exit_with_config_error(
-            "--use-distributed-optimizer under the MeCeFO recovery supervisor in Megatron-LM: "
-            "a dead rank's optimizer shard would have to be rebuilt from in-memory snapshots, "
-            "which only the example trainer (examples/pretrain_gpt) has so far; drop "
-            "--use-distributed-optimizer, or train with the example trainer"
+            "--use-distributed-optimizer under the MeCeFO recovery supervisor: a dead rank's "
+            "optimizer shard must be rebuilt from its peers' in-memory snapshots and parity; "
+            "add --mecefo-snapshot-interval 1 --mecefo-snapshot-redundancy 1, or drop "
+            "--use-distributed-optimizer"
         )
     # Every group Megatron-LM creates waits at most the supervisor's backstop.
     args.distributed_timeout_minutes = config.collective_timeout_s / 60.0
@@ -143,8 +157,10 @@ def job_args(args: Any, world_size: int) -> argparse.Namespace:
         mecefo_config=FaultToleranceConfig.from_args(args),
         device=device,
         use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-        save=args.save,
-        load=args.load,
+        # Megatron-LM's checkpoints are not the recovery's disk fallback (that path is the
+        # example trainer's): the session must not count on them.
+        save=None,
+        load=None,
     )
 
 
@@ -254,6 +270,8 @@ class MegatronLMTrainer:
             self._restore_global_args()
         _ACTIVE = self
         self._pretrain(*self._a, **self._kw)
+        if self.snapshots is not None:
+            self.snapshots.flush()
 
     def _restore_global_args(self) -> None:
         """core_v0.19: ``pretrain()`` reads the flags from Megatron-LM's globals, which the
@@ -293,13 +311,24 @@ class MegatronLMTrainer:
         """Megatron-LM keeps no metrics file of ours: the records file and log have them."""
 
     def snapshot_state(self) -> Any:
-        raise NotImplementedError("in-memory snapshots are not wired into Megatron-LM yet")
+        """What an in-memory snapshot holds: model chunks, optimizer (the distributed
+        optimizer's shard), scheduler, counters and the controller's counts."""
+        from megatron_mecefo.snapshot.contents import TrainingState
+
+        extra = {}
+        if self.controller is not None:  # the takeover rolls back to the snapshot: these too
+            extra["controller"] = {k: getattr(self.controller, k) for k in _CONTROLLER_COUNTS}
+        counters = {"iteration": self.iteration, "consumed_samples": self.consumed_samples}
+        return TrainingState(self.model_chunks, self.optimizer, self.scheduler, counters, extra)
 
     def recovery_checkpoint(self, before: int) -> Optional[Tuple[str, int]]:
-        return None  # the distributed optimizer is refused at start-up under the supervisor
+        """None: the disk fallback is the example trainer's only (Megatron-LM's checkpoints
+        are not loaded into a running world); when the snapshots cannot serve, the job stops
+        with one message."""
+        return None
 
     def load_recovery_checkpoint(self, directory: str, basis_layout: Optional[str]) -> float:
-        raise NotImplementedError("the disk fallback is not wired into Megatron-LM yet")
+        raise NotImplementedError("the disk fallback is not wired into Megatron-LM's loop")
 
     def release(self) -> None:
         """Drop this world's objects and Megatron-LM's global state, as its in-process restart
@@ -369,6 +398,7 @@ class MegatronLMTrainer:
         self.consumed_valid = int(args.consumed_valid_samples)
         if self.integration.config is not None and self.integration.config.enabled:
             self.integration.controller or self.integration._build_controller()
+        self.snapshots = self._build_snapshots(args)
         self.built = True
         if self.session.generation > 0:
             self.session.log(
@@ -383,6 +413,34 @@ class MegatronLMTrainer:
         self._book_at_commit(args)
         return model, optimizer, scheduler
 
+    def _build_snapshots(self, args: Any) -> Any:
+        """The in-memory snapshots (``--mecefo-snapshot-*``): one manager per process, its
+        slots and parity kept across worlds; each world builds its parity group."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_mecefo.snapshot.arguments import validate
+        from megatron_mecefo.snapshot.manager import SnapshotManager
+
+        session = self.session
+        config = validate(args, session.layout.dp)
+        if config is None:
+            return None
+        if session.snapshots is None:
+
+            def dp_group() -> Any:  # parity over gloo (on GPU too: the slots are host memory)
+                return ps.get_data_parallel_group_gloo() or ps.get_data_parallel_group()
+
+            manager = SnapshotManager(
+                config,
+                session.slot,
+                log=session.log,
+                parity_group=dp_group if config.redundancy else None,
+            )
+            manager.should_abort = session.world_changed
+            session.snapshots = manager
+        session.snapshots.prepare()  # this world's parity group (collective)
+        return session.snapshots
+
     def _book_at_commit(self, args: Any) -> None:
         """Book an iteration the moment its update is applied (the vote committed): its
         number, samples, FLOPs and the LR scheduler's step, then the session's boundary
@@ -395,6 +453,8 @@ class MegatronLMTrainer:
         gbs = int(args.global_batch_size)
 
         def step_and_book(*a: Any, **k: Any) -> Any:
+            if self.snapshots is not None:  # the snapshot copy reads what the step writes
+                self.snapshots.before_optimizer_step()
             result = step(*a, **k)
             self.iteration += 1
             self.consumed_samples += gbs
@@ -402,6 +462,8 @@ class MegatronLMTrainer:
             if result[0]:  # update_successful: the scheduler steps now, not after the reduction
                 scheduler_step(increment=gbs)
                 self._scheduler_booked = True
+            if self.snapshots is not None:
+                self.snapshots.after_step(self.snapshot_state(), self.iteration)
             self.session.committed(self)
             return result
 

@@ -30,12 +30,13 @@ from mlm_runs import (
     unpack_megatron_lm,
 )
 
-TOLERANCE = 1e-5
-"""Bound on |real - simulated| per parameter (1% of one Adam step at lr 1e-3). The survivors'
+TOLERANCE = 5e-5
+"""Bound on |real - simulated| per parameter (5% of one Adam step at lr 1e-3). The survivors'
 gradient all-reduce sums over the members only, where the simulated run adds the failed
 replica's zero gradient too: the same numbers summed in another order, which differ in the
-last bits. Adam's update m / (sqrt(v) + eps) grows those bits where v is small (measured:
-up to 5.3e-7 after 4 iterations; the logged losses and grad norms agree to every digit)."""
+last bits, and Adam's m / (sqrt(v) + eps) grows them where v is small. Measured: 1.4e-7 to
+5.3e-7 after 6-8 iterations, 3.0e-6 after 40, 4.7e-6 after 60, and 0 (bitwise) where two
+members are left; the logged grad norms agree to every digit."""
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +234,45 @@ def test_every_replica_lost_ends_with_one_message(megatron_lm: Path, tmp_path: P
     )  # fmt: skip
     assert rc not in (0, -999), out[-4000:]
     assert "training aborted" in out, out[-4000:]
+
+
+@pytest.mark.slow
+def test_death_during_the_rejoin(megatron_lm: Path, tmp_path: Path) -> None:
+    """Rank 2 dies at the grad sync of iteration 3; its first replacement dies while it is
+    being healed; the next one rejoins. The survivors never lose their state."""
+    argv = ["--train-iters", "60", "--check-weight-hash-across-dp-replicas-interval", "10"]
+    save = tmp_path / "real"
+    rc, real = supervised(
+        megatron_lm,
+        [*argv, *MECEFO, "--mecefo-kill", "2:3:grad-sync", "--mecefo-kill", "2:4:heal",
+         "--save", str(save)],
+        tmp_path, supervisor=["--replace", "after:1", "--standby", "1"],
+    )  # fmt: skip
+    assert rc == 0, real[-6000:]
+    assert "Weight hashes match after 60 iterations" in real
+    records = _records(tmp_path)
+    assert sum(2 in r["ranks_joined"] for r in records) >= 1, records
+    schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
+    assert len(schedule) == 1 and schedule[0].startswith("2:3:"), schedule
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_shard_rebuilt_from_snapshots(
+    megatron_lm: Path, tmp_path: Path
+) -> None:
+    """--use-distributed-optimizer with a snapshot per iteration and XOR parity: rank 2 dies in
+    its backward of iteration 5; the survivors roll back to the newest snapshot held with
+    parity, rebuild rank 2's optimizer shard, re-shard over 3 replicas and replay."""
+    argv = ["--train-iters", "10", "--use-distributed-optimizer"]
+    save = tmp_path / "real"
+    rc, real = supervised(
+        megatron_lm,
+        [*argv, *MECEFO, "--mecefo-snapshot-interval", "1", "--mecefo-snapshot-redundancy", "1",
+         "--mecefo-kill", "2:5:backward", "--save", str(save)],
+        tmp_path,
+    )  # fmt: skip
+    assert rc == 0, real[-6000:]
+    (record,) = _records(tmp_path)
+    assert record["recovery_path"] == "peers+parity", record
+    schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
+    assert len(schedule) == 1 and schedule[0].startswith("2:"), schedule

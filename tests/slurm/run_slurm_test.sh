@@ -307,7 +307,7 @@ else
     [ "$rejoin_rc" -eq 0 ] || fail "the rejoin step exited $rejoin_rc"
     scontrol show job "$JOB" | grep -q "Restarts=0" || fail "job $JOB was requeued: the loss was not survived in-process"
     grep -q "iteration *$MLM_ITERS/ *$MLM_ITERS" "$OUT" || fail "Megatron-LM did not reach iteration $MLM_ITERS"
-    grep -q "pretrain() re-entered in generation 1; no checkpoint read" "$OUT" \
+    grep -Eq "pretrain\(\) re-entered in generation [0-9]+; no checkpoint read" "$OUT" \
         || fail "no in-process re-entry of pretrain() after the loss"
     grep -q "successfully loaded checkpoint" "$OUT" "$TMP/runs/mlm-rejoin.out" \
         && fail "a checkpoint was read"
