@@ -25,15 +25,19 @@ PATCHES = REPO / "patches"
 TARBALL = REPO.parent / "shared" / "megatron-lm" / "Megatron-LM-core_v0.16.1.tar.gz"
 LAUNCHER = PATCHES / "run_megatron_lm_cpu.py"
 
-# A tiny GPT on mock data, on CPU ranks over gloo (no fused kernels, the local spec), dropout
-# off (a replica that recomputes another's micro-batch draws its own dropout masks).
-CPU_GPT = [
+# Megatron-LM on CPU ranks over gloo: no fused kernels, the local spec; a tiny GPT (global
+# batch 16). Every run of the Megatron-LM tests starts from these flags.
+CPU_TINY_GPT = [
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
     "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
     "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64",
     "--micro-batch-size", "2", "--global-batch-size", "16",
+]  # fmt: skip
+# The recovery runs: dropout off (a replica that recomputes another's micro-batch draws its own
+# dropout masks), mock data, logging every iteration, a final torch-format checkpoint.
+CPU_GPT = CPU_TINY_GPT + [
     "--hidden-dropout", "0", "--attention-dropout", "0",
     "--log-interval", "1", "--lr", "1e-3", "--lr-decay-style", "constant",
     "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",

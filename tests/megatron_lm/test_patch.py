@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, child_env, free_port
+from mlm_runs import CPU_TINY_GPT
 
 from megatron_mecefo.megatron_lm.arguments import MecefoConfigError
 from megatron_mecefo.megatron_lm.integration import _validated_config, extra_args_provider
@@ -120,16 +121,6 @@ def test_verify_patch_on_a_megatron_lm_checkout() -> None:
     assert script.read_text() == before  # the checkout is left as it was found
 
 
-# Megatron-LM on CPU ranks over gloo: no fused kernels, the local spec; a tiny GPT on mock data
-# (DP2 on 2 ranks, global batch 16). Every run below starts from these flags.
-CPU_TINY_GPT = [
-    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
-    "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-    "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64",
-    "--micro-batch-size", "2", "--global-batch-size", "16",
-]  # fmt: skip
 # Logging every iteration, constant LR, no evaluation, mock data: what each run ends with.
 MOCK_TRAINING = [
     "--log-interval", "1", "--lr", "1e-3", "--lr-decay-style", "constant",
