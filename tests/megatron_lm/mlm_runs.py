@@ -119,7 +119,9 @@ def final_params(save_dir: Path) -> Dict[str, torch.Tensor]:
     keyed ``<mp_rank folder>/<name>`` (every pipeline stage)."""
     iteration = (save_dir / "latest_checkpointed_iteration.txt").read_text().strip()
     out: Dict[str, torch.Tensor] = {}
-    for path in sorted((save_dir / f"iter_{int(iteration):07d}").glob("mp_rank_*/*.pt")):
+    for path in sorted(
+        (save_dir / f"iter_{int(iteration):07d}").glob("mp_rank_*/model_optim_rng.pt")
+    ):
         state = torch.load(path, map_location="cpu", weights_only=False)
         for name, value in state["model"].items():
             if isinstance(value, torch.Tensor):
