@@ -693,6 +693,21 @@ def _local_rank(pid: int) -> Optional[int]:
     return None
 
 
+def _restart_index(seen: List[Tuple[float, str]], since: float) -> Optional[int]:
+    """Index of the agent's first "will restart worker group" line read at or after ``since``."""
+    return next((i for i, (t, ln) in enumerate(seen)
+                 if t >= since and "will restart worker group" in ln), None)  # fmt: skip
+
+
+def _iteration_logged(lines: List[Tuple[float, str]], it: int) -> Optional[float]:
+    """Megatron-LM's time of the first log line of iteration ``it`` in ``lines``."""
+    for _, ln in lines:
+        m = MLM_ITERATION.search(ln)
+        if m and int(m.group(2)) == it:
+            return _stamp(m.group(1))
+    return None
+
+
 def mlm_checkpoint_run(
     out: Path, tree: Path, offsets: List[int], seed: int, index: int, interval: int = 10
 ) -> Dict:
@@ -764,27 +779,36 @@ def mlm_checkpoint_run(
                 raise RuntimeError(f"kill {j}: no worker with LOCAL_RANK {victim} ({ranks})")
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
-            mark = len(seen)
-            while (back := iteration_line(failed, t_kill)) is None:
+
+            # The iteration that failed is the first one not logged before the agent's restart
+            # (the planned one, unless the victim had done its part of it and the last rank
+            # still logged it after the kill); it is back when logged after the restart.
+            while (r := _restart_index(seen, t_kill)) is None:
+                if time.time() > deadline:
+                    raise RuntimeError(f"kill {j}: the agent never restarted the workers")
+                poll()
+            logged = [int(m.group(2)) for _, ln in seen[:r] if (m := MLM_ITERATION.search(ln))]
+            failed = logged[-1] + 1
+            while (back := _iteration_logged(seen[r:], failed)) is None:
                 if time.time() > deadline:
                     raise RuntimeError(f"kill {j}: iteration {failed} never redone")
                 poll()
-            after_kill = seen[mark:]
-            restart = next((t for t, ln in after_kill if "will restart worker group" in ln),
-                           None)  # fmt: skip
+            after_kill = seen[r:]
+            restart = seen[r][0]
             built = next((_stamp(m.group(1)) for _, ln in after_kill
                           if (m := MLM_BUILT.search(ln))), None)  # fmt: skip
             loaded = [ln.strip() for _, ln in after_kill if "loaded checkpoint" in ln]
             event = {
                 "rank": victim, "pid": pid, "failed_iteration": failed,
+                "planned_iteration": interval * (j + 1) + offset,
                 "checkpoint_iteration": interval * (j + 1), "offset": offset,
-                "kill_t": t_kill, "back_t": back,
+                "kill_t": t_kill, "restart_t": restart, "back_t": back,
                 "kill_to_back_s": round(back - t_kill, 3),
                 "kill_to_restart_s": _diff_s(restart, t_kill),
                 "restart_to_loaded_s": _diff_s(built, restart),
                 "kill_to_loaded_s": _diff_s(built, t_kill),
                 "replay_s": _diff_s(back, built),
-                "replayed_iterations": offset,
+                "replayed_iterations": failed - interval * (j + 1),
                 "loaded_lines": loaded[:2],
             }  # fmt: skip
             events.append(event)
@@ -794,8 +818,7 @@ def mlm_checkpoint_run(
                   f"loaded {event['kill_to_loaded_s']} s, replay {event['replay_s']} s)",
                   flush=True)  # fmt: skip
         while proc.poll() is None and time.time() < deadline:
-            poll_ok = tail.lines()
-            seen.extend(poll_ok)
+            seen.extend(tail.lines())
             time.sleep(0.2)
         rc = proc.poll()
         if rc is None:
@@ -901,8 +924,10 @@ def main_megatron_lm(a: argparse.Namespace) -> None:
     tree = megatron_lm_tree(out, a.megatron_lm_dir)
     load_start = os.getloadavg()
     started = datetime.datetime.now().isoformat(timespec="seconds")
+    parts = set(filter(None, a.parts.split(",")))
+    merged = json.loads(Path(a.merge).read_text()) if a.merge else None
     runs = []
-    for phase in filter(None, a.phases.split(",")):
+    for phase in filter(None, a.phases.split(",") if "kills" in parts else []):
         run = mlm_kill_run(out, tree, phase, a.kills_per_phase, a.spacing)
         runs.append(run)
         s = summarize([run])[f"dp4/{phase}"]
@@ -912,18 +937,22 @@ def main_megatron_lm(a: argparse.Namespace) -> None:
               f"(rc {run['rc']}, {run['wall_s']} s, load {run['loadavg_start_end'][1][0]:.1f})",
               flush=True)  # fmt: skip
     external = None
-    if a.external_kills:
+    if a.external_kills and "external" in parts:
         external = mlm_external_run(out, tree, a.external_kills, a.spacing, a.seed)
         print(f"megatron-lm dp4 external: {len(external['external_kills'])}/{a.external_kills} "
               f"kills (rc {external['rc']}, {external['wall_s']} s"
               + (f", error: {external['error']}" if external["error"] else "") + ")",
               flush=True)  # fmt: skip
     ckpt = []
-    offsets = [int(x) for x in a.ckpt_offsets.split(",") if x]
+    offsets = [int(x) for x in a.ckpt_offsets.split(",") if x] if "checkpoint" in parts else []
     for i in range(0, len(offsets), 3):  # torchrun --max-restarts 3: 3 kills per run
         ckpt.append(mlm_checkpoint_run(out, tree, offsets[i : i + 3], a.seed + i, i // 3))
         if ckpt[-1]["error"]:
             print(f"checkpoint-restart run {i // 3}: {ckpt[-1]['error']}", flush=True)
+    if merged is not None:  # the parts not run here, from an earlier result of this script
+        runs = runs if "kills" in parts else merged["runs"]
+        external = external if "external" in parts else merged["external"]
+        ckpt = ckpt if "checkpoint" in parts else merged["checkpoint_restart"]
     table = summarize_mlm(runs, external, ckpt)
     result = {
         "benchmark": "recovery_latency",
@@ -954,6 +983,19 @@ def main_megatron_lm(a: argparse.Namespace) -> None:
             "nice": 5,
             "OMP_NUM_THREADS": 1,
         },  # fmt: skip
+        "parts_run": sorted(parts),
+        "merged_from": (
+            None
+            if merged is None
+            else {
+                "file": a.merge,
+                "parts": sorted({"kills", "external", "checkpoint"} - parts),
+                "date": merged["date"],
+                "git_commit": merged["git_commit"],
+                "machine": merged["machine"],
+                "config": merged["config"],
+            }
+        ),
         "goal": "MeCeFO kill -> redone p50 <= 3 s, max <= 6 s (CPU)",
         "table": table,
         "runs": runs,
@@ -1028,6 +1070,10 @@ def main() -> None:
         "10 k + value (2..9) after the checkpoint of iteration 10 k; 3 kills per torchrun run",
     )
     p.add_argument("--seed", type=int, default=27, help="megatron-lm: victims and moments")
+    p.add_argument("--parts", default="kills,external,checkpoint",
+                   help="megatron-lm: which of the three parts to run")  # fmt: skip
+    p.add_argument("--merge", default=None, metavar="JSON",
+                   help="megatron-lm: take the parts not run from this earlier result")  # fmt: skip
     p.add_argument("--megatron-lm-dir", default=None,
                    help="megatron-lm: a patched core_v0.16.1 tree (default: unpack the "
                    "tarball into the workdir)")  # fmt: skip
