@@ -23,6 +23,32 @@ process tree (the difference of a short and a long run) and the mean step time (
 
 Usage: ``.venv/bin/python benchmarks/recovery_latency.py [--kills-per-phase 20]``; writes
 ``results/recovery_latency.json`` and prints the table.
+
+``--trainer megatron-lm`` measures Megatron-LM's own ``pretrain_gpt.py`` (core_v0.16.1, patched
+with ``patches/megatron-lm-core_v0.16.1.patch``, on CPU ranks through
+``patches/run_megatron_lm_cpu.py``; the tree is unpacked from
+``../shared/megatron-lm/Megatron-LM-core_v0.16.1.tar.gz`` or given with ``--megatron-lm-dir``)
+at DP4 on 4 ranks, the tiny GPT of ``tests/megatron_lm`` (:data:`MLM_MODEL`), in three parts:
+
+1. per phase, one supervised run with ``--kills-per-phase`` (default 10) ``--mecefo-kill``
+   values ``--spacing`` (default 60) iterations apart, victims cycling over the replicas, each
+   dead rank replaced from a warm standby (``--replace after:1 --standby 2``): detect, regroup
+   (which here includes the ``pretrain()`` re-entry), redo and kill -> redone from the records;
+2. one supervised run in which the benchmark itself sends ``kill -9`` to a random rank at a
+   random moment (seeded, ``--external-kills``, each once the world is full again): the clock
+   starts at the benchmark's ``time.time()`` just before ``os.kill``. The record's own
+   ``total_s`` starts at the supervisor's reap (no kill time is known to it) and the record
+   holds no absolute time, so the benchmark reads the members' absolute timestamps
+   (``rt/<generation>/<slot>``: detect, built, done) and the reap (``dead/<slot>/<inc>``) from
+   the membership store (``--store-file``) while the run is alive;
+3. Megatron-LM's own checkpoint-restart, stock (no ``--mecefo``, no supervisor), under
+   ``torchrun --max-restarts 3`` with a c10d rendezvous on localhost at a fixed port, ``--save
+   D --load D --save-interval 10 --ckpt-format torch``: a rank is SIGKILLed from outside as
+   iteration ``10 k + offset`` starts (``--ckpt-offsets``), and the clock runs to the log line
+   of that iteration after the restart, split into kill -> the agent restarts the workers ->
+   checkpoint loaded (Megatron-LM's "after model, optimizer ... built" time) -> replayed.
+
+Writes ``results/recovery_latency_megatron_lm.json``.
 """
 
 from __future__ import annotations
@@ -32,15 +58,18 @@ import datetime
 import json
 import os
 import platform
+import random
+import re
 import resource
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
@@ -360,17 +389,653 @@ def summarize(runs: List[Dict]) -> Dict[str, Any]:
     return table
 
 
+# ---------------------------------------------------------------- --trainer megatron-lm
+
+MLM_TARBALL = REPO.parent / "shared" / "megatron-lm" / "Megatron-LM-core_v0.16.1.tar.gz"
+MLM_PATCH = REPO / "patches" / "megatron-lm-core_v0.16.1.patch"
+MLM_LAUNCHER = REPO / "patches" / "run_megatron_lm_cpu.py"
+MLM_MODEL = [
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+    "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "16",
+    "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--log-interval", "1", "--lr", "1e-3", "--lr-decay-style", "constant",
+    "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--seed", "1234",
+    "--ckpt-format", "torch",
+]  # fmt: skip
+"""The CPU_GPT flags of ``tests/megatron_lm/mlm_runs.py`` (DP4 on 4 ranks), without its
+``--save-interval``."""
+MLM_MECEFO = ["--mecefo", "--mecefo-rank", "16"]
+MLM_SUPERVISOR = ["--replace", "after:1", "--standby", "2"]
+MLM_ITERATION = re.compile(r"\[([0-9-]+ [0-9:.]+)\] iteration +(\d+)/")
+MLM_BUILT = re.compile(r"\[after model, optimizer, and learning rate scheduler are built\] "
+                       r"datetime: ([0-9-]+ [0-9:.]+)")  # fmt: skip
+
+
+def megatron_lm_tree(out: Path, given: Optional[str]) -> Path:
+    """The patched Megatron-LM tree: ``given``, or the tarball unpacked under ``out`` and
+    patched there. ``git apply`` runs with the ceiling at ``out``: inside this repository's
+    work tree it would otherwise resolve the patch's paths against the repository root and
+    skip them all, yet exit 0."""
+    if given:
+        return Path(given)
+    tree = out / "Megatron-LM-core_v0.16.1"
+    script = tree / "pretrain_gpt.py"
+    if script.is_file() and "mecefo" in script.read_text():
+        return tree
+    if tree.exists():
+        raise SystemExit(f"{tree} exists but is not patched: remove it")
+    with tarfile.open(MLM_TARBALL) as tar:
+        tar.extractall(out, filter="data")
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(out.resolve()))
+    subprocess.run(["git", "apply", str(MLM_PATCH)], cwd=tree, env=env, check=True)
+    if "mecefo" not in script.read_text():
+        raise SystemExit(f"{MLM_PATCH} did not apply to {tree}")
+    return tree
+
+
+class _Tail:
+    """New complete lines of a growing log, each with the time this process read it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.pos, self.rest = path, 0, b""
+
+    def lines(self) -> List[Tuple[float, str]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.pos)
+            data = f.read()
+        now = time.time()
+        self.pos += len(data)
+        parts = (self.rest + data).split(b"\n")
+        self.rest = parts.pop()
+        return [(now, p.decode(errors="replace")) for p in parts]
+
+
+def _stamp(text: str) -> float:
+    """Megatron-LM's log datetime (local time, this machine) as a ``time.time`` value."""
+    return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
+def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def _slot_pid(pid_file: Path, slot: int) -> Tuple[int, int]:
+    """(incarnation, pid) of the process that holds ``slot`` now (the pid file's last line
+    for it: a standby that took the slot is appended under it)."""
+    found = None
+    for line in pid_file.read_text().splitlines():
+        s, inc, pid = map(int, line.split())
+        if s == slot:
+            found = (inc, pid)
+    assert found is not None, f"slot {slot} not in {pid_file}"
+    return found
+
+
+def _start(cmd: List[str], log: Path, **env: str) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=dict(_env(), **env), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def _stop(proc: subprocess.Popen, pids: List[int]) -> None:
+    """Kill ``proc``'s process group and every PID in ``pids`` (ranks in their own
+    sessions: torchrun's workers, the supervisor's ranks)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def _mlm_supervised_cmd(run_dir: Path, tree: Path, iters: int, extra: List[str]) -> List[str]:
+    pid_file = run_dir / "pids.txt"
+    return [*_supervisor(4, pid_file), *MLM_SUPERVISOR, "--records",
+            str(run_dir / "records.jsonl"), "--store-file", str(run_dir / "store.txt"), "--",
+            str(MLM_LAUNCHER), "--megatron-lm-dir", str(tree), *MLM_MODEL, *MLM_MECEFO,
+            "--train-iters", str(iters), *extra]  # fmt: skip
+
+
+def _fresh_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for f in path.iterdir():
+        if f.is_file():
+            f.unlink()
+    return path
+
+
+def mlm_kill_run(out: Path, tree: Path, phase: str, kills: int, spacing: int) -> Dict:
+    """One supervised DP4 run of Megatron-LM with ``kills`` ``--mecefo-kill`` in ``phase``,
+    ``spacing`` iterations apart, victims cycling over the 4 replicas."""
+    iters = 10 + kills * spacing
+    specs = []
+    for k in range(kills):
+        specs += ["--mecefo-kill", f"{k % 4}:{6 + k * spacing}:{phase}"]
+    run_dir = _fresh_dir(out / f"dp4_{phase}")
+    cmd = _mlm_supervised_cmd(run_dir, tree, iters, specs)
+    load = os.getloadavg()
+    t0 = time.time()
+    try:
+        rc = _run(["nice", "-n", "5", *cmd], run_dir / "log.txt", timeout=300 + iters * 2)
+    finally:
+        _kill_pids(run_dir / "pids.txt")
+    return {
+        "trainer": "megatron-lm",
+        "layout": "dp4",
+        "phase": phase,
+        "rc": rc,
+        "kills_requested": kills,
+        "kill_specs": specs[1::2],
+        "train_iters": iters,
+        "wall_s": round(time.time() - t0, 1),
+        "loadavg_start_end": [load, os.getloadavg()],
+        "records": [r for r in _read_jsonl(run_dir / "records.jsonl")
+                    if r.get("type") == "recovery"],
+    }  # fmt: skip
+
+
+def _store_times(ms: Any, rec: Dict[str, Any]) -> Dict[int, Dict[str, float]]:
+    """The members' absolute timestamps of the record's generation (``rt/<g>/<slot>``)."""
+    gen = ms.generation(rec["generation"])
+    return {s: ms.get_json(f"rt/{rec['generation']}/{s}") or {} for s in gen.members}
+
+
+def mlm_external_run(out: Path, tree: Path, kills: int, spacing: int, seed: int) -> Dict:
+    """One supervised DP4 run; the benchmark SIGKILLs a random rank at a random moment
+    ``kills`` times, each once the world is full again and ``spacing`` iterations on."""
+    from megatron_mecefo.recovery.membership import MembershipStore
+
+    rng = random.Random(seed)
+    iters = 20 + (kills + 2) * spacing
+    run_dir = _fresh_dir(out / "dp4_external")
+    log, records, pid_file = run_dir / "log.txt", run_dir / "records.jsonl", run_dir / "pids.txt"
+    cmd = _mlm_supervised_cmd(run_dir, tree, iters, [])
+    load = os.getloadavg()
+    t0 = time.time()
+    proc = _start(["nice", "-n", "5", *cmd], log)
+    tail, last_it, ms = _Tail(log), 0, None
+    events: List[Dict[str, Any]] = []
+    error = None
+
+    def poll() -> None:
+        nonlocal last_it
+        for _, line in tail.lines():
+            m = MLM_ITERATION.search(line)
+            if m:
+                last_it = int(m.group(2))
+        if proc.poll() is not None:
+            raise RuntimeError(f"the run ended (rc {proc.returncode}) before the kills were done")
+        time.sleep(0.02)
+
+    try:
+        deadline = t0 + 300 + iters * 2
+        for k in range(kills):
+            target = last_it + spacing if k else 6
+            # Wait until the world is full again (every failure followed by its rejoin) and
+            # the run is ``spacing`` iterations further.
+            while True:
+                recs = [r for r in _read_jsonl(records) if r.get("type") == "recovery"]
+                rejoins = sum(1 for r in recs if r["kind"] == "rejoin")
+                if last_it >= target and rejoins >= k:
+                    break
+                if time.time() > deadline:
+                    raise RuntimeError(f"kill {k}: timed out waiting for iteration {target}")
+                poll()
+            time.sleep(rng.uniform(0.0, 1.0))
+            for _, line in tail.lines():  # the last iteration logged before the kill
+                if m := MLM_ITERATION.search(line):
+                    last_it = int(m.group(2))
+            victim = rng.randrange(4)
+            inc, pid = _slot_pid(pid_file, victim)
+            t_kill = time.time()
+            os.kill(pid, signal.SIGKILL)
+            event: Dict[str, Any] = {"slot": victim, "incarnation": inc, "pid": pid,
+                                     "kill_t": t_kill,
+                                     "last_logged_iteration": last_it}  # fmt: skip
+            while True:  # the failure record that lost the victim
+                fails = [r for r in _read_jsonl(records) if r.get("kind") == "failure"
+                         and victim in r["ranks_lost"] and r not in [e.get("record")
+                                                                     for e in events]]  # fmt: skip
+                if fails:
+                    break
+                if time.time() > deadline:
+                    raise RuntimeError(f"kill {k}: no failure record")
+                poll()
+            rec = fails[0]
+            event["record_seen_t"] = time.time()
+            event["record"] = rec
+            if ms is None:
+                ms = MembershipStore.connect((run_dir / "store.txt").read_text().strip(), 30)
+            times = _store_times(ms, rec)
+            dead = ms.dead_info(victim, inc) or {}
+            detect, built, done = (_latest(times, key) for key in ("detect", "built", "done"))
+            event["member_times"] = {str(s): t for s, t in times.items()}
+            event["reap_t"] = dead.get("t")
+            event["kill_to_reap_s"] = _diff_s(dead.get("t"), t_kill)
+            event["detect_s"] = _diff_s(detect, t_kill)
+            event["regroup_s"] = _diff_s(built, detect)
+            event["redo_s"] = _diff_s(done, built)
+            event["total_s"] = _diff_s(done, t_kill)
+            # Cross-check: the record's reap-based total plus the kill -> reap gap.
+            if rec.get("total_s") is not None and event["kill_to_reap_s"] is not None:
+                event["record_total_plus_reap_s"] = round(
+                    rec["total_s"] + event["kill_to_reap_s"], 4
+                )
+            events.append(event)
+            print(f"  external kill {k + 1}/{kills}: rank {victim} (pid {pid}) after iteration "
+                  f"{event['last_logged_iteration']}: kill -> redone {event['total_s']} s "
+                  f"(kill -> reap {event['kill_to_reap_s']} s)", flush=True)  # fmt: skip
+        rc = proc.wait(timeout=max(deadline - time.time(), 10))
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        error, rc = str(e), proc.poll()
+    finally:
+        pids = [int(ln.split()[2]) for ln in pid_file.read_text().splitlines()] if (
+            pid_file.exists()) else []  # fmt: skip
+        _stop(proc, pids)
+    return {
+        "trainer": "megatron-lm",
+        "layout": "dp4",
+        "phase": "external",
+        "rc": rc,
+        "error": error,
+        "kills_requested": kills,
+        "seed": seed,
+        "train_iters": iters,
+        "wall_s": round(time.time() - t0, 1),
+        "loadavg_start_end": [load, os.getloadavg()],
+        "external_kills": events,
+        "records": [r for r in _read_jsonl(records) if r.get("type") == "recovery"],
+    }
+
+
+def _latest(times: Dict[int, Dict[str, float]], key: str) -> Optional[float]:
+    vals = [t[key] for t in times.values() if t.get(key)]
+    return max(vals) if vals else None
+
+
+def _diff_s(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None else round(a - b, 4)
+
+
+def _children(pid: int) -> List[int]:
+    """Direct children of ``pid`` (Linux /proc)."""
+    kids: List[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def _local_rank(pid: int) -> Optional[int]:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"LOCAL_RANK="):
+            return int(item.split(b"=", 1)[1])
+    return None
+
+
+def _restart_index(seen: List[Tuple[float, str]], since: float) -> Optional[int]:
+    """Index of the agent's first "will restart worker group" line read at or after ``since``."""
+    return next((i for i, (t, ln) in enumerate(seen)
+                 if t >= since and "will restart worker group" in ln), None)  # fmt: skip
+
+
+def _iteration_logged(lines: List[Tuple[float, str]], it: int) -> Optional[float]:
+    """Megatron-LM's time of the first log line of iteration ``it`` in ``lines``."""
+    for _, ln in lines:
+        m = MLM_ITERATION.search(ln)
+        if m and int(m.group(2)) == it:
+            return _stamp(m.group(1))
+    return None
+
+
+def mlm_checkpoint_run(
+    out: Path, tree: Path, offsets: List[int], seed: int, index: int, interval: int = 10
+) -> Dict:
+    """Stock Megatron-LM under ``torchrun --max-restarts 3`` (c10d rendezvous on localhost,
+    fixed port), checkpoints every ``interval`` iterations; kill ``j`` SIGKILLs a random rank
+    as iteration ``interval * (j + 1) + offsets[j]`` starts (just after the line of the one
+    before it) and times the way back past that iteration."""
+    assert len(offsets) <= 3 and all(2 <= o < interval for o in offsets), offsets
+    rng = random.Random(seed)
+    iters = interval * (len(offsets) + 2)
+    run_dir = _fresh_dir(out / f"checkpoint_restart_{index}")
+    save = run_dir / "ckpt"
+    if save.exists():
+        for f in sorted(save.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+    log = run_dir / "log.txt"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = ["nice", "-n", "5", sys.executable, "-m", "torch.distributed.run",
+           "--nproc_per_node=4", "--max-restarts", "3", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench{index}",
+           str(MLM_LAUNCHER), "--megatron-lm-dir", str(tree), *MLM_MODEL,
+           "--train-iters", str(iters), "--save", str(save), "--load", str(save),
+           "--save-interval", str(interval)]  # fmt: skip
+    load = os.getloadavg()
+    t0 = time.time()
+    # LOGLEVEL: the agent's "will restart worker group" line. TORCH_DISABLE_SHARE_RDZV_TCP_STORE:
+    # with the c10d rendezvous's store shared with the workers (the default), the restarted
+    # ranks read the dead attempt's gloo addresses from it and fail in connectFullMesh
+    # ("Connection refused") or hang in init (pytorch issue 135712); with it set, each attempt
+    # gets a store of its own at a new MASTER_PORT.
+    proc = _start(cmd, log, LOGLEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    tail = _Tail(log)
+    seen: List[Tuple[float, str]] = []
+    workers: set = set()
+    events: List[Dict[str, Any]] = []
+    error = None
+
+    def poll() -> None:
+        seen.extend(tail.lines())
+        # nice -> python (torchrun) -> workers: remember every worker ever seen
+        for launcher in [proc.pid, *_children(proc.pid)]:
+            workers.update(w for w in _children(launcher) if w != proc.pid)
+        if proc.poll() is not None:
+            raise RuntimeError(f"torchrun ended (rc {proc.returncode}) before the kills were done")
+        time.sleep(0.02)
+
+    def iteration_line(it: int, after: float) -> Optional[float]:
+        for _, line in seen:
+            m = MLM_ITERATION.search(line)
+            if m and int(m.group(2)) == it and _stamp(m.group(1)) > after:
+                return _stamp(m.group(1))
+        return None
+
+    try:
+        deadline = t0 + 600 + iters * 3
+        for j, offset in enumerate(offsets):
+            failed = interval * (j + 1) + offset
+            after = events[-1]["back_t"] if events else 0.0
+            while iteration_line(failed - 1, after) is None:
+                if time.time() > deadline:
+                    raise RuntimeError(f"kill {j}: iteration {failed - 1} never logged")
+                poll()
+            victim = rng.randrange(4)
+            ranks = {_local_rank(w): w for w in workers if Path(f"/proc/{w}").exists()}
+            pid = ranks.get(victim)
+            if pid is None:
+                raise RuntimeError(f"kill {j}: no worker with LOCAL_RANK {victim} ({ranks})")
+            t_kill = time.time()
+            os.kill(pid, signal.SIGKILL)
+
+            # The iteration that failed is the first one not logged before the agent's restart
+            # (the planned one, unless the victim had done its part of it and the last rank
+            # still logged it after the kill); it is back when logged after the restart.
+            while (r := _restart_index(seen, t_kill)) is None:
+                if time.time() > deadline:
+                    raise RuntimeError(f"kill {j}: the agent never restarted the workers")
+                poll()
+            logged = [int(m.group(2)) for _, ln in seen[:r] if (m := MLM_ITERATION.search(ln))]
+            failed = logged[-1] + 1
+            while (back := _iteration_logged(seen[r:], failed)) is None:
+                if time.time() > deadline:
+                    raise RuntimeError(f"kill {j}: iteration {failed} never redone")
+                poll()
+            after_kill = seen[r:]
+            restart = seen[r][0]
+            built = next((_stamp(m.group(1)) for _, ln in after_kill
+                          if (m := MLM_BUILT.search(ln))), None)  # fmt: skip
+            loaded = [ln.strip() for _, ln in after_kill if "loaded checkpoint" in ln]
+            event = {
+                "rank": victim, "pid": pid, "failed_iteration": failed,
+                "planned_iteration": interval * (j + 1) + offset,
+                "checkpoint_iteration": interval * (j + 1), "offset": offset,
+                "kill_t": t_kill, "restart_t": restart, "back_t": back,
+                "kill_to_back_s": round(back - t_kill, 3),
+                "kill_to_restart_s": _diff_s(restart, t_kill),
+                "restart_to_loaded_s": _diff_s(built, restart),
+                "kill_to_loaded_s": _diff_s(built, t_kill),
+                "replay_s": _diff_s(back, built),
+                "replayed_iterations": failed - interval * (j + 1),
+                "loaded_lines": loaded[:2],
+            }  # fmt: skip
+            events.append(event)
+            print(f"  checkpoint-restart kill {len(events)}: rank {victim} in iteration "
+                  f"{failed} (checkpoint {interval * (j + 1)}): kill -> back past it "
+                  f"{event['kill_to_back_s']} s (restart {event['kill_to_restart_s']} s, "
+                  f"loaded {event['kill_to_loaded_s']} s, replay {event['replay_s']} s)",
+                  flush=True)  # fmt: skip
+        while proc.poll() is None and time.time() < deadline:
+            seen.extend(tail.lines())
+            time.sleep(0.2)
+        rc = proc.poll()
+        if rc is None:
+            rc, error = -999, "timed out after the kills"
+    except RuntimeError as e:
+        error, rc = str(e), proc.poll()
+    finally:
+        for launcher in [proc.pid, *_children(proc.pid)]:
+            workers.update(_children(launcher))
+        _stop(proc, sorted(workers))
+    return {
+        "trainer": "megatron-lm (stock, torchrun --max-restarts 3)",
+        "layout": "dp4",
+        "rc": rc,
+        "error": error,
+        "offsets": offsets,
+        "seed": seed,
+        "train_iters": iters,
+        "save_interval": interval,
+        "torchrun": cmd[2:9],
+        "wall_s": round(time.time() - t0, 1),
+        "loadavg_start_end": [load, os.getloadavg()],
+        "kills": events,
+    }
+
+
+def summarize_mlm(runs: List[Dict], external: Optional[Dict], ckpt: List[Dict]) -> Dict:
+    table = summarize(runs)
+    for run in runs:
+        fails = [r for r in run["records"] if r.get("kind") == "failure"]
+        row = table[f"{run['layout']}/{run['phase']}"]
+        row["kills_requested"] = run["kills_requested"]
+        # A kill that hit a full world leaves 3 replicas training.
+        row["full_world_at_kill"] = sum(1 for r in fails if len(r["replicas"]) == 3)
+        row["rejoins"] = sum(1 for r in run["records"] if r.get("kind") == "rejoin")
+    allfails = [r for run in runs for r in run["records"] if r.get("kind") == "failure"]
+    table["all phases"] = {
+        key: _stats([r.get(key) for r in allfails])
+        for key in ("detect_s", "regroup_s", "redo_s", "total_s")
+    }
+    if external is not None:
+        ev = external["external_kills"]
+        table["external kill -9"] = {
+            key: _stats([e.get(key) for e in ev])
+            for key in ("kill_to_reap_s", "detect_s", "regroup_s", "redo_s", "total_s")
+        } | {
+            "record_total_s_from_reap": _stats(
+                [e["record"].get("total_s") for e in ev if e.get("record")]
+            ),
+            "rc": external["rc"],
+        }
+    kills = [k for run in ckpt for k in run["kills"]]
+    if ckpt:
+        table["checkpoint-restart"] = {
+            key: _stats([k.get(key) for k in kills])
+            for key in ("kill_to_restart_s", "restart_to_loaded_s", "kill_to_loaded_s",
+                        "replay_s", "kill_to_back_s")
+        } | {"rc": [run["rc"] for run in ckpt]}  # fmt: skip
+    return table
+
+
+def _git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (" (with uncommitted changes)" if dirty else "")
+
+
+def _fmt_stats(s: Dict[str, Any]) -> str:
+    return f"{s['p50']:.2f}/{s['max']:.2f}" if s.get("n") else "-"
+
+
+def print_mlm_table(table: Dict[str, Any]) -> None:
+    print(f"{'Megatron-LM DP4':>22} {'n':>3}  {'detect':>11} {'regroup':>11} {'redo':>11} "
+          f"{'kill->redone':>12}   (p50/max s)")  # fmt: skip
+    for name, row in table.items():
+        if name.startswith("dp4/") or name in ("all phases", "external kill -9"):
+            print(f"{name:>22} {row['total_s'].get('n', 0):>3}  {_fmt_stats(row['detect_s']):>11} "
+                  f"{_fmt_stats(row['regroup_s']):>11} {_fmt_stats(row['redo_s']):>11} "
+                  f"{_fmt_stats(row['total_s']):>12}")  # fmt: skip
+    ext = table.get("external kill -9")
+    if ext:
+        reap = _fmt_stats(ext["record_total_s_from_reap"])
+        print(f"{'':>22} external: kill -> reap {_fmt_stats(ext['kill_to_reap_s'])} s; the "
+              f"records' reap -> redone {reap} s")  # fmt: skip
+    ck = table.get("checkpoint-restart")
+    if ck:
+        print(f"{'checkpoint-restart':>22} {ck['kill_to_back_s'].get('n', 0):>3}  kill -> restart "
+              f"{_fmt_stats(ck['kill_to_restart_s'])}, -> checkpoint loaded "
+              f"{_fmt_stats(ck['kill_to_loaded_s'])} (restart -> loaded "
+              f"{_fmt_stats(ck['restart_to_loaded_s'])}), replay "
+              f"{_fmt_stats(ck['replay_s'])}, kill -> back past the failed iteration "
+              f"{_fmt_stats(ck['kill_to_back_s'])}")  # fmt: skip
+
+
+def main_megatron_lm(a: argparse.Namespace) -> None:
+    out = Path(a.workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    tree = megatron_lm_tree(out, a.megatron_lm_dir)
+    load_start = os.getloadavg()
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    parts = set(filter(None, a.parts.split(",")))
+    merged = json.loads(Path(a.merge).read_text()) if a.merge else None
+    runs = []
+    for phase in filter(None, a.phases.split(",") if "kills" in parts else []):
+        run = mlm_kill_run(out, tree, phase, a.kills_per_phase, a.spacing)
+        runs.append(run)
+        s = summarize([run])[f"dp4/{phase}"]
+        print(f"megatron-lm dp4 {phase:>9}: failures {s['total_s'].get('n', 0)}/"
+              f"{a.kills_per_phase}, kill->redone p50 {s['total_s'].get('p50')} s max "
+              f"{s['total_s'].get('max')} s; rejoin p50 {s['rejoin_s'].get('p50')} s "
+              f"(rc {run['rc']}, {run['wall_s']} s, load {run['loadavg_start_end'][1][0]:.1f})",
+              flush=True)  # fmt: skip
+    external = None
+    if a.external_kills and "external" in parts:
+        external = mlm_external_run(out, tree, a.external_kills, a.spacing, a.seed)
+        print(f"megatron-lm dp4 external: {len(external['external_kills'])}/{a.external_kills} "
+              f"kills (rc {external['rc']}, {external['wall_s']} s"
+              + (f", error: {external['error']}" if external["error"] else "") + ")",
+              flush=True)  # fmt: skip
+    ckpt = []
+    offsets = [int(x) for x in a.ckpt_offsets.split(",") if x] if "checkpoint" in parts else []
+    for i in range(0, len(offsets), 3):  # torchrun --max-restarts 3: 3 kills per run
+        ckpt.append(mlm_checkpoint_run(out, tree, offsets[i : i + 3], a.seed + i, i // 3))
+        if ckpt[-1]["error"]:
+            print(f"checkpoint-restart run {i // 3}: {ckpt[-1]['error']}", flush=True)
+    if merged is not None:  # the parts not run here, from an earlier result of this script
+        runs = runs if "kills" in parts else merged["runs"]
+        external = external if "external" in parts else merged["external"]
+        ckpt = ckpt if "checkpoint" in parts else merged["checkpoint_restart"]
+    table = summarize_mlm(runs, external, ckpt)
+    result = {
+        "benchmark": "recovery_latency",
+        "trainer": "megatron-lm",
+        "date": started,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()},  # fmt: skip
+        "git_commit": _git_commit(),
+        "config": {
+            "megatron_lm": f"core_v0.16.1 ({tree}), patched with {MLM_PATCH.name}, launched by "
+            f"{MLM_LAUNCHER.name}; megatron-core from the wheel",
+            "layout": "DP4 on 4 CPU ranks (gloo), TP1 PP1",
+            "model": MLM_MODEL,
+            "mecefo": MLM_MECEFO,
+            "supervisor": MLM_SUPERVISOR + SUPERVISOR_TIMEOUTS,
+            "phases": a.phases,
+            "kills_per_phase": a.kills_per_phase,
+            "spacing": a.spacing,
+            "external_kills": a.external_kills,
+            "seed": a.seed,
+            "checkpoint_restart": {"offsets": offsets, "save_interval": 10,
+                                   "flags": ["--save D", "--load D", "--save-interval 10",
+                                             "--ckpt-format torch"],
+                                   "torchrun": "--nproc_per_node=4 --max-restarts 3 "
+                                   "--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:<fixed port>",
+                                   "env": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (without it the "
+                                   "restarted gloo ranks fail or hang in init), LOGLEVEL=INFO"},
+            "nice": 5,
+            "OMP_NUM_THREADS": 1,
+        },  # fmt: skip
+        "parts_run": sorted(parts),
+        "merged_from": (
+            None
+            if merged is None
+            else {
+                "file": a.merge,
+                "parts": sorted({"kills", "external", "checkpoint"} - parts),
+                "date": merged["date"],
+                "git_commit": merged["git_commit"],
+                "machine": merged["machine"],
+                "config": merged["config"],
+            }
+        ),
+        "goal": "MeCeFO kill -> redone p50 <= 3 s, max <= 6 s (CPU)",
+        "table": table,
+        "runs": runs,
+        "external": external,
+        "checkpoint_restart": ckpt,
+    }
+    Path(a.output).write_text(json.dumps(result, indent=1))
+    print_mlm_table(table)
+    tot, ext = table["all phases"]["total_s"], table.get("external kill -9", {}).get("total_s", {})
+    ck = table.get("checkpoint-restart", {}).get("kill_to_back_s", {})
+    met = tot.get("n") and tot["p50"] <= 3 and tot["max"] <= 6
+    print(f"recovery_latency (megatron-lm, DP4, load {load_start[0]:.1f} -> "
+          f"{os.getloadavg()[0]:.1f}): MeCeFO kill -> redone p50 {tot.get('p50')} s, max "
+          f"{tot.get('max')} s over {tot.get('n', 0)} kills (goal p50 <= 3, max <= 6: "
+          f"{'met' if met else 'not met'}); external kill -9 p50 {ext.get('p50')} s, max "
+          f"{ext.get('max')} s ({ext.get('n', 0)}); checkpoint-restart kill -> back past the "
+          f"failed iteration p50 {ck.get('p50')} s, max {ck.get('max')} s ({ck.get('n', 0)}); "
+          f"wrote {a.output}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--trainer",
+        choices=("example", "megatron-lm"),
+        default="example",
+        help="example: examples/pretrain_gpt (the layouts, the armed cost); megatron-lm: "
+        "Megatron-LM's pretrain_gpt.py at DP4 (kills per phase, external kill -9, and stock "
+        "checkpoint-restart under torchrun)",
+    )
     p.add_argument("--layouts", default="dp4,tp2pp2dp2")
     p.add_argument("--phases", default=",".join(PHASES))
-    p.add_argument("--kills-per-phase", type=int, default=20)
+    p.add_argument("--kills-per-phase", type=int, default=None, help="default 20; megatron-lm: 10")
     p.add_argument(
         "--spacing",
         type=int,
-        default=100,
-        help="iterations between kills; keep the kill rate below the rate at which cold "
-        "replacements come up (about 10 s each here), or the world shrinks to nothing",
+        default=None,
+        help="iterations between kills (default 100; megatron-lm: 60); keep the kill rate "
+        "below the rate at which cold replacements come up (about 10 s each here), or the "
+        "world shrinks to nothing",
     )
     p.add_argument(
         "--replace",
@@ -392,9 +1057,36 @@ def main() -> None:
         help="sequence length of the armed-cost runs (the kill runs use 64)",
     )
     p.add_argument("--data-path", default=str(REPO / "data" / "stdlib_text_document"))
-    p.add_argument("--output", default=str(REPO / "results" / "recovery_latency.json"))
-    p.add_argument("--workdir", default=str(REPO / "results" / "recovery_latency"))
+    p.add_argument("--output", default=None, help="default results/recovery_latency.json "
+                   "(megatron-lm: results/recovery_latency_megatron_lm.json)")  # fmt: skip
+    p.add_argument("--workdir", default=None, help="default results/recovery_latency "
+                   "(megatron-lm: results/recovery_latency_megatron_lm)")  # fmt: skip
+    p.add_argument("--external-kills", type=int, default=5,
+                   help="megatron-lm: kill -9 from the benchmark at random moments")  # fmt: skip
+    p.add_argument(
+        "--ckpt-offsets",
+        default="7,3,5,7,4",
+        help="megatron-lm: stock checkpoint-restart, one kill per value, in iteration "
+        "10 k + value (2..9) after the checkpoint of iteration 10 k; 3 kills per torchrun run",
+    )
+    p.add_argument("--seed", type=int, default=27, help="megatron-lm: victims and moments")
+    p.add_argument("--parts", default="kills,external,checkpoint",
+                   help="megatron-lm: which of the three parts to run")  # fmt: skip
+    p.add_argument("--merge", default=None, metavar="JSON",
+                   help="megatron-lm: take the parts not run from this earlier result")  # fmt: skip
+    p.add_argument("--megatron-lm-dir", default=None,
+                   help="megatron-lm: a patched core_v0.16.1 tree (default: unpack the "
+                   "tarball into the workdir)")  # fmt: skip
     a = p.parse_args()
+    mlm = a.trainer == "megatron-lm"
+    name = "recovery_latency_megatron_lm" if mlm else "recovery_latency"
+    a.kills_per_phase = a.kills_per_phase if a.kills_per_phase is not None else (10 if mlm else 20)
+    a.spacing = a.spacing if a.spacing is not None else (60 if mlm else 100)
+    a.output = a.output or str(REPO / "results" / f"{name}.json")
+    a.workdir = a.workdir or str(REPO / "results" / name)
+    if mlm:
+        main_megatron_lm(a)
+        return
     out = Path(a.workdir)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
