@@ -61,7 +61,10 @@ def unpack_megatron_lm(root: Path) -> Optional[Path]:
         tar.extractall(root, filter="data")
     tree = root / "Megatron-LM-core_v0.16.1"
     patch = PATCHES / "megatron-lm-core_v0.16.1.patch"
-    subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+    # Inside another git work tree, `git apply` would apply nothing and exit 0: stop at root.
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root))
+    subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True, env=env)
+    assert "megatron_mecefo" in (tree / "pretrain_gpt.py").read_text(), "the patch did not apply"
     return tree
 
 

@@ -255,7 +255,9 @@ TARBALL=$REPO/../shared/megatron-lm/Megatron-LM-core_v0.16.1.tar.gz
 if [ -z "${MEGATRON_LM_DIR:-}" ] && [ -f "$TARBALL" ]; then
     tar xzf "$TARBALL" -C "$TMP"
     MEGATRON_LM_DIR=$TMP/Megatron-LM-core_v0.16.1
-    (cd "$MEGATRON_LM_DIR" && git apply "$REPO/patches/megatron-lm-core_v0.16.1.patch")
+    # GIT_CEILING_DIRECTORIES: inside another git work tree, git apply would apply nothing.
+    (cd "$MEGATRON_LM_DIR" && GIT_CEILING_DIRECTORIES=$TMP git apply "$REPO/patches/megatron-lm-core_v0.16.1.patch")
+    grep -q megatron_mecefo "$MEGATRON_LM_DIR/pretrain_gpt.py" || fail "the patch did not apply to $MEGATRON_LM_DIR"
     export MEGATRON_LM_DIR
     say "Megatron-LM core_v0.16.1 from $TARBALL, patched, in $MEGATRON_LM_DIR"
 fi
