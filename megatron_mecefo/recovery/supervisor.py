@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import os
 import resource
 import selectors
@@ -243,11 +244,14 @@ class Supervisor:
 
     # ------------------------------------------------------------------ store
     def open_store(self) -> None:
+        a = self.args
+        if self.node != 0:  # before importing torch: a wrong address is said in a second
+            self.cfg.store = a.store
+            self._wait_for_store()
         import torch.distributed as dist
 
         from megatron_mecefo.recovery.membership import MembershipStore
 
-        a = self.args
         if self.node == 0:
             try:
                 self.server = dist.TCPStore(
@@ -277,9 +281,6 @@ class Supervisor:
                     f.write(self.cfg.store)
                 os.replace(tmp, a.store_file)
             self.log(f"membership store at {self.cfg.store} (outside every training rank)")
-        else:
-            self.cfg.store = a.store
-            self._wait_for_store()
         try:
             self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
         except Exception as err:  # noqa: BLE001
@@ -736,6 +737,27 @@ class Supervisor:
         return 0
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Node 0's store port, tried before torch is imported (the store's own bind error, later,
+    covers a port taken in between)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise SupervisorError(
+                    f"--store-port {port}: the address {host}:{port} is already in use "
+                    "(another job or supervisor?); pass another --store-port, or 0 for any "
+                    "free port"
+                ) from None
+            raise SupervisorError(
+                f"--store-host {host}: cannot serve the membership store at {host}:{port} "
+                f"({err.strerror}); pass a --store-host of this machine (its hostname or one "
+                "of its addresses)"
+            ) from None
+
+
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
@@ -839,6 +861,8 @@ def validate(args: argparse.Namespace) -> RecoveryConfig:
         raise RecoveryConfigError(
             f"--store-port={args.store_port}: not a TCP port; pass 1..65535, or 0 for any free one"
         )
+    if args.node_rank == 0 and args.store_port:
+        _check_port_free(args.store_host, args.store_port)
     if args.store is not None:
         host, _, port = args.store.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) <= 65535:
