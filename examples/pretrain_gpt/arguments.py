@@ -519,12 +519,18 @@ def _validate_data(args: argparse.Namespace) -> None:
             "give the second weight a value or pass --eval-iters 0"
         )
     if args.data_path:
-        from megatron_mecefo.data.data_path import check_data_prefix, parse_data_path
+        from megatron_mecefo.data.data_path import (
+            DatasetFileError,
+            check_data_prefix,
+            parse_data_path,
+        )
 
         try:
             prefixes = parse_data_path(args.data_path)[0]
             for prefix in prefixes:
                 check_data_prefix(prefix)
+        except DatasetFileError as err:  # a damaged file, not a bad flag: exit 1
+            raise ConfigError(f"--data-path {' '.join(args.data_path)}: {err}", False) from None
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(f"--data-path {' '.join(args.data_path)}: {err}") from None
         for prefix in prefixes:
@@ -666,7 +672,8 @@ def checkpoint_to_load(load_dir: str) -> Optional[str]:
         raise ConfigError(
             f"--load {load_dir}: {tracker} holds {text[:40]!r}, not an iteration number; write "
             "the iteration of an existing iter_NNNNNNN folder into it, or delete it to train "
-            "from scratch"
+            "from scratch",
+            usage=False,
         )
     ckpt_dir = os.path.join(load_dir, f"iter_{int(text):07d}")
     if not os.path.isdir(ckpt_dir):
@@ -674,7 +681,8 @@ def checkpoint_to_load(load_dir: str) -> Optional[str]:
         raise ConfigError(
             f"--load {load_dir}: {tracker} names iteration {int(text)}, but {ckpt_dir} does not "
             f"exist (present: {', '.join(present) or 'none'}); point the tracker at one of "
-            "them, or delete it to train from scratch"
+            "them, or delete it to train from scratch",
+            usage=False,
         )
     return ckpt_dir
 
