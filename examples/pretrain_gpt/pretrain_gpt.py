@@ -932,8 +932,17 @@ class Trainer:
 
     def _restore_snapshot(self) -> None:
         """Resume from the holder's newest snapshot every rank holds intact, if any."""
+        from megatron_mecefo.snapshot.contents import SnapshotMismatch
+
         state = self._snapshot_state()
-        served = self.snapshots.restore(state)
+        try:
+            served = self.snapshots.restore(state)
+        except SnapshotMismatch as err:  # every rank holds snapshots of the same run
+            _fail(
+                f"--mecefo-snapshot-dir {self.args.snapshot_config.directory}: {err}; pass the "
+                "flags of the run that took it, or start a new holder (another directory)",
+                1,
+            )
         if served is not None:
             self.iteration = int(state.counters["iteration"])
             self.consumed_samples = int(state.counters["consumed_samples"])

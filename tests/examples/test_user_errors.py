@@ -11,6 +11,7 @@ rows that train or build a model are ``slow``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -232,6 +233,11 @@ ROWS = [
         "--use-distributed-optimizer", "--mecefo", "--mecefo-rank", "16", "--hidden-size",
         "128", "--load", "{ckpt}"), 1, SUP,
         ["start-up failure", "--hidden-size: checkpoint 64, now 128"], needs=("ckpt",)),
+    Row("snapshot-other-model", "files", trainer(*MOCK, "--train-iters", "3", "--hidden-size",
+        "128", "--mecefo-snapshot-interval", "1", "--mecefo-snapshot-dir", "{holder}"), 1, TP,
+        ["--mecefo-snapshot-dir", "taken by another model or layout",
+         "model0.decoder.final_layernorm.weight: snapshot [64], model [128]"], {},
+        needs=("holder",), slow=True),
     Row("planner-profile-other-version", "files", trainer(*MOCK, "--mecefo", "--mecefo-rank", "16",
         "--mecefo-policy", "auto", "--mecefo-planner-profile", "{data}/old_profile.json"), 2, TP,
         ["written by another version", "unknown key(s) written_by_v0", "planner.calibration"],
@@ -391,6 +397,36 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             (copy / "latest_checkpointed_iteration.txt").write_text("\x00garbage")
         out[f"ckpt_{name}"] = str(copy)
     return out
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> dict[str, str]:
+    """A snapshot holder (shared memory) holding the snapshots of a 3-iteration run of the
+    small model; stopped by PID afterwards."""
+    directory = Path("/dev/shm" if Path("/dev/shm").is_dir() else tmp_path) / (
+        f"mecefo-test-{uuid.uuid4().hex[:8]}"
+    )
+    proc = subprocess.Popen(
+        [PY, "-m", "megatron_mecefo.snapshot.holder", "--dir", str(directory)],
+        env=child_env(), start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (directory / "holder.pid").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no snapshot holder"
+            time.sleep(0.05)
+        run = subprocess.run(
+            [PY, str(TRAINER), *MOCK, "--train-iters", "3", "--mecefo-snapshot-interval", "1",
+             "--mecefo-snapshot-dir", str(directory)],
+            cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        yield {"holder": str(directory)}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture
