@@ -98,6 +98,20 @@ def _signal(*signals: int) -> Callable[[subprocess.Popen, Path], None]:
     return act
 
 
+def _signal_when_file(name: str, sig: int) -> Callable[[subprocess.Popen, Path], None]:
+    """Signal once ``tmp/name`` exists (node 0 writes its --store-file, then waits for nodes)."""
+
+    def act(proc: subprocess.Popen, tmp: Path) -> None:
+        deadline = time.monotonic() + 60
+        while not (tmp / name).exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no store file"
+            time.sleep(0.05)
+        time.sleep(0.3)  # into the wait for nodes
+        proc.send_signal(sig)
+
+    return act
+
+
 def _saved(output: str, tmp: Path) -> None:
     tracker = tmp / "save" / "latest_checkpointed_iteration.txt"
     assert tracker.exists(), output[-3000:]
@@ -267,6 +281,10 @@ ROWS = [
         "4", "--use-distributed-optimizer", "--load", "{ckpt_old}"), 2, TP,
         ["LR schedule differs", "--override-opt-param-scheduler"], {}, needs=("ckpt",),
         slow=True),
+    Row("resume-changed-global-batch-is-said", "resume", trainer(*MOCK, "--train-iters", "2",
+        "--global-batch-size", "8", "--use-distributed-optimizer", "--load", "{ckpt}"), 0,
+        "WARNING: resuming with a changed flag:", ["--global-batch-size: checkpoint 4, now 8"],
+        {}, needs=("ckpt",), slow=True),
     # ------------------------------------------------------------- launch and rendezvous
     Row("plain-python-needs-ranks", "launch", trainer(*MOCK, "--tensor-model-parallel-size",
         "2"), 2, TP, ["world size 1", "started without a launcher", "torchrun --nproc_per_node"]),
@@ -307,6 +325,9 @@ ROWS = [
     Row("sup-ctrl-c", "signals", SUPERVISED_LONG, 130, STOPPED,
         ["SIGINT", "2 ranks and 1 standbys ended", "--exit-signal-handler"],
         action=_signal(signal.SIGINT), slow=True, timeout=300),
+    Row("sup-ctrl-c-waiting-for-nodes", "signals", [*SUPERVISOR, "--nproc-per-node", "1",
+        "--nnodes", "2", "--store-file", "{tmp}/store.txt", "--", str(TRAINER)], 130, STOPPED,
+        ["SIGINT"], action=_signal_when_file("store.txt", signal.SIGINT)),
     Row("sup-ctrl-c-twice", "signals", SUPERVISED_LONG, 130, STOPPED, ["second SIGINT"],
         action=_signal(signal.SIGINT, signal.SIGINT), slow=True, timeout=300),
     Row("sup-sigterm", "signals", SUPERVISED_LONG, 143, STOPPED, ["SIGTERM", "ended"],
