@@ -573,9 +573,12 @@ def _check_tokens(args: argparse.Namespace, prefix: str) -> None:
             "examples/pretrain_gpt/prepare_data.py or pass the tokenizer that made it",
             usage=False,
         )
-    warn_ok = f"--data-path {prefix}: token ids <= {largest} < vocabulary {vocab}, read {how}"
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"> checked {warn_ok} of {total:,} tokens", flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:  # says how much the check read (a sample?)
+        print(
+            f"> checked --data-path {prefix}: token ids <= {largest} < vocabulary {vocab}, "
+            f"read {how} of {total:,} tokens",
+            flush=True,
+        )
 
 
 def _validate_mecefo(args: argparse.Namespace) -> None:

@@ -236,6 +236,7 @@ class Supervisor:
         self._events_seen = -1
         self._steady: Optional[tuple] = None  # (CPU seconds, iteration) once training runs
         self.stopping: Optional[int] = None  # the signal that stops this node, once acted on
+        self.stop_deadline = 0.0  # then: when the ranks that still run are killed
         self.startup_code: Optional[int] = None  # a rank of this node failed at start-up
         self.error_dir = ""  # where ranks leave their error lines (made by run)
 
@@ -375,8 +376,6 @@ class Supervisor:
                     f"waiting for nodes: joined {names}; missing {_ranks(missing)} "
                     f"({now - t0:.0f} of --init-timeout={self.cfg.init_timeout_s:g}s)"
                 )
-            if SIGNALS.signum is not None:
-                return
             time.sleep(0.1)
 
     # ------------------------------------------------------------------ processes
@@ -486,8 +485,14 @@ class Supervisor:
                     "checkpoint: relaunch with --load <your --save directory>",
                 )
                 return
+            progress = self.ms.get_str("progress")
+            when = (
+                f"in training (after iteration {progress})"
+                if progress
+                else "before its first iteration"
+            )
             self.log(
-                f"rank {slot} (pid {child.proc.pid}, incarnation {child.inc}) died: {why}; "
+                f"rank {slot} (pid {child.proc.pid}, incarnation {child.inc}) died: {why} {when}; "
                 "reported to the membership store"
             )
             delay = self.replacement.delay_s(slot)
@@ -683,7 +688,7 @@ class Supervisor:
     def _end_stop(self) -> int:
         name = signal.Signals(self.stopping).name
         n = len(self.slots)
-        if self._saving() and self.ms_done():
+        if self._saving() and self._done():
             self.log(f"stopped by {name}: {n} ranks saved and exited (--exit-signal-handler)")
             return 0
         self.log(
@@ -693,7 +698,7 @@ class Supervisor:
         )
         return SIGNALS.code(self.stopping)
 
-    def ms_done(self) -> bool:
+    def _done(self) -> bool:
         try:
             return self.ms.get_str("done") is not None
         except Exception:  # noqa: BLE001

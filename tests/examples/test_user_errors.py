@@ -63,8 +63,8 @@ class Row:
     timeout: float = 120
 
 
-def trainer(*flags: str, world: Optional[int] = 2) -> list[str]:
-    """The trainer as one rank of a ``world``-rank job (WORLD_SIZE/RANK set by the row)."""
+def trainer(*flags: str) -> list[str]:
+    """The trainer as plain ``python`` (a row's env sets WORLD_SIZE/RANK as torchrun would)."""
     return [PY, str(TRAINER), *flags]
 
 
