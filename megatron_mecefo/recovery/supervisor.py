@@ -465,8 +465,9 @@ class Supervisor:
                 continue  # a normal exit
             why = info["signal"] or f"exit code {code}"
             if self.stopping is not None:  # stopped by a signal: a death is no failure now
-                if self._saving():  # killed during its save: said, but not recovered
+                if self._saving():  # died during its save: said and reported, not recovered
                     self.log(f"rank {slot} (pid {child.proc.pid}) died while stopping: {why}")
+                    self.ms.report_dead(slot, child.inc, info)  # the coordinator ends the job
                 continue
             startup = self._startup_failure(slot, child.proc.pid, code)
             if startup is not None:
@@ -691,6 +692,12 @@ class Supervisor:
         if self._saving() and self._done():
             self.log(f"stopped by {name}: {n} ranks saved and exited (--exit-signal-handler)")
             return 0
+        if self._saving():
+            self.log(
+                f"stopped by {name}: {n} ranks ended before their save completed (a rank died "
+                "while stopping, or the grace ran out); the last complete checkpoint is kept"
+            )
+            return SIGNALS.code(self.stopping)
         self.log(
             f"stopped by {name}: {n} ranks and {len(self.standby)} standbys ended; nothing saved "
             "since the last checkpoint (the trainer's --exit-signal-handler --save DIR saves "

@@ -112,6 +112,21 @@ def _signal_when_file(name: str, sig: int) -> Callable[[subprocess.Popen, Path],
     return act
 
 
+def _term_then_kill_rank_1(proc: subprocess.Popen, tmp: Path) -> None:
+    """SIGTERM to the supervisor (its ranks save at the next boundary), then rank 1 dies."""
+    _when_training(proc, tmp)
+    rows = [line.split() for line in (tmp / "pids").read_text().splitlines()]
+    pids = {slot: int(pid) for slot, _inc, pid in rows}
+    proc.send_signal(signal.SIGTERM)
+    os.kill(pids["1"], signal.SIGKILL)
+
+
+def _not_recovered(output: str, tmp: Path) -> None:
+    assert "rank 1" in output and "died while stopping: SIGKILL" in output, output[-3000:]
+    for recovery in ("started a replacement", "regroup", "new generation"):
+        assert recovery not in output, output[-3000:]
+
+
 def _saved(output: str, tmp: Path) -> None:
     tracker = tmp / "save" / "latest_checkpointed_iteration.txt"
     assert tracker.exists(), output[-3000:]
@@ -335,6 +350,11 @@ ROWS = [
     Row("sup-sigterm-saves", "signals", [*SUPERVISED_LONG, "--exit-signal-handler", "--save",
         "{tmp}/save"], 0, STOPPED, ["SIGTERM", "2 ranks saved and exited"],
         action=_signal(signal.SIGTERM), check=_saved, slow=True, timeout=300),
+    Row("sup-rank-dies-while-saving", "signals", [*SUPERVISOR, "--nproc-per-node", "2",
+        "--replace", "immediately", "--pid-file", "{tmp}/pids", "--", str(TRAINER),
+        *TRAIN_LONG, "--mecefo", "--mecefo-rank", "16", "--exit-signal-handler", "--save",
+        "{tmp}/save"], 143, STOPPED, ["SIGTERM", "before their save completed"],
+        action=_term_then_kill_rank_1, check=_not_recovered, slow=True, timeout=300),
     Row("trainer-ctrl-c", "signals", trainer(*TRAIN_LONG), 130, TP,
         ["interrupted (Ctrl-C)", "--exit-signal-handler"], action=_signal(signal.SIGINT),
         slow=True, timeout=300),
