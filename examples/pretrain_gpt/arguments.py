@@ -776,7 +776,7 @@ RUN_RECORD_FORMAT = 1
 _MODEL_KEYS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "swiglu", "normalization", "add_bias_linear", "position_embedding_type",
-    "untie_embeddings_and_output_weights", "tokenizer_type", "padded_vocab_size",
+    "untie_embeddings_and_output_weights", "tokenizer_type",
 )  # fmt: skip
 """A change builds another model: its weights cannot load."""
 
@@ -791,9 +791,11 @@ _CHANGE_KEYS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
     "micro_batch_size", "global_batch_size", "seq_length",
     "use_distributed_optimizer", "mecefo", "mecefo_policy", "mecefo_rank", "mecefo_fail",
-    "mecefo_failure_schedule",
+    "mecefo_failure_schedule", "padded_vocab_size",
 )  # fmt: skip
-"""Changes that work (resharded, re-batched, a new failure plan), said at start-up."""
+"""Changes that work (resharded, re-batched, a new failure plan), said at start-up. The padded
+vocabulary follows TP (--make-vocab-size-divisible-by x TP): dist_checkpointing loads the rows
+the model has, and the rows beyond the tokenizer's are padding."""
 
 
 def padded_vocab_size(args: argparse.Namespace) -> int:
