@@ -10,7 +10,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-all test-slurm bench bench-long lint clean
+.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-all test-errors test-slurm bench bench-long lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -93,6 +93,11 @@ demo-abft: data
 
 test: venv
 	$(PY) -m pytest -q -m "not slow" --timeout=900 --durations=15 tests
+
+# docs/errors.md: one row per user mistake, each ending in one line (the start-up rows are in
+# make test; this runs the slow ones too: training, signals, about 3 minutes more).
+test-errors: venv
+	$(PY) -m pytest -q --timeout=1800 tests/examples/test_user_errors.py
 
 test-all: venv
 	$(PY) -m pytest -q --timeout=1800 tests

@@ -12,24 +12,27 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from megatron_mecefo.errors import UserError, check_writable_dir, check_writable_file, fail
 
-class ConfigError(ValueError):
-    """A bad flag (combination); the message names the flag, the value and the fix."""
+PROG = "pretrain_gpt.py"
+
+
+class ConfigError(UserError, ValueError):
+    """A bad flag (combination) or input file; the message names the flag, the value and the
+    fix. ``usage=False`` for a file made by something else (exit 1 instead of 2)."""
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line from rank 0 (no usage dump, not once per rank)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        from megatron_mecefo.megatron_lm.arguments import exit_with_config_error
-
-        exit_with_config_error(f"{message} (--help lists the flags)", prog=self.prog)
+        fail(f"{message} (--help lists the flags)", prog=self.prog)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's parser. Defaults describe a small LLaMA-style GPT that trains on CPU."""
     p = _Parser(
-        prog="pretrain_gpt.py",
+        prog=PROG,
         description="Compact Megatron-Core GPT pretraining (CPU/gloo or GPU/nccl).",
         allow_abbrev=False,
     )
@@ -175,6 +178,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Stop after the iteration divisible by this (after saving), as Megatron-LM.",
     )
+    g.add_argument(
+        "--exit-duration-in-mins",
+        type=float,
+        default=None,
+        help="Save (with --save) and exit 0 at the first iteration boundary after this many "
+        "minutes of training, as Megatron-LM.",
+    )
+    g.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="On SIGTERM (Slurm's --signal, the recovery supervisor's stop), save (with --save) "
+        "at the next iteration boundary and exit 0, as Megatron-LM.",
+    )
+    g.add_argument(
+        "--override-opt-param-scheduler",
+        action="store_true",
+        help="On --load, take the LR schedule from these flags, not from the checkpoint.",
+    )
+    g.add_argument(
+        "--use-checkpoint-opt-param-scheduler",
+        action="store_true",
+        help="On --load, keep the checkpoint's LR schedule and ignore the LR flags.",
+    )
     from megatron_mecefo.megatron_lm.arguments import add_arguments
 
     add_arguments(p)  # --mecefo, --mecefo-*
@@ -228,7 +254,16 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         "num_layers_per_virtual_pipeline_stage",
         "exit_interval",
         "check_weight_hash_across_dp_replicas_interval",
+        "make_vocab_size_divisible_by",
+        "ffn_hidden_size",
+        "kv_channels",
+        "max_position_embeddings",
+        "num_query_groups",
+        "rotary_base",
+        "lr_decay_iters",
+        "recompute_num_layers",
     )
+    _validate_ranges(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp) != 0:
         raise ConfigError(
@@ -336,7 +371,107 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         )
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr={args.min_lr} exceeds --lr={args.lr}")
+    _validate_targets(args)
+    _validate_outputs(args)
+    _validate_exit(args)
+    if args.load:
+        _validate_resume(args)
     return args
+
+
+# The ranges Megatron-LM checks (or relies on without a check); each: (dest, low, high, what
+# the bounds mean). None leaves a side open; low is inclusive unless the flag says "> low".
+_RANGES = (
+    ("lr", 0.0, None, ">= 0"),
+    ("min_lr", 0.0, None, ">= 0"),
+    ("lr_warmup_iters", 0, None, ">= 0"),
+    ("eval_iters", 0, None, ">= 0 (0 turns evaluation off)"),
+    ("weight_decay", 0.0, None, ">= 0"),
+    ("clip_grad", 0.0, None, ">= 0 (0 turns clipping off)"),
+    ("hidden_dropout", 0.0, 1.0, "in [0, 1)"),
+    ("attention_dropout", 0.0, 1.0, "in [0, 1)"),
+    ("adam_beta1", 0.0, 1.0, "in [0, 1)"),
+    ("adam_beta2", 0.0, 1.0, "in [0, 1)"),
+    ("seed", 0, None, ">= 0"),
+)
+
+
+def _validate_ranges(args: argparse.Namespace) -> None:
+    for dest, low, high, bounds in _RANGES:
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        bad = value != value or (low is not None and value < low)  # NaN too
+        bad = bad or (high is not None and value >= high)
+        if bad:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag}={value}: must be {bounds}; pass a value in that range")
+    for dest in ("adam_eps", "norm_epsilon", "init_method_std"):
+        value = getattr(args, dest)
+        if not value > 0:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag}={value}: must be > 0; pass a positive value")
+
+
+def _validate_targets(args: argparse.Namespace) -> None:
+    """ABFT injections that can never fire (a target beyond the model or the run used to end
+    with "0 injected" and no word)."""
+    if args.abft_config is not None:
+        from megatron_mecefo.abft.inject import parse_rule
+
+        for spec in args.abft_config.inject:
+            rule = parse_rule(spec)
+            where = f"--mecefo-abft-inject {spec!r}"
+            if rule.layer is not None and not 1 <= rule.layer <= args.num_layers:
+                raise ConfigError(
+                    f"{where}: layer {rule.layer} does not exist (layers 1..{args.num_layers}, "
+                    "numbered from 1 as Megatron's layer_number); it would never fire"
+                )
+            if not 0 <= rule.rank < args.world_size:
+                raise ConfigError(
+                    f"{where}: rank {rule.rank} does not exist (world size {args.world_size}); "
+                    "it would never fire"
+                )
+            first = rule.iteration if rule.iteration is not None else rule.start or rule.every
+            if first is not None and first > args.train_iters:
+                raise ConfigError(
+                    f"{where}: iteration {first} is after the last one (--train-iters="
+                    f"{args.train_iters}); it would never fire"
+                )
+            if rule.microbatch >= args.num_microbatches:
+                raise ConfigError(
+                    f"{where}: micro-batch {rule.microbatch} does not exist "
+                    f"({args.num_microbatches} per replica per iteration, numbered from 0); it "
+                    "would never fire"
+                )
+
+
+def _validate_outputs(args: argparse.Namespace) -> None:
+    """Every output is tried with a real write now: an unwritable --save used to be found at
+    the first save, after the training it was meant to keep."""
+    if args.save:
+        check_writable_dir("--save", args.save)
+    if args.metrics_file:
+        check_writable_file("--metrics-file", args.metrics_file)
+    if args.tensorboard_dir:
+        check_writable_dir("--tensorboard-dir", args.tensorboard_dir)
+    if args.data_cache_path:
+        check_writable_dir("--data-cache-path", args.data_cache_path)
+
+
+def _validate_exit(args: argparse.Namespace) -> None:
+    minutes = args.exit_duration_in_mins
+    if minutes is not None and not minutes > 0:
+        raise ConfigError(f"--exit-duration-in-mins={minutes}: must be > 0 (minutes of training)")
+    if (args.exit_signal_handler or minutes is not None) and not args.save:
+        which = "--exit-signal-handler" if args.exit_signal_handler else "--exit-duration-in-mins"
+        warn(f"{which} without --save: the run stops early and saves nothing")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
+            "mutually exclusive (take the LR schedule from the flags, or from the checkpoint); "
+            "pick one"
+        )
 
 
 def _validate_virtual_replicas(args: argparse.Namespace, world_size: int) -> None:
@@ -384,13 +519,66 @@ def _validate_data(args: argparse.Namespace) -> None:
             "give the second weight a value or pass --eval-iters 0"
         )
     if args.data_path:
-        from megatron_mecefo.data.data_path import check_data_prefix, parse_data_path
+        from megatron_mecefo.data.data_path import (
+            DatasetFileError,
+            check_data_prefix,
+            parse_data_path,
+        )
 
         try:
-            for prefix in parse_data_path(args.data_path)[0]:
+            prefixes = parse_data_path(args.data_path)[0]
+            for prefix in prefixes:
                 check_data_prefix(prefix)
+        except DatasetFileError as err:  # a damaged file, not a bad flag: exit 1
+            raise ConfigError(f"--data-path {' '.join(args.data_path)}: {err}", False) from None
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(f"--data-path {' '.join(args.data_path)}: {err}") from None
+        for prefix in prefixes:
+            _check_tokens(args, prefix)
+
+
+TOKENIZER_VOCAB = {"ByteTokenizer": 258}
+"""Each --tokenizer-type's vocabulary size (megatron_mecefo.data.ByteTokenizer: 256 bytes,
+<eod>, <pad>), here so that the data check needs neither torch nor the tokenizer."""
+
+
+def _check_tokens(args: argparse.Namespace, prefix: str) -> None:
+    """The dataset's largest token id must be an id of the tokenizer; it must hold a sample.
+
+    A dataset tokenized with another tokenizer used to fail deep in the embedding
+    (``IndexError: index out of range in self``) on every rank.
+    """
+    from megatron_mecefo.data.data_path import scan_token_ids
+
+    vocab = TOKENIZER_VOCAB[args.tokenizer_type]
+    largest, read, total, documents = scan_token_ids(prefix)
+    if total == 0:
+        raise ConfigError(
+            f"--data-path {prefix}: the dataset is empty ({documents} documents, 0 tokens); "
+            "build it from a non-empty corpus (examples/pretrain_gpt/prepare_data.py)",
+            usage=False,
+        )
+    if total < args.seq_length + 1:
+        raise ConfigError(
+            f"--data-path {prefix}: the dataset holds {total} tokens, fewer than one sample of "
+            f"--seq-length={args.seq_length} + 1; use more data or a shorter --seq-length",
+            usage=False,
+        )
+    how = "all" if read == total else f"a sample of {read:,}"
+    if largest >= vocab:
+        raise ConfigError(
+            f"--data-path {prefix}: token id {largest} (read {how} of {total:,} tokens) is "
+            f"beyond the --tokenizer-type={args.tokenizer_type} vocabulary ({vocab} ids): the "
+            "dataset was tokenized with another tokenizer; rebuild it with "
+            "examples/pretrain_gpt/prepare_data.py or pass the tokenizer that made it",
+            usage=False,
+        )
+    if int(os.environ.get("RANK", "0")) == 0:  # says how much the check read (a sample?)
+        print(
+            f"> checked --data-path {prefix}: token ids <= {largest} < vocabulary {vocab}, "
+            f"read {how} of {total:,} tokens",
+            flush=True,
+        )
 
 
 def _validate_mecefo(args: argparse.Namespace) -> None:
@@ -421,8 +609,44 @@ def _validate_mecefo(args: argparse.Namespace) -> None:
     problem = validate_recovery(args, args.world_size)
     if problem:  # before the warnings: a run that stops prints only its error
         raise ConfigError(problem)
+    _validate_failures(args)
     for line in warnings:
         warn(line)
+
+
+def ft_kind(args: argparse.Namespace) -> str:
+    """The failure schedule's kind (--mecefo-fail alone means scripted)."""
+    return args.mecefo_config.failure_schedule
+
+
+def _validate_failures(args: argparse.Namespace) -> None:
+    """Scripted failures and kills that can never fire, or a kill aimed at a replica the
+    simulated schedule has already taken down (it never happened, and nothing said so)."""
+    tp = args.tensor_model_parallel_size
+    schedule = None
+    if args.mecefo and ft_kind(args) == "scripted":
+        schedule = args.mecefo_config.build_schedule(args.data_parallel_size, args.train_iters)
+        for e in schedule.events:
+            if e.fail_iteration > args.train_iters:
+                raise ConfigError(
+                    f"--mecefo-fail: replica {e.replica} fails at iteration {e.fail_iteration}, "
+                    f"after the last one (--train-iters={args.train_iters}), so it never fires; "
+                    f"use an iteration in 1..{args.train_iters} or raise --train-iters"
+                )
+    if args.mecefo_kill and schedule is not None:
+        from megatron_mecefo.recovery.fault_injection import RECOVERY_PHASES, parse_kills
+
+        seed = args.mecefo_seed if args.mecefo_seed is not None else args.seed
+        for kill in parse_kills(args.mecefo_kill, args.world_size, args.train_iters, seed):
+            # Megatron-core's rank order tp-cp-ep-dp-pp: TP fastest, then DP, then PP.
+            replica = (kill.rank // tp) % args.data_parallel_size
+            if kill.phase not in RECOVERY_PHASES and replica in schedule.failed_at(kill.iteration):
+                raise ConfigError(
+                    f"--mecefo-kill={kill.key}: rank {kill.rank} sits in replica {replica}, which "
+                    f"the simulated schedule (--mecefo-fail) has already taken down at iteration "
+                    f"{kill.iteration}, so the kill never happens; kill a rank of a live replica "
+                    "or at another iteration"
+                )
 
 
 def warn(message: str) -> None:
@@ -451,7 +675,8 @@ def checkpoint_to_load(load_dir: str) -> Optional[str]:
         raise ConfigError(
             f"--load {load_dir}: {tracker} holds {text[:40]!r}, not an iteration number; write "
             "the iteration of an existing iter_NNNNNNN folder into it, or delete it to train "
-            "from scratch"
+            "from scratch",
+            usage=False,
         )
     ckpt_dir = os.path.join(load_dir, f"iter_{int(text):07d}")
     if not os.path.isdir(ckpt_dir):
@@ -459,7 +684,8 @@ def checkpoint_to_load(load_dir: str) -> Optional[str]:
         raise ConfigError(
             f"--load {load_dir}: {tracker} names iteration {int(text)}, but {ckpt_dir} does not "
             f"exist (present: {', '.join(present) or 'none'}); point the tracker at one of "
-            "them, or delete it to train from scratch"
+            "them, or delete it to train from scratch",
+            usage=False,
         )
     return ckpt_dir
 
@@ -493,14 +719,174 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse and validate; on a bad config print one line (rank 0 only) and exit 2."""
+    """Parse and validate; on a bad config print one line (rank 0 only) and exit 2 (1 for a
+    file made by something else)."""
     from megatron_mecefo.megatron_lm.arguments import normalize_argv
 
     args = build_parser().parse_args(normalize_argv(list(sys.argv[1:] if argv is None else argv)))
+    launched = "WORLD_SIZE" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        return validate_args(args, world_size)
-    except ConfigError as err:
-        from megatron_mecefo.megatron_lm.arguments import exit_with_config_error
+        validate_args(args, world_size)
+        _launch_env(world_size)
+    except UserError as err:
+        message = str(err)
+        if not launched and "world size" in message:
+            message += f" ({LAUNCH_HINT})"
+        fail(message, PROG, err.exit_code)
+    return args
 
-        exit_with_config_error(err)
+
+LAUNCH_HINT = (
+    "started without a launcher, so as one process; launch N ranks with torchrun "
+    "--nproc_per_node=N examples/pretrain_gpt/pretrain_gpt.py ... or python -m "
+    "megatron_mecefo.recovery.supervisor --nproc-per-node N -- examples/pretrain_gpt/"
+    "pretrain_gpt.py ..."
+)
+
+
+def _launch_env(world_size: int) -> None:
+    """Plain ``python pretrain_gpt.py`` runs as one process (the rendezvous env filled in);
+    ranks without a rendezvous address say how to launch instead of a ValueError from
+    ``init_process_group``."""
+    env = os.environ
+    if "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        return
+    if world_size == 1:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        env["MASTER_PORT"] = str(port)
+        return
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+    raise ConfigError(
+        f"WORLD_SIZE={world_size} is set but {' and '.join(missing)} not: this process was not "
+        f"started by a launcher; {LAUNCH_HINT.split('; ', 1)[1]}"
+    )
+
+
+RUN_RECORD = "mecefo_run.json"
+"""Written into each ``iter_*`` folder: the flags a resume is checked against."""
+
+RUN_RECORD_FORMAT = 1
+
+_MODEL_KEYS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "swiglu", "normalization", "add_bias_linear", "position_embedding_type",
+    "untie_embeddings_and_output_weights", "tokenizer_type",
+)  # fmt: skip
+"""A change builds another model: its weights cannot load."""
+
+_SCHEDULE_KEYS = (
+    "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay",
+    "train_iters",
+)  # fmt: skip
+"""What the checkpoint's scheduler holds (Megatron-LM's check of them; --train-iters is its
+weight-decay horizon)."""
+
+_CHANGE_KEYS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+    "micro_batch_size", "global_batch_size", "seq_length",
+    "use_distributed_optimizer", "mecefo", "mecefo_policy", "mecefo_rank", "mecefo_fail",
+    "mecefo_failure_schedule", "padded_vocab_size",
+)  # fmt: skip
+"""Changes that work (resharded, re-batched, a new failure plan), said at start-up. The padded
+vocabulary follows TP (--make-vocab-size-divisible-by x TP): dist_checkpointing loads the rows
+the model has, and the rows beyond the tokenizer's are padding."""
+
+
+def padded_vocab_size(args: argparse.Namespace) -> int:
+    """Megatron-LM's padded vocabulary: the tokenizer's, rounded up to a multiple of
+    --make-vocab-size-divisible-by x TP (the trainer builds the embedding with this size)."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-TOKENIZER_VOCAB[args.tokenizer_type] // multiple) * multiple
+
+
+def run_record(args: argparse.Namespace) -> dict:
+    """What a checkpoint records of the run that saved it (:data:`RUN_RECORD`)."""
+    record = {"format": RUN_RECORD_FORMAT, "padded_vocab_size": padded_vocab_size(args)}
+    for key in _MODEL_KEYS + _SCHEDULE_KEYS + _CHANGE_KEYS:
+        if key != "padded_vocab_size":
+            record[key] = getattr(args, key, None)
+    return record
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-") if key != "padded_vocab_size" else "padded vocabulary"
+
+
+def _validate_resume(args: argparse.Namespace) -> None:
+    """Resuming with changed flags: refuse what cannot work, say what changed (the checkpoint's
+    :data:`RUN_RECORD`; checkpoints without one are checked tensor by tensor at the load)."""
+    import json
+
+    ckpt_dir = checkpoint_to_load(args.load)
+    path = os.path.join(ckpt_dir, RUN_RECORD) if ckpt_dir else None
+    if path is None or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        version = int(saved.get("format", 0))
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(
+            f"--load {args.load}: {path} cannot be read ({err}); the checkpoint is damaged: "
+            "load an earlier iter_ folder or train from scratch",
+            usage=False,
+        ) from None
+    if version > RUN_RECORD_FORMAT:
+        raise ConfigError(
+            f"--load {args.load}: {path} is format {version}, this trainer reads up to "
+            f"{RUN_RECORD_FORMAT}: the checkpoint was written by a newer megatron-mecefo; "
+            "resume with that version",
+            usage=False,
+        )
+    now = run_record(args)
+
+    def diff(keys: Sequence[str]) -> list[str]:
+        return [
+            f"{_flag(k)}: checkpoint {saved[k]}, now {now[k]}"
+            for k in keys
+            if k in saved and saved[k] != now[k]
+        ]
+
+    model = diff(_MODEL_KEYS)
+    if model:
+        raise ConfigError(
+            f"--load {args.load}: the checkpoint is of another model ({'; '.join(model)}); pass "
+            "the model flags it was trained with, or another --load",
+            usage=False,
+        )
+    schedule = diff(_SCHEDULE_KEYS)
+    if schedule and not (
+        args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler
+    ):
+        raise ConfigError(
+            f"--load {args.load}: the LR schedule differs from the checkpoint's "
+            f"({'; '.join(schedule)}); pass --override-opt-param-scheduler to follow the new "
+            "flags, or --use-checkpoint-opt-param-scheduler to keep the checkpoint's schedule "
+            "(as Megatron-LM)"
+        )
+    changed = diff(_CHANGE_KEYS)
+    per_rank_optim = os.path.isdir(os.path.join(ckpt_dir, "optim"))
+    layout = [c for c in changed if c.startswith(("--tensor-", "--pipeline-"))]
+    if per_rank_optim and layout and not args.no_load_optim:
+        raise ConfigError(
+            f"--load {args.load}: the distributed-optimizer state was saved per rank (optim/, "
+            f"megatron-core without Apex/TE) and loads on its TP/PP layout only "
+            f"({'; '.join(layout)}); resume with the checkpoint's sizes, or pass --no-load-optim",
+            usage=False,
+        )
+    basis = os.path.isdir(os.path.join(ckpt_dir, "mecefo_basis"))
+    if basis and args.mecefo and saved.get("mecefo_rank") != args.mecefo_rank:
+        raise ConfigError(
+            f"--load {args.load}: --mecefo-rank: checkpoint {saved.get('mecefo_rank')}, now "
+            f"{args.mecefo_rank}: the saved low-rank bases have the checkpoint's rank; resume "
+            f"with --mecefo-rank {saved.get('mecefo_rank')}",
+            usage=False,
+        )
+    for line in changed:
+        warn(f"resuming with a changed flag: {line}")

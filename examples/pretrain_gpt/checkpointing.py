@@ -213,8 +213,10 @@ def save_checkpoint(
     consumed_samples: int,
     save_optimizer: bool,
     dist_optimizer: bool,
+    run_record: Optional[dict] = None,
 ) -> str:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+    """Collective: every rank calls it. Returns the checkpoint directory. ``run_record``: the
+    flags a resume is checked against (``arguments.RUN_RECORD``), written by rank 0."""
     ckpt_dir = os.path.join(save_dir, f"iter_{iteration:07d}")
     state = _sharded_state(model_chunks, optimizer, save_optimizer, False, dist_optimizer)
     state.update(
@@ -237,6 +239,13 @@ def save_checkpoint(
     if bases:  # only models built from a low-rank MeCeFO spec have them
         os.makedirs(os.path.dirname(_basis_path(ckpt_dir)), exist_ok=True)
         torch.save(bases, _basis_path(ckpt_dir))
+    if run_record is not None and dist.get_rank() == 0:
+        import json
+
+        from arguments import RUN_RECORD
+
+        with open(os.path.join(ckpt_dir, RUN_RECORD), "w") as f:
+            json.dump(run_record, f, indent=1)
     dist.barrier()
     if dist.get_rank() == 0:  # written last: a crash mid-save never names a partial checkpoint
         with open(os.path.join(save_dir, TRACKER), "w") as f:
@@ -291,6 +300,48 @@ def check_checkpoint_files(ckpt_dir: str) -> None:
             )
 
 
+def check_checkpoint_shapes(ckpt_dir: str, template: dict[str, Any]) -> None:
+    """Every model tensor the load asks for must be in the checkpoint with the same global
+    shape; a checkpoint of another model used to fail inside dist_checkpointing, with a good
+    message inside a traceback from every rank.
+
+    Raises:
+        ConfigError: Naming the first differing keys with both shapes (exit 1).
+    """
+    from arguments import ConfigError
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    problems = []
+    for name, part in template.items():
+        if not name.startswith("model"):
+            continue  # the optimizer's state follows the model's tensors
+        for sh in nested_values(part):
+            if not isinstance(sh, ShardedTensor):
+                continue
+            meta = stored.get(sh.key)
+            want = list(sh.global_shape)
+            if meta is None:
+                problems.append(f"{sh.key}: checkpoint none, model {want}")
+                continue
+            have = list(meta.size) if hasattr(meta, "size") else want
+            # The vocabulary rows are padded to a multiple of TP, so another TP size pads
+            # differently; dist_checkpointing loads the rows the model has (padding beyond the
+            # tokenizer's ids either way).
+            vocab = sh.key.endswith(("word_embeddings.weight", "output_layer.weight"))
+            if have != want and not (vocab and have[1:] == want[1:]):
+                problems.append(f"{sh.key}: checkpoint {have}, model {want}")
+    if problems:
+        more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+        raise ConfigError(
+            f"{ckpt_dir} is a checkpoint of another model: {'; '.join(problems[:2])}{more}; "
+            "pass the model flags it was trained with, or another --load",
+            usage=False,
+        )
+
+
 def load_checkpoint(
     load_dir: str,
     model_chunks: list[torch.nn.Module],
@@ -308,6 +359,7 @@ def load_checkpoint(
     ckpt_dir = os.path.join(load_dir, f"iter_{iteration:07d}")
     check_checkpoint_files(ckpt_dir)
     template = _sharded_state(model_chunks, optimizer, load_optimizer, True, dist_optimizer)
+    check_checkpoint_shapes(ckpt_dir, template)
     state = dist_checkpointing.load(template, ckpt_dir)
     if len(model_chunks) == 1:
         model_chunks[0].load_state_dict(state["model"])
@@ -319,7 +371,16 @@ def load_checkpoint(
             _load_optimizer_per_rank(ckpt_dir, optimizer, model_chunks)  # main params too
         else:
             optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["opt_param_scheduler"])
+        try:
+            scheduler.load_state_dict(state["opt_param_scheduler"])
+        except AssertionError as err:  # megatron-core's check of the LR schedule's values
+            from arguments import ConfigError
+
+            raise ConfigError(
+                f"--load {load_dir}: the LR schedule differs from the checkpoint's ({err}); pass "
+                "--override-opt-param-scheduler to follow the new flags, or "
+                "--use-checkpoint-opt-param-scheduler to keep the checkpoint's (as Megatron-LM)"
+            ) from None
     else:
         # The optimizer's fp32/sharded main params must pick up the loaded weights.
         optimizer.reload_model_params()

@@ -24,8 +24,26 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from arguments import parse_args  # noqa: E402  (validated before torch is imported)
 
+_START = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's start time
+
 
 def main(argv: Optional[list[str]] = None) -> None:
+    try:
+        _main(argv)
+    except KeyboardInterrupt:
+        # One line, not a traceback from every rank; the last checkpoint is what is kept.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                "pretrain_gpt.py: error: interrupted (Ctrl-C); nothing was saved since the last "
+                "checkpoint; pass --exit-signal-handler --save DIR and stop with SIGTERM to "
+                "save first",
+                file=sys.stderr,
+                flush=True,
+            )
+        os._exit(130)  # no interpreter shutdown: gloo threads may still be in a collective
+
+
+def _main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     t_start = time.perf_counter()
     device = _select_device(args)
@@ -58,10 +76,10 @@ def _select_device(args: Any) -> "torch.device":  # noqa: F821
     return torch.device(args.device)
 
 
-def _fail(message: str) -> None:
-    from megatron_mecefo.megatron_lm.arguments import exit_with_config_error
+def _fail(message: str, code: int = 2) -> None:
+    from megatron_mecefo.errors import fail
 
-    exit_with_config_error(message)
+    fail(message, "pretrain_gpt.py", code)
 
 
 class Trainer:
@@ -80,6 +98,12 @@ class Trainer:
         self.args = args
         self.device = device
         self.recovery = recovery  # a megatron_mecefo.recovery RecoverySession, or None
+        self.stop_reason: Optional[str] = None  # why training stopped before --train-iters
+        self._signal: Optional[int] = None
+        if args.exit_signal_handler:  # Megatron-LM's: SIGTERM saves at the next boundary
+            import signal
+
+            signal.signal(signal.SIGTERM, lambda signum, _frame: setattr(self, "_signal", signum))
         if device.type == "cpu":
             from megatron_mecefo.runtime import quiet_cpu_warnings
 
@@ -360,6 +384,10 @@ class Trainer:
             end_wd=a.weight_decay,
             wd_incr_steps=a.train_iters,
             wd_incr_style="constant",
+            # Megatron-LM's defaults: a resume whose LR flags differ from the checkpoint's
+            # schedule is refused unless one of the two flags says which one wins.
+            use_checkpoint_opt_param_scheduler=a.use_checkpoint_opt_param_scheduler,
+            override_opt_param_scheduler=a.override_opt_param_scheduler,
         )
         # The hooks Megatron-LM's train() installs.
         cfg.finalize_model_grads_func = finalize_model_grads
@@ -786,14 +814,43 @@ class Trainer:
                 self._save()
             if a.exit_interval and self.iteration % a.exit_interval == 0:
                 break
+            self.stop_reason = self._exit_requested()
+            if self.stop_reason:
+                self._print(
+                    f"> exiting at iteration {self.iteration}: {self.stop_reason}"
+                    + ("; saving a checkpoint" if a.save else "; no --save, nothing saved")
+                )
+                break
             if self.recovery is not None:  # snapshot; a planned regroup switches here
                 self.recovery.at_boundary(self)
-        if a.eval_iters > 0 and (not self.evals or self.evals[-1]["iteration"] != self.iteration):
+        last_eval = self.evals[-1]["iteration"] if self.evals else None
+        if a.eval_iters > 0 and not self.stop_reason and last_eval != self.iteration:
             self._log_eval(self.evaluate())
         if a.save and self.saved[-1:] != [self.iteration]:
             self._save()
         if self.snapshots is not None:
             self.snapshots.flush()
+
+    def _exit_requested(self) -> Optional[str]:
+        """Whether every rank stops here: a SIGTERM reached any rank (--exit-signal-handler)
+        or --exit-duration-in-mins has passed on any; one all-reduce, so all stop together."""
+        a = self.args
+        if not (a.exit_signal_handler or a.exit_duration_in_mins):
+            return None
+        import torch
+        import torch.distributed as dist
+
+        minutes = (time.time() - _START) / 60
+        late = bool(a.exit_duration_in_mins) and minutes >= a.exit_duration_in_mins
+        flags = torch.tensor([float(self._signal or 0), float(late)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] > 0:
+            import signal
+
+            return f"{signal.Signals(int(flags[0])).name} received (--exit-signal-handler)"
+        if flags[1] > 0:
+            return f"--exit-duration-in-mins={a.exit_duration_in_mins:g} has passed"
+        return None
 
     def _check_dp_replicas(self) -> None:
         """Megatron-LM's weight-hash check: every DP replica must hold the same bits."""
@@ -823,6 +880,7 @@ class Trainer:
             raise RuntimeError(f"iteration {self.iteration}: DP replicas hold different weights")
 
     def _save(self) -> None:
+        from arguments import run_record
         from checkpointing import layout_name, save_checkpoint
 
         a = self.args
@@ -835,6 +893,7 @@ class Trainer:
             self.consumed_samples,
             save_optimizer=not a.no_save_optim,
             dist_optimizer=a.use_distributed_optimizer,
+            run_record=run_record(a),
         )
         self.saved.append(self.iteration)
         self.saved_layouts[self.iteration] = layout_name()
@@ -926,8 +985,17 @@ class Trainer:
 
     def _restore_snapshot(self) -> None:
         """Resume from the holder's newest snapshot every rank holds intact, if any."""
+        from megatron_mecefo.snapshot.contents import SnapshotMismatch
+
         state = self._snapshot_state()
-        served = self.snapshots.restore(state)
+        try:
+            served = self.snapshots.restore(state)
+        except SnapshotMismatch as err:  # every rank holds snapshots of the same run
+            _fail(
+                f"--mecefo-snapshot-dir {self.args.snapshot_config.directory}: {err}; pass the "
+                "flags of the run that took it, or start a new holder (another directory)",
+                1,
+            )
         if served is not None:
             self.iteration = int(state.counters["iteration"])
             self.consumed_samples = int(state.counters["consumed_samples"])
@@ -950,7 +1018,7 @@ class Trainer:
                 dist_optimizer=a.use_distributed_optimizer,
             )
         except ConfigError as err:  # every rank checks the same files: all stop here
-            _fail(str(err))
+            _fail(str(err), err.exit_code)
         self.iteration, self.consumed_samples = loaded
         if self.iteration:
             self.recovery_path = "disk"

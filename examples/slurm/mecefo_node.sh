@@ -42,8 +42,18 @@ fi
 "${PYTHON:-python}" -m megatron_mecefo.recovery.supervisor "${args[@]}" "$@" &
 pid=$!
 echo "$pid" > "$MECEFO_RUN_DIR/supervisor.$tag.pid"
+# Slurm's --signal (or scancel) SIGTERMs the processes of this step, the supervisor (in this
+# shell's process group) included, which stops or saves (--exit-signal-handler). This shell
+# only keeps waiting: without a trap it would die at once, and the step with it. Not passed on:
+# a second SIGTERM would make the supervisor kill its ranks at once. (A wait interrupted by a
+# trapped signal returns > 128 at once.)
+trap ':' TERM
 wait "$pid"
 rc=$?
+while [ "$rc" -gt 128 ] && kill -0 "$pid" 2>/dev/null; do
+    wait "$pid"
+    rc=$?
+done
 echo "$rc" > "$MECEFO_RUN_DIR/$tag.exit"
 echo "[mecefo_node] $(hostname): node $node supervisor exited with status $rc"
 exit "$rc"

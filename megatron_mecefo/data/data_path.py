@@ -138,3 +138,36 @@ def parse_data_path(
     if len(prefixes) == 1:
         return prefixes, None
     return prefixes, [float(w) for w in weights]  # type: ignore[arg-type]
+
+
+TOKEN_SCAN_BYTES = 64 * 2**20
+"""How much of a ``.bin`` the token-id check reads at most: all of a small dataset, evenly
+spaced chunks of a larger one (a sample, which the check's report says)."""
+
+
+def scan_token_ids(prefix: str, max_bytes: int = TOKEN_SCAN_BYTES) -> tuple[int, int, int, int]:
+    """The largest token id of ``<prefix>.bin`` (all of it, or a sample of ``max_bytes``).
+
+    Returns:
+        ``(largest id, tokens read, tokens in the file, documents)``; the largest id is -1
+        for an empty dataset.
+    """
+    import numpy as np
+
+    with open(prefix + ".idx", "rb") as f:
+        head = f.read(34)
+        _, code, sequences, documents = struct.unpack("<QBQQ", head[9:34])
+        lengths = np.frombuffer(f.read(4 * sequences), dtype=np.int32)
+    total = int(lengths.sum(dtype=np.int64)) if sequences else 0
+    if total == 0:
+        return -1, 0, 0, max(documents - 1, 0)
+    dtype = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+             7: np.float32, 8: np.uint16}[code]  # fmt: skip
+    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")[:total]
+    size = DTYPE_SIZES[code]
+    if total * size <= max_bytes:
+        return int(tokens.max()), total, total, documents - 1
+    chunks, per = 64, max_bytes // size // 64  # 64 evenly spaced windows
+    starts = np.linspace(0, total - per, chunks).astype(np.int64)
+    largest = max(int(tokens[s : s + per].max()) for s in starts)
+    return largest, chunks * per, total, documents - 1

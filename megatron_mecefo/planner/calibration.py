@@ -127,11 +127,34 @@ def load_profile(path: str = DEFAULT_PROFILE) -> CostProfile:
             f"planner profile {path} does not exist; write it with `.venv/bin/python -m "
             f"megatron_mecefo.planner.calibration --output {path}`"
         )
-    data = json.loads(p.read_text())
+    fix = (
+        f"rewrite it with `.venv/bin/python -m megatron_mecefo.planner.calibration --output {path}`"
+    )
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"planner profile {path}: not a profile ({err}); {fix}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"planner profile {path}: not a profile (a JSON object); {fix}")
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(CostProfile)}
+    required = {
+        name
+        for name, f in fields.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    unknown, missing = sorted(set(data) - set(fields)), sorted(required - set(data))
+    if unknown or missing:  # a profile of another megatron-mecefo version
+        keys = [f"unknown key(s) {', '.join(unknown)}"] if unknown else []
+        keys += [f"missing key(s) {', '.join(missing)}"] if missing else []
+        raise ValueError(
+            f"planner profile {path} was written by another version ({'; '.join(keys)}); {fix}"
+        )
     try:
         return CostProfile(**data)
     except TypeError as err:
-        raise ValueError(f"planner profile {path}: {err}") from None
+        raise ValueError(f"planner profile {path}: {err}; {fix}") from None
 
 
 def prediction_report(records: List[Dict[str, Any]], skip_first: int = 1) -> Dict[str, Any]:

@@ -7,12 +7,14 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
+from megatron_mecefo.errors import UserError
+
 ENV = "MECEFO_RECOVERY"
 """Environment variable through which the supervisor hands the config (JSON) to its ranks."""
 
 
-class RecoveryConfigError(ValueError):
-    """A bad recovery setting; the message names the flag, the value and the fix."""
+class RecoveryConfigError(UserError, ValueError):
+    """A bad recovery setting; the message names the flag, the value and the fix (exit 2)."""
 
 
 @dataclass

@@ -196,6 +196,16 @@ class Coordinator:
             return  # the ranks have not started yet
         alive = self.alive_slots()
         lost = [s for s, i in gen.members.items() if (s, i) in self.dead]
+        stopping = self.ms.get_str("stopping")
+        if stopping is not None:
+            # A supervisor got SIGINT/SIGTERM: the ranks save and stop. A death now is no
+            # failure to recover from (no regroup, no rejoin): the job ends.
+            if lost and self.ms.get_str("fatal") is None:
+                self.ms.set_fatal(
+                    f"rank {', '.join(map(str, lost))} died while the job stopped ({stopping}); "
+                    "not recovered"
+                )
+            return
         if lost:
             time.sleep(0.05)  # let simultaneous deaths land in one generation
             self._rescan()

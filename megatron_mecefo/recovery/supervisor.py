@@ -15,32 +15,103 @@ Multi-node: one supervisor per node. The first (``--node-rank 0``) hosts the mem
 :mod:`~.coordinator`; the others join with ``--store HOST:PORT``. No training rank hosts the
 store, so any rank, rank 0 included, can die.
 
-Exit status: 0 when training finished, 1 when it was aborted (the one-line reason is
-printed), 2 on a bad flag.
+Exit status: 0 when training finished, 1 when it was aborted or could not start (the
+one-line reason is printed), 2 on a bad flag or a rank's usage error at start-up, 130 / 143
+when stopped by SIGINT / SIGTERM (docs/errors.md lists every error line).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import os
 import resource
 import selectors
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Dict, List, Optional
 
+from megatron_mecefo.errors import (
+    ERROR_FILE_ENV,
+    UserError,
+    check_writable_dir,
+    check_writable_file,
+)
 from megatron_mecefo.recovery.config import ENV, RecoveryConfig, RecoveryConfigError
 from megatron_mecefo.recovery.records import append_jsonl
 from megatron_mecefo.recovery.replacement import build_replacement
 
 _QUIET_CPP_LOG = False
 """Whether :func:`main` set ``TORCH_CPP_LOG_LEVEL`` for this process (not for its ranks)."""
+
+PROG = "megatron_mecefo.recovery.supervisor"
+
+WAIT_REPORT_S = 5.0
+"""While waiting for nodes or for the store, a line every this many seconds."""
+
+
+class SupervisorError(UserError):
+    """An expected error of the supervisor (a store, a node, a file): one line, exit 1."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, usage=False)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (no usage dump), exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{PROG}: error: {message} (--help lists the flags)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+class _Signals:
+    """SIGINT / SIGTERM: the first asks the supervisor's loop to stop every rank and standby
+    (it notes the signal; the loop acts within half a heartbeat interval); a second one kills
+    them at once and exits. Neither raises inside the loop (a KeyboardInterrupt used to end in
+    a traceback, a second one in a C++ ``terminate called`` abort at interpreter exit)."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self.supervisor: Optional["Supervisor"] = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    @staticmethod
+    def code(signum: int) -> int:
+        return 128 + signum
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        sup = self.supervisor
+        running = sup is not None and (sup.children or sup.standby)
+        if self.signum is None and running:
+            self.signum = signum  # the loop stops the ranks (and lets them save, if they can)
+            return
+        name = signal.Signals(signum).name
+        ended = 0
+        if sup is not None:
+            for child in [*sup.children.values(), *sup.standby]:
+                _kill(child.proc.pid)
+                ended += 1
+        what = "second " if self.signum is not None else ""
+        line = f"stopped by a {what}{name}"
+        line += f": {ended} rank and standby processes killed now" if ended else ""
+        print(f"[supervisor node {sup.node if sup else 0}] {line}", flush=True)
+        os._exit(self.code(self.signum or signum))
+
+
+SIGNALS = _Signals()
 
 
 @dataclass
@@ -95,8 +166,8 @@ def _die_with_parent() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m megatron_mecefo.recovery.supervisor",
+    p = _Parser(
+        prog=PROG,
         description="Start one node's training ranks; survive rank deaths (MeCeFO).",
     )
     p.add_argument("--nproc-per-node", type=int, required=True)
@@ -164,26 +235,46 @@ class Supervisor:
         self._generation: Optional[tuple] = None  # (number, its abort reason)
         self._events_seen = -1
         self._steady: Optional[tuple] = None  # (CPU seconds, iteration) once training runs
+        self.stopping: Optional[int] = None  # the signal that stops this node, once acted on
+        self.stop_deadline = 0.0  # then: when the ranks that still run are killed
+        self.startup_code: Optional[int] = None  # a rank of this node failed at start-up
+        self.error_dir = ""  # where ranks leave their error lines (made by run)
 
     def log(self, line: str) -> None:
         print(f"[supervisor node {self.node}] {line}", flush=True)
 
     # ------------------------------------------------------------------ store
     def open_store(self) -> None:
+        a = self.args
+        if self.node != 0:  # before importing torch: a wrong address is said in a second
+            self.cfg.store = a.store
+            self._wait_for_store()
         import torch.distributed as dist
 
         from megatron_mecefo.recovery.membership import MembershipStore
 
-        a = self.args
         if self.node == 0:
-            self.server = dist.TCPStore(
-                a.store_host,
-                a.store_port,
-                None,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=self.cfg.init_timeout_s),
-            )
+            try:
+                self.server = dist.TCPStore(
+                    a.store_host,
+                    a.store_port,
+                    None,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=timedelta(seconds=self.cfg.init_timeout_s),
+                )
+            except Exception as err:  # noqa: BLE001 (torch's DistNetworkError and kin)
+                address = f"{a.store_host}:{a.store_port}"
+                if "in use" in str(err).lower():
+                    raise SupervisorError(
+                        f"--store-port {a.store_port}: the address {address} is already in use "
+                        "(another job or supervisor?); pass another --store-port, or 0 for any "
+                        "free port"
+                    ) from None
+                raise SupervisorError(
+                    f"cannot serve the membership store at {address} ({_first_line(err)}); "
+                    "pass a --store-host of this machine (its hostname or one of its addresses)"
+                ) from None
             self.cfg.store = f"{a.store_host}:{self.server.port}"
             if a.store_file:
                 tmp = a.store_file + ".tmp"
@@ -191,9 +282,14 @@ class Supervisor:
                     f.write(self.cfg.store)
                 os.replace(tmp, a.store_file)
             self.log(f"membership store at {self.cfg.store} (outside every training rank)")
-        else:
-            self.cfg.store = a.store
-        self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+        try:
+            self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+        except Exception as err:  # noqa: BLE001
+            raise SupervisorError(
+                f"--store {self.cfg.store}: cannot connect to the membership store "
+                f"({_first_line(err)}); check the address node 0's supervisor printed"
+            ) from None
+        self.ms.store.set(f"node/{self.node}", socket.gethostname())
         # For trainers without MeCeFO's session (e.g. Megatron-LM's pretrain_gpt.py): a
         # torchrun-style env:// rendezvous on a second store of node 0 (agent-store mode).
         if self.node == 0:
@@ -208,6 +304,8 @@ class Supervisor:
             from megatron_mecefo.recovery.coordinator import Coordinator
 
             self.ms.set_json("world_size", self.world_size)
+            if not self.args.rejoin:
+                self._wait_for_nodes()
             self.coordinator = Coordinator(
                 MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s),
                 self.world_size,
@@ -215,6 +313,70 @@ class Supervisor:
                 log=lambda line: print(line, flush=True),
             )
             self.coordinator.start()
+
+    def _wait_for_store(self) -> None:
+        """Until node 0's store accepts a connection: a line every few seconds, and one error
+        line naming the address at --init-timeout (a wrong --store used to end in a
+        traceback)."""
+        host, port = self.cfg.store.rsplit(":", 1)
+        try:
+            socket.getaddrinfo(host, int(port))
+        except OSError as err:
+            raise SupervisorError(
+                f"--store {self.cfg.store}: cannot resolve the host {host!r} ({err.strerror}); "
+                "pass the HOST:PORT node 0's supervisor printed (or wrote to its --store-file)"
+            ) from None
+        t0 = time.monotonic()
+        said = t0 - WAIT_REPORT_S
+        while True:
+            try:
+                with socket.create_connection((host, int(port)), timeout=2.0):
+                    return
+            except OSError as err:
+                error = err.strerror or str(err)
+            now = time.monotonic()
+            if now - t0 >= self.cfg.init_timeout_s:
+                raise SupervisorError(
+                    f"--store {self.cfg.store}: the membership store did not answer within "
+                    f"--init-timeout={self.cfg.init_timeout_s:g}s ({error}); start node 0's "
+                    "supervisor first, and pass the HOST:PORT it printed"
+                )
+            if now - said >= WAIT_REPORT_S:
+                said = now
+                self.log(f"waiting for the membership store at {self.cfg.store} ({error})")
+            time.sleep(0.2)
+
+    def _wait_for_nodes(self) -> None:
+        """Node 0: until every node's supervisor has joined the store, a line every few
+        seconds naming the joined and the missing nodes; at --init-timeout, one error line
+        naming the missing ones (node 0 used to wait past it with no message)."""
+        nnodes = self.args.nnodes
+        t0 = time.monotonic()
+        said = t0 - WAIT_REPORT_S
+        while True:
+            joined = {n: self.ms.get_str(f"node/{n}") for n in range(nnodes)}
+            missing = [n for n, host in joined.items() if host is None]
+            if not missing:
+                if nnodes > 1:
+                    self.log(f"all {nnodes} nodes joined")
+                return
+            names = ", ".join(f"{n} ({host})" for n, host in joined.items() if host is not None)
+            now = time.monotonic()
+            if now - t0 >= self.cfg.init_timeout_s:
+                self.ms.set_fatal(f"nodes {_ranks(missing)} never joined")
+                raise SupervisorError(
+                    f"node {_ranks(missing)} of --nnodes={nnodes} did not join within "
+                    f"--init-timeout={self.cfg.init_timeout_s:g}s (joined: {names}); start "
+                    f"its supervisor with --node-rank {missing[0]} --store {self.cfg.store}, or "
+                    "lower --nnodes"
+                )
+            if now - said >= WAIT_REPORT_S:
+                said = now
+                self.log(
+                    f"waiting for nodes: joined {names}; missing {_ranks(missing)} "
+                    f"({now - t0:.0f} of --init-timeout={self.cfg.init_timeout_s:g}s)"
+                )
+            time.sleep(0.1)
 
     # ------------------------------------------------------------------ processes
     def spawn(self, slot: int, inc: int) -> None:
@@ -263,6 +425,7 @@ class Supervisor:
             PYTHONUNBUFFERED="1",
         )
         env[ENV] = self.cfg.to_env()
+        env[ERROR_FILE_ENV] = self.error_dir
         if standby is not None:
             env["MECEFO_RECOVERY_STANDBY"] = f"{self.node}/{standby}"
             env["LOCAL_RANK"] = "0"
@@ -300,8 +463,19 @@ class Supervisor:
             }
             if code == 0 and (finished or self.ms.get_str(f"left/{slot}/{child.inc}") is None):
                 continue  # a normal exit
-            self.ms.report_dead(slot, child.inc, info)
             why = info["signal"] or f"exit code {code}"
+            if self.stopping is not None:  # stopped by a signal: a death is no failure now
+                if self._saving():  # died during its save: said and reported, not recovered
+                    self.log(f"rank {slot} (pid {child.proc.pid}) died while stopping: {why}")
+                    self.ms.report_dead(slot, child.inc, info)  # the coordinator ends the job
+                continue
+            startup = self._startup_failure(slot, child.proc.pid, code)
+            if startup is not None:
+                if self.ms.get_str("fatal") is None:
+                    self.ms.set_fatal(startup)
+                self.startup_code = 2 if code == 2 else 1
+                return
+            self.ms.report_dead(slot, child.inc, info)
             if self.ms.get_str("layout") is None and self.ms.get_str("fatal") is None:
                 # No rank runs megatron_mecefo.recovery.session: nothing can regroup.
                 self.ms.set_fatal(
@@ -312,8 +486,14 @@ class Supervisor:
                     "checkpoint: relaunch with --load <your --save directory>",
                 )
                 return
+            progress = self.ms.get_str("progress")
+            when = (
+                f"in training (after iteration {progress})"
+                if progress
+                else "before its first iteration"
+            )
             self.log(
-                f"rank {slot} (pid {child.proc.pid}, incarnation {child.inc}) died: {why}; "
+                f"rank {slot} (pid {child.proc.pid}, incarnation {child.inc}) died: {why} {when}; "
                 "reported to the membership store"
             )
             delay = self.replacement.delay_s(slot)
@@ -323,6 +503,26 @@ class Supervisor:
                 if self.replacements[slot] < self.args.max_replacements:
                     self.replacements[slot] += 1
                     self.pending.append((time.monotonic() + delay, slot, child.inc + 1))
+
+    def _startup_failure(self, slot: int, pid: int, code: int) -> Optional[str]:
+        """The line for a rank that exited before training started (no iteration committed)
+        with an expected error (its line, from ``MECEFO_ERROR_DIR``) or a usage exit (2);
+        None for a death in training. A start-up failure has nothing to resume."""
+        if self.ms.get_str("progress") is not None:
+            return None
+        line = None
+        try:
+            with open(os.path.join(self.error_dir, f"{slot}.err")) as f:
+                line = f.read().strip() or None
+        except OSError:
+            pass
+        if line is None and code != 2:
+            return None
+        what = line or "a usage error (exit code 2; the rank's output is above)"
+        return (
+            f"start-up failure: rank {slot} (pid {pid}) exited with code {code} before "
+            f"training started: {what} -- nothing to resume: fix it and launch again"
+        )
 
     def _rejoin_incarnation(self, slot: int) -> int:
         """The incarnation a rejoining node starts ``slot`` as: one above the last, once that
@@ -367,6 +567,7 @@ class Supervisor:
 
     def run(self) -> int:
         self.t_start = time.monotonic()
+        self.error_dir = tempfile.mkdtemp(prefix="mecefo_errors_")
         self.open_store()
         self.command = self.args.command
         if self.args.rejoin:
@@ -381,6 +582,13 @@ class Supervisor:
         last_kill_check = 0.0
         try:
             while True:
+                if SIGNALS.signum is not None and self.stopping is None:
+                    self._begin_stop(SIGNALS.signum)
+                if self.stopping is not None and not self.children:
+                    return self._end_stop()
+                if self.stopping is not None and time.monotonic() > self.stop_deadline:
+                    for child in self.children.values():  # past the grace: no save now
+                        _kill(child.proc.pid)
                 self._reap()
                 now = time.monotonic()
                 for item in [p for p in self.pending if p[0] <= now]:
@@ -396,15 +604,16 @@ class Supervisor:
                         self._events_seen = events
                         self._kill_requests()
                         abort = self._abort()
-                        if abort:
-                            self.log(f"training aborted: {abort}")
-                            return 1
+                        if abort and self.stopping is None:
+                            return self._aborted(abort)
                 for child in list(self.standby):
+                    if self.stopping is not None:
+                        break
                     if child.proc.poll() is not None:  # a standby that died: start another
                         self.standby.remove(child)
                         self.exits.discard(child.proc.pid)
                         self.spawn_standby()
-                if not self.children and not self.pending:
+                if not self.children and not self.pending and self.stopping is None:
                     if self.ms.get_str("done") is not None:
                         return self._finish_node()
                     if self.ms.get_str("layout") is None and self._abort() is None:
@@ -415,8 +624,7 @@ class Supervisor:
                     while time.monotonic() < deadline:  # the coordinator's verdict, if any
                         abort = self._abort()
                         if abort:
-                            self.log(f"training aborted: {abort}")
-                            return 1
+                            return self._aborted(abort)
                         time.sleep(0.05)
                     self.log("every rank of this node has exited and training is not done")
                     return 1
@@ -435,6 +643,73 @@ class Supervisor:
             if self.coordinator is not None:
                 self.coordinator.stop()
             self._record_cost()
+
+    def _aborted(self, abort: str) -> int:
+        """The last line of an aborted job; a start-up failure is an error line of its own."""
+        if abort.startswith("start-up failure"):
+            print(f"{PROG}: error: {abort}", file=sys.stderr, flush=True)
+            return self.startup_code or 1
+        self.log(f"training aborted: {abort}")
+        return 1
+
+    def _begin_stop(self, signum: int) -> None:
+        """The first SIGINT / SIGTERM: a trainer with --exit-signal-handler gets SIGTERM and
+        saves at its next iteration boundary (its deaths are not recovered meanwhile); any
+        other is stopped now. Standbys go at once, and the other nodes are told."""
+        self.stopping = signum
+        self.pending.clear()
+        for child in self.standby:
+            _kill(child.proc.pid)
+        name = signal.Signals(signum).name
+        try:
+            self.ms.store.set("stopping", name)
+            if self.node == 0 and self.ms.get_str("fatal") is None and not self._saving():
+                self.ms.set_fatal(f"stopped by {name} on node 0")
+        except Exception:  # noqa: BLE001 (node 0's store may be gone; stop this node anyway)
+            pass
+        if self._saving():
+            self.log(
+                f"{name}: passing SIGTERM to {len(self.children)} ranks (--exit-signal-handler:"
+                " they save at the next iteration boundary and exit); a second signal kills now"
+            )
+            for child in self.children.values():
+                try:
+                    os.kill(child.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            self.stop_deadline = time.monotonic() + STOP_GRACE_S
+        else:
+            for child in self.children.values():
+                _kill(child.proc.pid)
+            self.stop_deadline = time.monotonic()
+
+    def _saving(self) -> bool:
+        return "--exit-signal-handler" in self.command
+
+    def _end_stop(self) -> int:
+        name = signal.Signals(self.stopping).name
+        n = len(self.slots)
+        if self._saving() and self._done():
+            self.log(f"stopped by {name}: {n} ranks saved and exited (--exit-signal-handler)")
+            return 0
+        if self._saving():
+            self.log(
+                f"stopped by {name}: {n} ranks ended before their save completed (a rank died "
+                "while stopping, or the grace ran out); the last complete checkpoint is kept"
+            )
+            return SIGNALS.code(self.stopping)
+        self.log(
+            f"stopped by {name}: {n} ranks and {len(self.standby)} standbys ended; nothing saved "
+            "since the last checkpoint (the trainer's --exit-signal-handler --save DIR saves "
+            "first)"
+        )
+        return SIGNALS.code(self.stopping)
+
+    def _done(self) -> bool:
+        try:
+            return self.ms.get_str("done") is not None
+        except Exception:  # noqa: BLE001
+            return False
 
     def _note_steady_cpu(self) -> None:
         """Once training is past its first iterations (imports, connecting, compiling), note
@@ -474,6 +749,38 @@ class Supervisor:
         return 0
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Node 0's store port, tried before torch is imported (the store's own bind error, later,
+    covers a port taken in between)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise SupervisorError(
+                    f"--store-port {port}: the address {host}:{port} is already in use "
+                    "(another job or supervisor?); pass another --store-port, or 0 for any "
+                    "free port"
+                ) from None
+            raise SupervisorError(
+                f"--store-host {host}: cannot serve the membership store at {host}:{port} "
+                f"({err.strerror}); pass a --store-host of this machine (its hostname or one "
+                "of its addresses)"
+            ) from None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
+def _ranks(numbers: List[int]) -> str:
+    return ", ".join(str(n) for n in numbers)
+
+
+STOP_GRACE_S = 120.0
+"""How long ranks with --exit-signal-handler get to save and exit before they are killed."""
+
 STEADY_FROM_ITERATION = 5
 """The armed-cost account leaves out the iterations before this one (start-up)."""
 
@@ -501,44 +808,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         command = command[1:]
     args.command = command
     try:
-        if args.replace_ranks:
-            try:
-                args.replace_ranks = {int(r) for r in args.replace_ranks.split(",")}
-            except ValueError:
-                raise RecoveryConfigError(
-                    f"--replace-ranks={args.replace_ranks}: expected comma-separated ranks"
-                ) from None
-        if not command:
-            raise RecoveryConfigError("no command: add -- script.py [args] after the flags")
-        if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-            raise RecoveryConfigError(
-                f"--nproc-per-node={args.nproc_per_node} --nnodes={args.nnodes} --node-rank="
-                f"{args.node_rank}: need >= 1 process, >= 1 node and 0 <= node rank < nodes"
-            )
-        if args.rejoin and (args.node_rank == 0 or not args.store):
-            raise RecoveryConfigError(
-                f"--rejoin --node-rank={args.node_rank}: a rejoining node needs --store "
-                "HOST:PORT of node 0 and a node rank > 0 (node 0 hosts the store, so it cannot "
-                "be lost and come back)"
-            )
-        if args.node_rank > 0 and not args.store:
-            raise RecoveryConfigError(
-                f"--node-rank={args.node_rank} needs --store HOST:PORT (node 0's store)"
-            )
-        cfg = RecoveryConfig(
-            heartbeat_interval_s=args.heartbeat_interval,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            collective_timeout_s=args.collective_timeout,
-            init_timeout_s=args.init_timeout,
-            replace=args.replace,
-            orphan=args.orphan,
-            join_margin_iterations=args.join_margin,
-            records_file=os.path.abspath(args.records) if args.records else None,
-        ).validate()
-    except RecoveryConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        cfg = validate(args)
+    except UserError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
     global _QUIET_CPP_LOG
     if "TORCH_CPP_LOG_LEVEL" not in os.environ:
         # The supervisor uses torch for the store alone. Its coordinator waits in the store
@@ -546,9 +819,108 @@ def main(argv: Optional[List[str]] = None) -> int:
         # (twice a second). Its ranks keep the user's setting (Supervisor._start).
         os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         _QUIET_CPP_LOG = True
-    return Supervisor(args, cfg).run()
+    supervisor = Supervisor(args, cfg)
+    SIGNALS.supervisor = supervisor
+    try:
+        return supervisor.run()
+    except SupervisorError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    finally:
+        if supervisor.error_dir:
+            shutil.rmtree(supervisor.error_dir, ignore_errors=True)
+
+
+def validate(args: argparse.Namespace) -> RecoveryConfig:
+    """Every flag against the others and the world, before any process starts.
+
+    Raises:
+        RecoveryConfigError: A bad flag (exit 2); the message names it and the fix.
+    """
+    command = args.command
+    if not command:
+        raise RecoveryConfigError("no command: add -- script.py [args] after the flags")
+    if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise RecoveryConfigError(
+            f"--nproc-per-node={args.nproc_per_node} --nnodes={args.nnodes} --node-rank="
+            f"{args.node_rank}: need >= 1 process, >= 1 node and 0 <= node rank < nodes"
+        )
+    world = args.nproc_per_node * args.nnodes
+    if args.replace_ranks:
+        try:
+            ranks = {int(r) for r in args.replace_ranks.split(",")}
+        except ValueError:
+            raise RecoveryConfigError(
+                f"--replace-ranks={args.replace_ranks}: expected comma-separated ranks"
+            ) from None
+        bad = sorted(r for r in ranks if not 0 <= r < world)
+        if bad:
+            raise RecoveryConfigError(
+                f"--replace-ranks={args.replace_ranks}: rank {_ranks(bad)} does not exist "
+                f"(world size {world}: ranks 0..{world - 1}); name existing ranks"
+            )
+        if args.replace == "never":
+            raise RecoveryConfigError(
+                f"--replace-ranks={args.replace_ranks} has no effect with --replace never; add "
+                "--replace immediately or --replace after:SECONDS"
+            )
+        args.replace_ranks = ranks
+    for flag, value in (("--max-replacements", args.max_replacements),
+                        ("--standby", args.standby)):  # fmt: skip
+        if value < 0:
+            raise RecoveryConfigError(f"{flag}={value}: must be >= 0; pass 0 or more")
+    if not 0 <= args.store_port <= 65535:
+        raise RecoveryConfigError(
+            f"--store-port={args.store_port}: not a TCP port; pass 1..65535, or 0 for any free one"
+        )
+    if args.node_rank == 0 and args.store_port:
+        _check_port_free(args.store_host, args.store_port)
+    if args.store is not None:
+        host, _, port = args.store.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise RecoveryConfigError(
+                f"--store {args.store}: expected HOST:PORT of node 0's membership store (as its "
+                "supervisor prints it, or its --store-file holds)"
+            )
+    if args.rejoin and (args.node_rank == 0 or not args.store):
+        raise RecoveryConfigError(
+            f"--rejoin --node-rank={args.node_rank}: a rejoining node needs --store "
+            "HOST:PORT of node 0 and a node rank > 0 (node 0 hosts the store, so it cannot "
+            "be lost and come back)"
+        )
+    if args.node_rank > 0 and not args.store:
+        raise RecoveryConfigError(
+            f"--node-rank={args.node_rank} needs --store HOST:PORT (node 0's store)"
+        )
+    if args.node_rank == 0 and args.store:
+        raise RecoveryConfigError(
+            f"--store {args.store} with --node-rank 0: node 0 hosts the store (--store-host, "
+            "--store-port); drop --store, or pass the node rank of this node"
+        )
+    script = command[0]
+    if script != "-m" and script.endswith(".py") and not os.path.isfile(script):
+        raise RecoveryConfigError(
+            f"{script}: no such file (the command after --); pass the trainer's path, e.g. "
+            "-- examples/pretrain_gpt/pretrain_gpt.py"
+        )
+    for flag, path in (("--records", args.records), ("--pid-file", args.pid_file)):
+        if path:
+            check_writable_file(flag, path)
+    if args.store_file:
+        check_writable_dir("--store-file", os.path.dirname(os.path.abspath(args.store_file)))
+    return RecoveryConfig(
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        collective_timeout_s=args.collective_timeout,
+        init_timeout_s=args.init_timeout,
+        replace=args.replace,
+        orphan=args.orphan,
+        join_margin_iterations=args.join_margin,
+        records_file=os.path.abspath(args.records) if args.records else None,
+    ).validate()
 
 
 if __name__ == "__main__":
+    SIGNALS.install()  # before anything slow: a Ctrl-C now is one line too
     threading.current_thread().name = "supervisor"
     sys.exit(main())

@@ -92,23 +92,32 @@ def collect(state: TrainingState) -> tuple[Dict[str, torch.Tensor], Dict[str, An
     return tensors, meta
 
 
+class SnapshotMismatch(ValueError):
+    """A snapshot of another model or layout; the message names the keys and both shapes."""
+
+
 def restore(state: TrainingState, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
     """Write a snapshot (CPU tensors by name, and its metadata) into the live objects.
 
     Raises:
-        ValueError: If the snapshot's parameters do not match the model's (another model or
-            another layout).
+        SnapshotMismatch: If the snapshot's parameters do not match the model's (another model
+            or another layout), naming the keys with both shapes.
     """
-    live_names = {
-        f"model{i}.{name}"
+    live = {
+        f"model{i}.{name}": list(param.shape)
         for i, chunk in enumerate(state.model_chunks)
-        for name, _ in chunk.named_parameters()
+        for name, param in chunk.named_parameters()
     }
-    saved_names = {n for n in tensors if n.startswith("model")}
-    if live_names != saved_names:
-        raise ValueError(
-            f"snapshot parameters do not match the model ({len(saved_names)} saved, "
-            f"{len(live_names)} live): it was taken by another model or layout"
+    saved = {n: list(t.shape) for n, t in tensors.items() if n.startswith("model")}
+    problems = [
+        f"{name}: snapshot {saved.get(name, 'none')}, model {live.get(name, 'none')}"
+        for name in sorted(set(live) | set(saved))
+        if saved.get(name) != live.get(name)
+    ]
+    if problems:
+        more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+        raise SnapshotMismatch(
+            f"the snapshot was taken by another model or layout: {'; '.join(problems[:2])}{more}"
         )
     with torch.no_grad():
         for i, chunk in enumerate(state.model_chunks):

@@ -150,7 +150,7 @@ def _damaged_load(tmp_path: Path, checkpoint: Path, damage: str) -> tuple[str, s
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
          f"--master_port={free_port()}", str(TRAINER), *SMALL, "--train-iters", "3",
-         "--load", str(load)],
+         "--override-opt-param-scheduler", "--load", str(load)],
         cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     return proc.stdout + proc.stderr, expect

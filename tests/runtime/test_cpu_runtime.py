@@ -75,7 +75,7 @@ SWEEP = [
          "--normalization", "LayerNorm", "--add-bias-linear"]),
     # Resharded load: TP2 x PP2 checkpoint into TP1 x PP2.
     (4, ["--pipeline-model-parallel-size", "2", "--tie-embeddings-and-output-weights",
-         "--load", "{ckpt}", "--train-iters", "4"]),
+         "--load", "{ckpt}", "--train-iters", "4", "--use-checkpoint-opt-param-scheduler"]),
 ]  # fmt: skip
 
 
