@@ -480,8 +480,9 @@ class Supervisor:
                 # No rank runs megatron_mecefo.recovery.session: nothing can regroup.
                 self.ms.set_fatal(
                     f"rank {slot} (pid {child.proc.pid}) died: {why}. This trainer does not "
-                    "run MeCeFO's in-process recovery (megatron_mecefo.recovery.session; "
-                    "Megatron-LM's pretrain_gpt.py does not), so every rank is stopped now "
+                    "run MeCeFO's in-process recovery (megatron_mecefo.recovery.session: the "
+                    "example trainer and Megatron-LM's pretrain_gpt.py with "
+                    "patches/megatron-lm-*.patch do), so every rank is stopped now "
                     "instead of hanging until the collective timeout. Resume from the last "
                     "checkpoint: relaunch with --load <your --save directory>",
                 )
