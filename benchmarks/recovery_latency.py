@@ -71,6 +71,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from megatron_mecefo.runtime.megatron_lm_cpu import CPU_FLAGS
+
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "between")
@@ -395,9 +397,7 @@ MLM_TARBALL = REPO.parent / "shared" / "megatron-lm" / "Megatron-LM-core_v0.16.1
 MLM_PATCH = REPO / "patches" / "megatron-lm-core_v0.16.1.patch"
 MLM_LAUNCHER = REPO / "patches" / "run_megatron_lm_cpu.py"
 MLM_MODEL = [
-    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
-    "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-    "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+    *CPU_FLAGS,
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64",
     "--micro-batch-size", "2", "--global-batch-size", "16",

@@ -22,6 +22,14 @@ import torch
 
 _TRAINING = "megatron/training/"
 
+CPU_FLAGS: tuple[str, ...] = (
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+    "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+)  # fmt: skip
+"""The stock Megatron-LM flags a CPU run needs (gloo, the local spec, no fused kernels: the
+fusions are CUDA kernels, Transformer Engine or torch.compile)."""
+
 #: The shims, with the megatron/training site (core_v0.16.1) that needs each one.
 SHIMS: tuple[tuple[str, str], ...] = (
     (

@@ -21,6 +21,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from conftest import REPO, child_env, free_port
 
+from megatron_mecefo.runtime.megatron_lm_cpu import CPU_FLAGS
+
 PATCHES = REPO / "patches"
 TARBALL = REPO.parent / "shared" / "megatron-lm" / "Megatron-LM-core_v0.16.1.tar.gz"
 LAUNCHER = PATCHES / "run_megatron_lm_cpu.py"
@@ -28,9 +30,7 @@ LAUNCHER = PATCHES / "run_megatron_lm_cpu.py"
 # Megatron-LM on CPU ranks over gloo: no fused kernels, the local spec; a tiny GPT (global
 # batch 16). Every run of the Megatron-LM tests starts from these flags.
 CPU_TINY_GPT = [
-    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
-    "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-    "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+    *CPU_FLAGS,
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64",
     "--micro-batch-size", "2", "--global-batch-size", "16",
