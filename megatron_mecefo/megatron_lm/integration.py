@@ -454,11 +454,11 @@ class MegatronLMIntegration:
         args = get_args()
         ft = self.config
         dp, replica = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        schedule = ft.build_schedule(dp, _train_iters(args))
         if self.recovery is not None:  # the original replicas, plus the real failures
             replica, dp = self.recovery.replica_layout()
+            schedule = self.recovery.schedule(lambda: ft.build_schedule(dp, _train_iters(args)))
+        else:
             schedule = ft.build_schedule(dp, _train_iters(args))
-            schedule = self.recovery.wrap_schedule(schedule)
         self.controller = MecefoController(
             schedule=schedule,
             policy=ft.build_policy(dp, self.state, self.chunks),

@@ -285,7 +285,6 @@ class MegatronLMTrainer:
         args = self._parsed_args
         args.rank = self.session.rank
         args.world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
-        args.iteration = 0
         global_vars.set_global_variables(args)
 
     def rewind_data(self, consumed_samples: int) -> None:
@@ -357,8 +356,12 @@ class MegatronLMTrainer:
     def replica_layout(self) -> Tuple[int, int]:
         return self.session.replica_layout()
 
-    def wrap_schedule(self, base: Any) -> Any:
-        return self.session.wrap_schedule(base)
+    def schedule(self, build: Callable[[], Any]) -> Any:
+        """The session's membership schedule; ``build()`` makes its simulated base, once per
+        process (later generations keep the first one and its real failures)."""
+        if self.session.schedule is not None:
+            return self.session.schedule
+        return self.session.wrap_schedule(build())
 
     def summary_rows(self) -> List[tuple]:
         return self.session.summary_rows()
