@@ -249,7 +249,10 @@ def test_docs_install_from_a_checkout_and_name_the_dist_optimizer_limit() -> Non
 
     from conftest import REPO
 
-    for doc in ("README.md", "patches/README.md"):
+    docs = ["README.md", "patches/README.md"] + [
+        f"docs/{p.name}" for p in sorted((REPO / "docs").glob("*.md"))
+    ]
+    for doc in docs:
         text = (REPO / doc).read_text()
         for line in text.splitlines():
             if re.search(r"pip install megatron-mecefo(\[| |$)", line):
