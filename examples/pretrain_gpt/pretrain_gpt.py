@@ -942,29 +942,11 @@ class Trainer:
         config = self.args.snapshot_config
         if config is None:
             return None
-        rec = self.recovery
-        if rec is not None and rec.snapshots is not None:
-            rec.snapshots.prepare()  # this world's parity group (collective)
-            return rec.snapshots  # the slots (and their parity) outlive a regroup
-        from megatron.core import parallel_state as ps
+        if self.recovery is not None:
+            return self.recovery.snapshot_manager(config)
+        from megatron_mecefo.snapshot.manager import megatron_snapshot_manager
 
-        from megatron_mecefo.snapshot.manager import SnapshotManager
-
-        def dp_group() -> Any:  # parity over gloo (on GPU too: the slots are host memory)
-            return ps.get_data_parallel_group_gloo() or ps.get_data_parallel_group()
-
-        # The commit counters go to the current world's store (the membership store's
-        # generation prefix under the recovery supervisor), so they follow a regroup.
-        manager = SnapshotManager(
-            config,
-            rec.slot if rec is not None else self.rank,
-            log=self._print,
-            parity_group=dp_group if config.redundancy else None,
-        )
-        if rec is not None:
-            rec.snapshots = manager
-            manager.should_abort = rec.world_changed
-        manager.log = lambda line: rec.log(line) if rec is not None else self._print(line)
+        manager = megatron_snapshot_manager(config, self.rank, self._print)
         manager.prepare()  # the parity group, built collectively by every rank (redundancy)
         return manager
 

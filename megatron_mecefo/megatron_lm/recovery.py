@@ -419,30 +419,10 @@ class MegatronLMTrainer:
     def _build_snapshots(self, args: Any) -> Any:
         """The in-memory snapshots (``--mecefo-snapshot-*``): one manager per process, its
         slots and parity kept across worlds; each world builds its parity group."""
-        from megatron.core import parallel_state as ps
-
         from megatron_mecefo.snapshot.arguments import validate
-        from megatron_mecefo.snapshot.manager import SnapshotManager
 
-        session = self.session
-        config = validate(args, session.layout.dp)
-        if config is None:
-            return None
-        if session.snapshots is None:
-
-            def dp_group() -> Any:  # parity over gloo (on GPU too: the slots are host memory)
-                return ps.get_data_parallel_group_gloo() or ps.get_data_parallel_group()
-
-            manager = SnapshotManager(
-                config,
-                session.slot,
-                log=session.log,
-                parity_group=dp_group if config.redundancy else None,
-            )
-            manager.should_abort = session.world_changed
-            session.snapshots = manager
-        session.snapshots.prepare()  # this world's parity group (collective)
-        return session.snapshots
+        config = validate(args, self.session.layout.dp)
+        return None if config is None else self.session.snapshot_manager(config)
 
     def _book_at_commit(self, args: Any) -> None:
         """Book an iteration the moment its update is applied (the vote committed): its

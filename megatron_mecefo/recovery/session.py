@@ -272,6 +272,18 @@ class RecoverySession:
             self.schedule = MembershipSchedule(base)
         return self.schedule
 
+    def snapshot_manager(self, config: Any) -> Any:
+        """The rank's ``SnapshotManager`` for ``config``: made in the first world, kept across
+        worlds (its slots and parity outlive a regroup); each world builds its parity group
+        (:meth:`~megatron_mecefo.snapshot.manager.SnapshotManager.prepare`, collective)."""
+        if self.snapshots is None:
+            from megatron_mecefo.snapshot.manager import megatron_snapshot_manager
+
+            self.snapshots = megatron_snapshot_manager(config, self.slot, self.log)
+            self.snapshots.should_abort = self.world_changed
+        self.snapshots.prepare()
+        return self.snapshots
+
     def metrics_mode(self) -> str:
         return "a" if self.generation > 0 else "w"
 

@@ -32,6 +32,21 @@ def default_store() -> Any:
     return distributed_c10d._get_default_store()
 
 
+def megatron_snapshot_manager(config: SnapshotConfig, slot: int, log: Any) -> "SnapshotManager":
+    """A manager whose parity group (with redundancy) is Megatron's data-parallel group of the
+    current world, looked up at each :meth:`SnapshotManager.prepare`: over gloo, on GPU too,
+    since the slots are host memory. Its commit counters go to the current world's store (the
+    membership store's generation prefix under the recovery supervisor)."""
+    from megatron.core import parallel_state as ps
+
+    def dp_group() -> Any:
+        return ps.get_data_parallel_group_gloo() or ps.get_data_parallel_group()
+
+    return SnapshotManager(
+        config, slot, log=log, parity_group=dp_group if config.redundancy else None
+    )
+
+
 def _slot_count(config: SnapshotConfig, directory: Optional[str]) -> int:
     """The configured number of slots, or more when the holder's directory has more (an
     earlier incarnation ran with more slots: its snapshots stay readable)."""
