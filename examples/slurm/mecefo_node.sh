@@ -7,7 +7,8 @@
 #   MECEFO_NNODES          supervisors (= nodes) of the job
 #   MECEFO_GPUS_PER_NODE   ranks each supervisor starts
 #   MECEFO_STORE           HOST:PORT of node 0's membership store (node 0 serves it)
-#   MECEFO_RUN_DIR         where node<K>.exit and supervisor.node<K>.pid are written
+#   MECEFO_RUN_DIR         where node<K>.exit, supervisor.node<K>.pid and, after a SIGTERM
+#                          that ended in a save, node<K>.stopped are written
 #                          (node<K>.rejoin.exit, supervisor.node<K>.rejoin.pid for a rejoin)
 #   MECEFO_NODE_RANK       optional; default $SLURM_PROCID (rejoin_node.sh sets it)
 #   MECEFO_REJOIN          optional; 1 = this node replaces a lost one (supervisor --rejoin)
@@ -47,7 +48,8 @@ echo "$pid" > "$MECEFO_RUN_DIR/supervisor.$tag.pid"
 # only keeps waiting: without a trap it would die at once, and the step with it. Not passed on:
 # a second SIGTERM would make the supervisor kill its ranks at once. (A wait interrupted by a
 # trapped signal returns > 128 at once.)
-trap ':' TERM
+signalled=0
+trap 'signalled=1' TERM
 wait "$pid"
 rc=$?
 while [ "$rc" -gt 128 ] && kill -0 "$pid" 2>/dev/null; do
@@ -55,5 +57,10 @@ while [ "$rc" -gt 128 ] && kill -0 "$pid" 2>/dev/null; do
     rc=$?
 done
 echo "$rc" > "$MECEFO_RUN_DIR/$tag.exit"
+if [ "$signalled" = 1 ] && [ "$rc" -eq 0 ]; then
+    # Stopped by the signal and saved (the supervisor exits 0 only then): the sbatch script
+    # requeues the job, which resumes from that checkpoint.
+    echo TERM > "$MECEFO_RUN_DIR/$tag.stopped"
+fi
 echo "[mecefo_node] $(hostname): node $node supervisor exited with status $rc"
 exit "$rc"

@@ -269,7 +269,18 @@ class MegatronLMTrainer:
         if self._parsed_args is not None:
             self._restore_global_args()
         _ACTIVE = self
-        self._pretrain(*self._a, **self._kw)
+        try:
+            self._pretrain(*self._a, **self._kw)
+        except SystemExit as stop:
+            # --exit-signal-handler, --exit-duration-in-mins, --exit-interval: Megatron-LM saved
+            # (with --save) and ended train() with sys.exit(0). For the recovery that is a
+            # finished run (the supervisor reports the save); any other status stays an exit.
+            if stop.code not in (0, None):
+                raise
+            self.session.log(
+                f"> MeCeFO recovery: Megatron-LM stopped at iteration {self.iteration} "
+                "(--exit-signal-handler / --exit-duration-in-mins / --exit-interval)"
+            )
         if self.snapshots is not None:
             self.snapshots.flush()
 

@@ -4,8 +4,9 @@ Megatron-LM core_v0.16.1 (``mlm_runs``) runs under MeCeFO's recovery supervisor;
 SIGKILLed at a phase of an iteration (``--mecefo-kill``) or from outside. Each run is checked
 against the simulated-failure run of the same schedule under torchrun (``--mecefo-fail``):
 the final parameters of the ``--save`` checkpoint, every sample processed once, no checkpoint
-read. ``make test`` runs three: ``--mecefo`` without failures against stock Megatron-LM, one
-simulated failure (the reference) and one real SIGKILL; the rest are ``slow``.
+read. ``make test`` runs four: ``--mecefo`` without failures against stock Megatron-LM, one
+simulated failure (the reference) and one real SIGKILL, and a SIGTERM (Slurm's ``--signal``)
+that saves and resumes; the rest are ``slow``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import Callable, List, Sequence, Tuple
 
 import pytest
 from mlm_runs import (
@@ -106,6 +109,38 @@ def test_real_sigkill_survived_in_process_equals_simulated(
     assert schedule == ["1:3"]
 
 
+def test_sigterm_saves_and_the_run_resumes_there(megatron_lm: Path, tmp_path: Path) -> None:
+    """Slurm's ``--signal`` before the time limit: the supervisor passes SIGTERM to the ranks,
+    Megatron-LM's ``--exit-signal-handler`` saves at the next iteration boundary and every
+    process exits 0 (not a failure to recover); started again with ``--load``, the run resumes
+    at that iteration and ends on the parameters of the uninterrupted run."""
+    argv = ["--train-iters", "12"]
+    save = tmp_path / "ckpt"
+    flags = [*argv, *MECEFO, "--exit-signal-handler", "--save", str(save), "--load", str(save)]
+
+    def stop(proc: subprocess.Popen, log_path: Path) -> None:
+        _wait_for(log_path, "iteration        3/")
+        proc.send_signal(signal.SIGTERM)
+
+    rc, first = _supervised_acting(megatron_lm, tmp_path, flags, stop)
+    assert rc == 0, first[-6000:]
+    assert "exiting program after receiving SIGTERM" in first
+    assert "ranks saved and exited (--exit-signal-handler)" in first
+    assert "Traceback" not in first and not _records(tmp_path), first[-6000:]
+    saved = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= saved < 12, saved
+    rc, second = supervised(megatron_lm, flags, tmp_path)
+    assert rc == 0, second[-6000:]
+    assert f"successfully loaded checkpoint from {save} " in second, second[-6000:]
+    assert f"at iteration {saved}" in second
+    assert "iteration       12/      12" in second
+    rc, ref = torchrun(megatron_lm, [*argv, *MECEFO, "--save", str(tmp_path / "ref")], tmp_path)
+    assert rc == 0, ref[-4000:]
+    diff = max_difference(final_params(save), final_params(tmp_path / "ref"))
+    print(f"stopped at {saved}, resumed, against uninterrupted: max |difference| {diff:.3g}")
+    assert diff == 0
+
+
 PHASE_KILLS = {  # phase -> (kill, the replica's first failed iteration)
     "forward": ("2:3:forward", 3),
     "backward": ("2:3:backward", 3),
@@ -173,42 +208,29 @@ def _wait_for(path: Path, text: str, timeout: float = 120) -> None:
     raise AssertionError(f"{text!r} not in {path} after {timeout} s")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("how", ["sigkill", "sigstop", "two_200ms_apart"])
-def test_external_signals(megatron_lm: Path, tmp_path: Path, how: str) -> None:
-    """``kill -9`` from outside at a random moment, a SIGSTOPped rank (found by its missed
-    heartbeats) and two replicas lost 200 ms apart end like an injected kill."""
-    import subprocess
-    import sys
-
+def _supervised_acting(
+    tree: Path,
+    work: Path,
+    argv: List[str],
+    act: Callable[[subprocess.Popen, Path], None],
+    supervisor: Sequence[str] = ("--replace", "never"),
+) -> Tuple[int, str]:
+    """Megatron-LM under the supervisor, with ``act(proc, log_path)`` done to it from outside
+    while it runs; every process of the run is ended, also when ``act`` fails."""
+    from conftest import child_env
     from mlm_runs import CPU_GPT, LAUNCHER
 
-    argv = ["--train-iters", "60"]
-    save = tmp_path / "real"
+    log_path = work / f"supervised_{len(list(work.glob('supervised_*')))}.log"
     cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor", "--nproc-per-node=4",
-           "--records", str(tmp_path / "records.jsonl"), "--pid-file", str(tmp_path / "pids.txt"),
-           "--replace", "never", "--heartbeat-timeout", "3",
-           "--", str(LAUNCHER), "--megatron-lm-dir", str(megatron_lm), *CPU_GPT, *argv,
-           *MECEFO, "--save", str(save)]  # fmt: skip
-    log_path = tmp_path / "supervised_0.log"
-    from conftest import child_env
-
+           "--records", str(work / "records.jsonl"), "--pid-file", str(work / "pids.txt"),
+           *supervisor, "--", str(LAUNCHER), "--megatron-lm-dir", str(tree), *CPU_GPT,
+           *argv]  # fmt: skip
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            _wait_for(log_path, "iteration        5/")
-            time.sleep(random.Random(7).uniform(0.0, 0.5))
-            pids = _pids(tmp_path)
-            if how == "sigkill":
-                os.kill(pids[2], signal.SIGKILL)
-            elif how == "sigstop":
-                os.kill(pids[2], signal.SIGSTOP)
-            else:
-                os.kill(pids[1], signal.SIGKILL)
-                time.sleep(0.2)
-                os.kill(pids[3], signal.SIGKILL)
+            act(proc, log_path)
             rc = proc.wait(timeout=300)
         finally:
             try:
@@ -216,7 +238,34 @@ def test_external_signals(megatron_lm: Path, tmp_path: Path, how: str) -> None:
             except ProcessLookupError:
                 pass
             proc.wait()
-    real = log_path.read_text()
+    return rc, log_path.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigkill", "sigstop", "two_200ms_apart"])
+def test_external_signals(megatron_lm: Path, tmp_path: Path, how: str) -> None:
+    """``kill -9`` from outside at a random moment, a SIGSTOPped rank (found by its missed
+    heartbeats) and two replicas lost 200 ms apart end like an injected kill."""
+    argv = ["--train-iters", "60"]
+    save = tmp_path / "real"
+
+    def kill(proc: subprocess.Popen, log_path: Path) -> None:
+        _wait_for(log_path, "iteration        5/")
+        time.sleep(random.Random(7).uniform(0.0, 0.5))
+        pids = _pids(tmp_path)
+        if how == "sigkill":
+            os.kill(pids[2], signal.SIGKILL)
+        elif how == "sigstop":
+            os.kill(pids[2], signal.SIGSTOP)
+        else:
+            os.kill(pids[1], signal.SIGKILL)
+            time.sleep(0.2)
+            os.kill(pids[3], signal.SIGKILL)
+
+    rc, real = _supervised_acting(
+        megatron_lm, tmp_path, [*argv, *MECEFO, "--save", str(save)], kill,
+        ("--replace", "never", "--heartbeat-timeout", "3"),
+    )  # fmt: skip
     assert rc == 0, real[-6000:]
     schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
     lost = sorted(int(v.split(":")[0]) for v in schedule)
