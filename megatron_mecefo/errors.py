@@ -21,8 +21,8 @@ OTHER = 1
 
 ERROR_FILE_ENV = "MECEFO_ERROR_DIR"
 """Set by the recovery supervisor: a rank that stops with an expected error writes its line to
-``<dir>/<slot>.err``, so the supervisor can tell a start-up failure from a death in training
-and repeat the line in its own last line."""
+``<dir>/<slot>.err`` instead of printing it, so the supervisor can tell a start-up failure from
+a death in training and print the line once, in its own."""
 
 
 class UserError(Exception):
@@ -51,25 +51,28 @@ def fail(message: object, prog: str, code: int = USAGE, wait_s: float = 2.0) -> 
     """
     line = f"{prog}: error: {message}"
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
+    # Under the recovery supervisor the line goes to it, and its own last line carries it:
+    # printed here too, the user would read it twice.
+    if not _leave_for_supervisor(line) and rank == 0:
         print(line, file=sys.stderr, flush=True)
-    _leave_for_supervisor(line)
     if rank != 0:
         time.sleep(wait_s)
     sys.stdout.flush()
     sys.exit(code)
 
 
-def _leave_for_supervisor(line: str) -> None:
+def _leave_for_supervisor(line: str) -> bool:
+    """Write ``line`` for the recovery supervisor (``ERROR_FILE_ENV``); whether it was."""
     directory = os.environ.get(ERROR_FILE_ENV)
     slot = os.environ.get("MECEFO_RECOVERY_SLOT", os.environ.get("RANK", "0"))
     if not directory:
-        return
+        return False
     try:
         with open(os.path.join(directory, f"{slot}.err"), "w") as f:
             f.write(line + "\n")
     except OSError:
-        pass  # the supervisor then reports the exit code alone
+        return False  # printed by the rank instead
+    return True
 
 
 def check_writable_dir(flag: str, path: str, usage: bool = True) -> None:

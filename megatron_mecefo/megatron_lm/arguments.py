@@ -10,12 +10,10 @@ fix, before any collective runs.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, List, NoReturn, Optional
 
+from megatron_mecefo.errors import fail
 from megatron_mecefo.techniques.config import BASIS_METHODS, MecefoConfig
 
 POLICY_NAMES = ("neighbor", "spread", "exact", "drop", "auto")
@@ -578,17 +576,8 @@ class FaultToleranceConfig:
 
 
 def exit_with_config_error(message: object, prog: str = "pretrain_gpt.py") -> NoReturn:
-    """Print ``prog: error: message`` on rank 0 only and exit 2 on every rank.
-
-    Every rank checks the same flags, so all of them stop here and none waits in a
-    collective. The other ranks wait a moment first: when one rank exits, torchrun stops the
-    rest, and rank 0 must have printed by then.
-    """
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(2.0)
-    sys.exit(2)
+    """Print ``prog: error: message`` once and exit 2 on every rank (:func:`errors.fail`)."""
+    fail(message, prog)
 
 
 VALUE_FLAGS = ("--mecefo-fail",)

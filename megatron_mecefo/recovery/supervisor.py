@@ -493,9 +493,11 @@ class Supervisor:
                 if progress
                 else "before its first iteration"
             )
+            said = self._error_line(slot)  # an expected error after training started
             self.log(
-                f"rank {slot} (pid {child.proc.pid}, incarnation {child.inc}) died: {why} {when}; "
-                "reported to the membership store"
+                f"rank {slot} (pid {child.proc.pid}, incarnation {child.inc}) died: {why} {when}"
+                + (f" ({said})" if said else "")
+                + "; reported to the membership store"
             )
             delay = self.replacement.delay_s(slot)
             if self.args.replace_ranks and slot not in self.args.replace_ranks:
@@ -511,12 +513,7 @@ class Supervisor:
         None for a death in training. A start-up failure has nothing to resume."""
         if self.ms.get_str("progress") is not None:
             return None
-        line = None
-        try:
-            with open(os.path.join(self.error_dir, f"{slot}.err")) as f:
-                line = f.read().strip() or None
-        except OSError:
-            pass
+        line = self._error_line(slot)
         if line is None and code != 2:
             return None
         what = line or "a usage error (exit code 2; the rank's output is above)"
@@ -524,6 +521,14 @@ class Supervisor:
             f"start-up failure: rank {slot} (pid {pid}) exited with code {code} before "
             f"training started: {what} -- nothing to resume: fix it and launch again"
         )
+
+    def _error_line(self, slot: int) -> Optional[str]:
+        """The error line rank ``slot`` left instead of printing it (``errors.fail``)."""
+        try:
+            with open(os.path.join(self.error_dir, f"{slot}.err")) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
 
     def _rejoin_incarnation(self, slot: int) -> int:
         """The incarnation a rejoining node starts ``slot`` as: one above the last, once that

@@ -539,6 +539,12 @@ def test_mistake_ends_in_one_line(row: Row, tmp_path: Path, request: pytest.Fixt
     prefix = _fill(row.prefix, values)
     lines = [line for line in output.splitlines() if line.startswith(prefix)]
     assert len(lines) == 1, f"{len(lines)} lines start with {prefix!r}:\n{output[-4000:]}"
+    # Printed once: not also by a rank beside the supervisor's line, nor by another rank.
+    said = [line for line in output.splitlines() if ": error:" in line]
+    if ": error:" in prefix:
+        assert said == lines, f"the error is said {len(said)} times:\n" + "\n".join(said)
+    else:  # a stop's last line: no error at all
+        assert not said, "\n".join(said)
     for word in row.words:
         assert _fill(word, values) in lines[0], f"{word!r} not in:\n{lines[0]}"
     assert proc.returncode == row.code, f"exit {proc.returncode}:\n{output[-4000:]}"

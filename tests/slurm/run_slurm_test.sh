@@ -15,6 +15,10 @@
 #      checkpoint read, the node healed, Megatron-LM's weight-hash check passing at the end.
 #      With neither, the script must fail under Slurm with its own message, and this says
 #      loudly that the Megatron-LM run was not exercised.
+#   3. pretrain_gpt_mecefo.sbatch cut by its time limit: once training runs, the job's limit is
+#      lowered so that Slurm's --signal=TERM@120 (the script's own) falls due; the ranks save
+#      at the next iteration boundary, the script requeues the job, and the requeued job
+#      resumes from that checkpoint: every iteration is logged exactly once across the two.
 # Every daemon and job it started is stopped by PID / job id, and the folder removed, on exit.
 set -euo pipefail
 
@@ -178,8 +182,8 @@ export PYTHON=$PY GPUS_PER_NODE=1 TP=1 PP=2 DEVICE=cpu OMP_NUM_THREADS=1
 export SUPERVISOR_ARGS="--heartbeat-interval 0.5 --heartbeat-timeout 6 --collective-timeout 25 --init-timeout 90"
 
 # ------------------------------------------------------------------ 1. the example trainer
-# SLURM_TEST_PARTS=gpt,mlm (default both) runs one part only.
-PARTS=${SLURM_TEST_PARTS:-gpt,mlm}
+# SLURM_TEST_PARTS=gpt,mlm,timelimit (default all three) runs only the parts named.
+PARTS=${SLURM_TEST_PARTS:-gpt,mlm,timelimit}
 if [[ ,$PARTS, == *,gpt,* ]]; then
 # The example trainer through tests/recovery/dump_trainer.py, which only adds a sleep per
 # iteration (MECEFO_TEST_STEP_SLEEP) so that the run outlasts the node's loss and return.
@@ -332,5 +336,62 @@ print(f"[test-slurm] Megatron-LM: failure at iteration {fail[0]['iteration']} (r
 PYCHECK
     say "megatron_lm_mecefo.sbatch ($MEGATRON_LM_DIR): PASSED (node lost and rejoined in-process, no requeue)"
 fi
+fi
+
+# ------------------------------------------------------------------ 3. cut by the time limit
+if [[ ,$PARTS, == *,timelimit,* ]]; then
+TL_ITERS=${SLURM_TEST_TL_ITERS:-300}
+RUN=$TMP/runs/timelimit
+OUT=$TMP/runs/timelimit.out
+CKPT=$RUN/checkpoints
+export RUN_DIR=$RUN MECEFO_DIR=$REPO TRAINER=$REPO/tests/recovery/dump_trainer.py \
+    MECEFO_TEST_STEP_SLEEP=0.2 DATA_PATH=mock PRECISION_ARGS="" \
+    MODEL_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64" \
+    MICRO_BATCH=2 GLOBAL_BATCH=16 TRAIN_ITERS=$TL_ITERS SAVE_INTERVAL=100000 \
+    EXTRA_ARGS="--mecefo-rank 16 --log-interval 10 --eval-iters 0 --split 98,2,0 --lr 3e-3 \
+--lr-decay-style constant"
+JOB=$(submit "$OUT" "$REPO/examples/slurm/pretrain_gpt_mecefo.sbatch")
+say "job $JOB: pretrain_gpt_mecefo.sbatch, 8 tasks, $TL_ITERS iterations, to be cut by its time limit"
+wait_for_text "$OUT" "iteration       10/" 300 || { tail -n 30 "$OUT"; fail "job $JOB never reached iteration 10"; }
+# The limit (whole minutes) that puts the end 60-120 s from now: the script's SIGTERM, due
+# 120 s before the end, is sent at slurmctld's next time-limit pass (every 30 s), and the
+# ranks then have at least 30 s to save before the job would be killed.
+elapsed=$(($(date +%s) - $(date -d "$(scontrol show job "$JOB" | grep -o 'StartTime=[^ ]*' | cut -d= -f2)" +%s)))
+limit=$(((elapsed + 120) / 60))
+scontrol update JobId="$JOB" TimeLimit="$limit"
+say "job $JOB: time limit lowered to $limit min after $elapsed s (SIGTERM due now, the end in $((limit * 60 - elapsed)) s)"
+# Requeued: raise the limit again before the new run can be signalled, so that it finishes.
+for _ in $(seq 600); do
+    scontrol show job "$JOB" 2> /dev/null | grep -q "Restarts=1" && break
+    sleep 0.5
+done
+scontrol show job "$JOB" | grep -q "Restarts=1" || { tail -n 40 "$OUT"; fail "job $JOB was not requeued after its time-limit signal"; }
+# ... and eligible now: Slurm holds a requeued job back for about two minutes (measured here),
+# which is Slurm's, not under test.
+scontrol update JobId="$JOB" TimeLimit=30 StartTime=now
+say "job $JOB requeued; its time limit raised back to 30 min"
+wait_job_end "$JOB" 600
+say "job $JOB: $STATE"
+echo "---- job output (stop, requeue, resume)"
+grep -E "MeCeFO job|supervisor node|stopped by|exiting at|loaded checkpoint|training finished" "$OUT" | cut -c1-220 || true
+[ "$STATE" = COMPLETED ] || { tail -n 40 "$OUT"; fail "job $JOB ended $STATE"; }
+saved=$(grep -o "stopped before the time limit and saved iteration [0-9]*" "$OUT" | grep -o "[0-9]*$") \
+    || fail "job $JOB: no save-and-requeue line"
+if [ "$saved" -lt 10 ] || [ "$saved" -ge "$TL_ITERS" ]; then
+    fail "the stop saved iteration $saved (expected 10..$((TL_ITERS - 1)))"
+fi
+grep -q "loaded checkpoint from $CKPT at iteration $saved " "$OUT" || fail "the requeued run did not resume at iteration $saved"
+grep -q "ranks ended before their save completed" "$OUT" && fail "a rank ended before its save"
+"$PY" - "$RUN/metrics.jsonl" "$TL_ITERS" "$saved" << 'PYCHECK'
+import json, sys
+metrics, iters, saved = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+recs = [json.loads(line) for line in open(metrics) if line.strip()]
+train = [r["iteration"] for r in recs if r["type"] == "train"]
+assert train == list(range(1, iters + 1)), f"iterations logged: {train}"
+assert not [r for r in recs if r["type"] == "recovery"], "the stop was recovered as a failure"
+print(f"[test-slurm] time limit: stopped and saved at iteration {saved}, requeued, resumed there; "
+      f"iterations 1..{iters} each logged exactly once across the two runs")
+PYCHECK
+say "pretrain_gpt_mecefo.sbatch cut by its time limit: PASSED (saved, requeued, resumed)"
 fi
 say "make test-slurm: PASSED in $(($(date +%s) - T0)) s"
