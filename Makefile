@@ -158,3 +158,16 @@ lint: venv
 clean:
 	rm -rf $(VENV) data .pytest_cache results/demo results/demo-snapshot results/demo_abft results/degraded_throughput \
 	    results/convergence*/seed* results/convergence*/trace_* results/recovery_latency
+
+# The docs site (docs/, mkdocs.yml): MkDocs with the Material theme and mkdocstrings, the
+# `docs` extra installed into .venv when missing. --strict: a broken link or anchor, a page
+# missing from the nav or an API name that no longer resolves fails the build; so does a
+# docs/flags.md that differs from the parsers (make flags-doc rewrites it). Output: site/.
+.PHONY: docs flags-doc
+docs: venv
+	$(PY) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(PIP) install -q -c constraints.txt -e .[docs]
+	$(PY) scripts/render_flags.py --check
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+flags-doc: venv
+	$(PY) scripts/render_flags.py

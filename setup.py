@@ -25,6 +25,12 @@ setup(
         # (benchmarks/snapshot_overhead.py); pyeclib (its wheel bundles ISA-L) the alternative.
         "snapshot": ["zfec>=1.5", "pyeclib>=1.6"],
         "plot": ["matplotlib"],
+        # The docs site (`make docs`: MkDocs, the Material theme, the API reference from the
+        # docstrings); exact pins, so `mkdocs build --strict` sees the same checks everywhere.
+        "docs": [
+            "mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8",
+            "mkdocstrings-python==2.0.11",
+        ],  # fmt: skip
         "tensorboard": ["tensorboard"],
         # What Megatron-LM's megatron/training imports beyond megatron-core, for running the
         # patched pretrain_gpt.py (patches/).
