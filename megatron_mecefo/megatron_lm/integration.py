@@ -118,6 +118,16 @@ def check_parsed_args(args: Any) -> None:
     except AbftConfigError as err:
         exit_with_config_error(err)
     supervised = os.environ.get("MECEFO_RECOVERY")
+    save = getattr(args, "save", None)
+    if save and (supervised or getattr(args, "mecefo", False)):
+        # Megatron-LM finds an unwritable --save only at the first save, after the training
+        # it was meant to keep: try a real write now.
+        from megatron_mecefo.errors import UserError, check_writable_dir
+
+        try:
+            check_writable_dir("--save", save)
+        except UserError as err:
+            exit_with_config_error(err)
     interval = getattr(args, "snapshot_interval", 0)
     if interval and not supervised:
         exit_with_config_error(

@@ -78,8 +78,13 @@ def check_recovery_args(args: Any) -> None:
     from megatron_mecefo.recovery.arguments import validate
     from megatron_mecefo.recovery.config import RecoveryConfig
 
+    from megatron_mecefo.megatron_lm.arguments import MecefoConfigError
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    job = job_args(args, world)
+    try:
+        job = job_args(args, world)
+    except MecefoConfigError as err:  # a bad --mecefo-* value, found before its own check
+        exit_with_config_error(err)
     message = validate(job, world)
     if message:
         exit_with_config_error(

@@ -477,14 +477,16 @@ class Supervisor:
                 return
             self.ms.report_dead(slot, child.inc, info)
             if self.ms.get_str("layout") is None and self.ms.get_str("fatal") is None:
-                # No rank runs megatron_mecefo.recovery.session: nothing can regroup.
+                # No rank runs megatron_mecefo.recovery.session (yet): nothing can regroup.
+                # Which of the two it is cannot be told from here: say both.
                 self.ms.set_fatal(
-                    f"rank {slot} (pid {child.proc.pid}) died: {why}. This trainer does not "
-                    "run MeCeFO's in-process recovery (megatron_mecefo.recovery.session: the "
-                    "example trainer and Megatron-LM's pretrain_gpt.py with "
-                    "patches/megatron-lm-*.patch do), so every rank is stopped now "
-                    "instead of hanging until the collective timeout. Resume from the last "
-                    "checkpoint: relaunch with --load <your --save directory>",
+                    f"rank {slot} (pid {child.proc.pid}) died: {why}, and no rank runs MeCeFO's "
+                    "in-process recovery (megatron_mecefo.recovery.session: the example trainer "
+                    "and Megatron-LM's pretrain_gpt.py with patches/megatron-lm-*.patch run it), "
+                    "so every rank is stopped now instead of hanging until the collective "
+                    "timeout. If it failed at start-up, its output is above: fix it and launch "
+                    "again. If this trainer does not run MeCeFO's in-process recovery, resume "
+                    "from the last checkpoint: relaunch with --load <your --save directory>",
                 )
                 return
             progress = self.ms.get_str("progress")

@@ -77,6 +77,18 @@ def supervised(*trainer_flags: str, sup: tuple[str, ...] = ()) -> list[str]:
             *trainer_flags]  # fmt: skip
 
 
+def megatron_lm(*flags: str) -> list[str]:
+    """Megatron-LM's pretrain_gpt.py on CPU (the ``mlm`` fixture's tree), a tiny mock run."""
+    from megatron_mecefo.runtime.megatron_lm_cpu import CPU_FLAGS
+
+    return [PY, str(REPO / "patches" / "run_megatron_lm_cpu.py"), "--megatron-lm-dir",
+            "{mlm}", *CPU_FLAGS, "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings",
+            "64", "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--train-iters", "2",
+            "--lr", "1e-3", *flags]  # fmt: skip
+
+
 # ---------------------------------------------------------------- actions of the signal rows
 def _when_training(proc: subprocess.Popen, tmp: Path, iterations: int = 2) -> None:
     metrics = tmp / "m.jsonl"
@@ -365,6 +377,26 @@ ROWS = [
         "--train-iters", "1000", "--exit-duration-in-mins", "0.0001", "--save", "{tmp}/save"],
         0, EXITING, ["at iteration 1:", "--exit-duration-in-mins=0.0001 has passed"],
         needs=("busy_port",), check=_saved, slow=True, timeout=300),
+    # ------------------------------------------------------------- the Megatron-LM adapter
+    # Megatron-LM's own pretrain_gpt.py (core_v0.16.1, patched): the plugin's flag checks run
+    # in Megatron-LM's parser, before its validate_args and before any process group.
+    Row("mlm-rank-not-positive", "flags", megatron_lm("--mecefo", "--mecefo-rank", "0"), 2, TP,
+        ["--mecefo-rank=0", "positive"], rank_env(), needs=("mlm",)),
+    Row("mlm-flag-without-mecefo", "flags", megatron_lm("--mecefo-rank", "16"), 2, TP,
+        ["--mecefo-rank=16", "without --mecefo"], rank_env(), needs=("mlm",)),
+    Row("mlm-replica-beyond-dp", "flags", megatron_lm("--mecefo", "--mecefo-rank", "16",
+        "--mecefo-fail", "5:1:2"), 2, TP, ["--mecefo-fail", "replica 5", "only 2"],
+        rank_env(), needs=("mlm",)),
+    Row("mlm-kill-without-supervisor", "flags", megatron_lm("--mecefo", "--mecefo-rank", "16",
+        "--mecefo-kill", "1:3:backward"), 2, TP, ["--mecefo-kill=1:3:backward",
+        "recovery.supervisor"], rank_env(), needs=("mlm",)),
+    Row("mlm-save-unwritable", "flags", megatron_lm("--mecefo", "--mecefo-rank", "16",
+        "--save", "/proc/mecefo_ckpt"), 2, TP, ["--save /proc/mecefo_ckpt", "cannot write"],
+        rank_env(), needs=("mlm",)),
+    Row("mlm-start-up-failure-supervised", "flags", [*SUPERVISOR, "--nproc-per-node", "2",
+        *FAST, "--", *megatron_lm("--mecefo", "--mecefo-rank", "0")[1:]], 2, SUP,
+        ["start-up failure", "rank 0", "--mecefo-rank=0", "nothing to resume"],
+        needs=("mlm",)),
 ]  # fmt: skip
 
 
@@ -467,6 +499,18 @@ def holder(tmp_path: Path) -> dict[str, str]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def mlm(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Megatron-LM core_v0.16.1 from ``../shared/megatron-lm``, unpacked and patched."""
+    sys.path.insert(0, str(REPO / "tests" / "megatron_lm"))
+    from mlm_runs import unpack_megatron_lm
+
+    tree = unpack_megatron_lm(tmp_path_factory.mktemp("megatron_lm"))
+    if tree is None:
+        pytest.skip("no Megatron-LM tarball at ../shared/megatron-lm (set MEGATRON_LM_DIR)")
+    return str(tree)
 
 
 @pytest.fixture
