@@ -75,10 +75,9 @@ def check_recovery_args(args: Any) -> None:
     """Start-up checks of Megatron-LM's parsed flags for ``--mecefo-kill`` and the supervisor
     (the parser hook of :func:`.integration.extra_args_provider` calls it); under the
     supervisor it also hands the collective timeout to ``--distributed-timeout-minutes``."""
+    from megatron_mecefo.megatron_lm.arguments import MecefoConfigError
     from megatron_mecefo.recovery.arguments import validate
     from megatron_mecefo.recovery.config import RecoveryConfig
-
-    from megatron_mecefo.megatron_lm.arguments import MecefoConfigError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
