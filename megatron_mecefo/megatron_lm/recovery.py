@@ -271,6 +271,8 @@ class MegatronLMTrainer:
         # WORLD_SIZE stays the job's: the original data-parallel size (module docstring).
         os.environ["RANK"] = str(self.session.rank)
         if self._parsed_args is not None:
+            # A promoted standby parsed the flags before its slot, and LOCAL_RANK, were known.
+            self._parsed_args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             self._restore_global_args()
         _ACTIVE = self
         try:

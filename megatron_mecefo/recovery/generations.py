@@ -41,18 +41,8 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
     standby = os.environ.get("MECEFO_RECOVERY_STANDBY")
     if standby:  # a warm standby: import now, wait for the slot of a dead rank
         _warm_up()
-        ms = MembershipStore.connect(config.store, config.init_timeout_s)
-        # Blocks in the store until the supervisor assigns a slot (no polling: idle standbys
-        # took the store's server thread from the ranks); the supervisor ends it with the job.
-        while (assigned := ms.get_json(f"assign/{standby}")) is None:
-            if ms.get_str("done") is not None or ms.get_str("fatal") is not None:
-                raise SystemExit(0)
-            ms.wait_for(f"assign/{standby}", config.init_timeout_s)
-        os.environ.update(
-            MECEFO_RECOVERY_SLOT=str(assigned["slot"]),
-            MECEFO_RECOVERY_INC=str(assigned["inc"]),
-            RANK=str(assigned["slot"]),
-        )
+        await_assignment(MembershipStore.connect(config.store, config.init_timeout_s), standby,
+                         config.init_timeout_s)  # fmt: skip
     # Worlds left after a failure can leave gloo threads in leaked C++ objects, which abort
     # ("terminate called without an active exception") when the interpreter tears them down
     # at exit: end the process right after the Python-level exit handlers instead.
@@ -122,6 +112,25 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
         trainer = None
         if outcome == "failed":
             session.injector.phase("regroup", failed_iteration)
+
+
+def await_assignment(ms: MembershipStore, standby: str, timeout_s: float) -> None:
+    """A warm standby: wait for the slot the supervisor assigns it (``assign/<standby>``),
+    then take that slot's identity in this process's environment: ``RANK``, the incarnation
+    and ``LOCAL_RANK``, which picks the device (``torch.cuda.set_device``), before the trainer
+    touches CUDA. Exits when the job ends first."""
+    # Blocks in the store until the supervisor assigns a slot (no polling: idle standbys took
+    # the store's server thread from the ranks); the supervisor ends it with the job.
+    while (assigned := ms.get_json(f"assign/{standby}")) is None:
+        if ms.get_str("done") is not None or ms.get_str("fatal") is not None:
+            raise SystemExit(0)
+        ms.wait_for(f"assign/{standby}", timeout_s)
+    os.environ.update(
+        MECEFO_RECOVERY_SLOT=str(assigned["slot"]),
+        MECEFO_RECOVERY_INC=str(assigned["inc"]),
+        RANK=str(assigned["slot"]),
+        LOCAL_RANK=str(assigned["local_rank"]),
+    )
 
 
 def _has_checkpoint(args: Any) -> bool:

@@ -241,6 +241,12 @@ class RecoverySession:
         import torch.distributed as dist
 
         rank = self.slot if gen.number == 0 else gen.rank_of(self.slot)
+        if self.backend == "nccl":
+            # The slot's GPU (LOCAL_RANK: a promoted standby's comes with its assignment)
+            # before the first NCCL call: Megatron-LM sets no device once the world exists.
+            import torch
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         host, port = self.cfg.store.rsplit(":", 1)
         store = dist.TCPStore(
             host,

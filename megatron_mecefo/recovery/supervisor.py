@@ -384,7 +384,7 @@ class Supervisor:
         self.ms.store.set(f"inc/{slot}", str(inc))
         if self.standby and inc > 0:
             child = self.standby.pop(0)
-            self.ms.set_json(f"assign/{self.node}/{child.slot}", {"slot": slot, "inc": inc})
+            self.ms.set_json(f"assign/{self.node}/{child.slot}", self.assignment(slot, inc))
             self.children[slot] = Child(slot, inc, child.proc, time.time())
             self.ms.set_json(f"pid/{slot}/{inc}", {"pid": child.proc.pid, "node": self.node})
             self._log_pid(slot, inc, child.proc.pid)
@@ -394,6 +394,14 @@ class Supervisor:
         self._start(slot, inc)
         if inc:
             self.log(f"started a replacement for rank {slot} (incarnation {inc})")
+
+    def assignment(self, slot: int, inc: int) -> Dict[str, int]:
+        """What a warm standby becomes: rank ``slot``, incarnation ``inc``, and the slot's
+        ``LOCAL_RANK`` on this node (its device), as a rank started for the slot has."""
+        return {"slot": slot, "inc": inc, "local_rank": self._local_rank(slot)}
+
+    def _local_rank(self, slot: int) -> int:
+        return slot - self.slots[0]
 
     def spawn_standby(self) -> None:
         """A process that imports everything and waits for ``assign/<node>/<id>``."""
@@ -414,7 +422,7 @@ class Supervisor:
         env.update(
             RANK=str(slot),
             WORLD_SIZE=str(self.world_size),
-            LOCAL_RANK=str(slot - self.slots[0]),
+            LOCAL_RANK=str(self._local_rank(slot)),
             LOCAL_WORLD_SIZE=str(len(self.slots)),
             MASTER_ADDR=self.rdzv_address.rsplit(":", 1)[0],
             MASTER_PORT=self.rdzv_address.rsplit(":", 1)[1],
@@ -428,7 +436,7 @@ class Supervisor:
         env[ERROR_FILE_ENV] = self.error_dir
         if standby is not None:
             env["MECEFO_RECOVERY_STANDBY"] = f"{self.node}/{standby}"
-            env["LOCAL_RANK"] = "0"
+            env["LOCAL_RANK"] = "-1"  # no device until a slot is assigned (await_assignment)
         proc = subprocess.Popen(
             [sys.executable, *self.command], env=env, preexec_fn=_die_with_parent
         )

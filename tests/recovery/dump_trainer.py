@@ -38,6 +38,9 @@ def finish(self, wall_s: float) -> None:
                 "pp": ps.get_pipeline_model_parallel_rank(),
                 "replica": self.dp_rank,
                 "iteration": self.iteration,
+                # A promoted standby's must be its slot's (the device it binds).
+                "local_rank": int(os.environ["LOCAL_RANK"]),
+                "pid": os.getpid(),
             },
             Path(out) / f"slot{slot}.pt",
         )
