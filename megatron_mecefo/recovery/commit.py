@@ -14,9 +14,15 @@ others wait for that key's existence, one round trip more (reading a value would
 A waiter that finds no commit within ``poll_interval_s * 10`` reads the counter (an abort
 shows there) and looks whether a failure generation superseded this one (then it aborts).
 The first abort writes ``decision/<g>/<iteration>`` for a later abort that cannot tell the
-outcome from the counter. A lost ``set`` (its writer's node died with it in flight) costs a
-waiter one look. An aborted iteration is redone in the next generation, with the same
-samples, under the takeover plan.
+outcome from the counter. Every member that decides COMMIT writes the commit key before it
+returns, so a reader that finds every vote and an abort in the counter, but neither key within
+``decision_wait_s`` (both writers died between their ``add`` and their ``set``), knows that no
+member applied the step, and aborts (it used to wait for the store client's timeout, then
+fail). A lost ``set`` (its writer's node died with it in flight) costs a waiter one look. An
+aborted iteration is redone in the next generation, with the same samples, under the takeover
+plan. The member that completes the count of iteration ``i`` deletes the keys of ``i - 1``
+(every member has its outcome by then; none aborts it later): the store keeps a few keys, not
+two per iteration of the run.
 
 :class:`AsyncVoter` runs the vote on a worker thread with its own store client, so that its
 round trips overlap the optimizer's gradient preparation (copy to main grads, norm, clipping),
@@ -47,6 +53,11 @@ ABORT_WEIGHT = 1 << 40
 """What an abort adds to the vote counter: more than any member count, so the counter tells how
 many votes and whether an abort came before (see the module docstring)."""
 
+DECISION_WAIT_S = 20.0
+"""Default bound on a reader's wait for the commit or decision key: well past a heartbeat
+timeout (8 s by default), after which a writer that stalled between its ``add`` and its ``set``
+has been declared dead and killed, so it cannot apply the step after the reader aborted."""
+
 
 def vote(
     ms: MembershipStore,
@@ -56,6 +67,7 @@ def vote(
     members: Sequence[int],
     poll_interval_s: float,
     outcome: Optional[Dict[str, bool]] = None,
+    decision_wait_s: float = DECISION_WAIT_S,
 ) -> bool:
     """Vote for ``iteration`` in ``generation``; True when the step may be applied.
 
@@ -72,8 +84,7 @@ def vote(
     if outcome is not None:
         outcome["last"] = count == n
     if count == n:  # every vote in, no abort before: commit (one round trip)
-        ms.store.set(_commit_key(generation, iteration), "")
-        return True
+        return _commit(ms, generation, iteration)
     wait = timedelta(seconds=max(poll_interval_s * 10, 0.02))
     looks = 0
     while count < n:  # not every vote in yet, and no abort: wait for the commit
@@ -84,33 +95,64 @@ def vote(
             count = int(ms.store.add(_votes_key(generation, iteration), 0))
             looks += 1
             if count < n and looks % 5 == 0 and _superseded(ms, generation, iteration):
-                return abort(ms, generation, iteration, n)
-    return _outcome(ms, generation, iteration, count, n)
+                return abort(ms, generation, iteration, n, decision_wait_s)
+    return _outcome(ms, generation, iteration, count, n, decision_wait_s)
 
 
-def abort(ms: MembershipStore, generation: int, iteration: int, members: int) -> bool:
+def abort(
+    ms: MembershipStore,
+    generation: int,
+    iteration: int,
+    members: int,
+    decision_wait_s: float = DECISION_WAIT_S,
+) -> bool:
     """Abort ``iteration`` unless every one of the ``members`` has voted already; returns the
     outcome that stands for everyone (True: commit).
 
     The first abort decides from the count it finds and writes the decision. A later one can
-    tell the outcome from the count unless every vote is in, and then reads the first one's.
+    tell the outcome from the count unless every vote is in, and then reads the keys.
     """
     total = int(ms.store.add(_votes_key(generation, iteration), ABORT_WEIGHT)) - ABORT_WEIGHT
     if total < ABORT_WEIGHT:  # the first abort decides
         decision = COMMIT if total == members else ABORT
         ms.store.set(_decision_key(generation, iteration), decision)
-        return decision == COMMIT
-    return _outcome(ms, generation, iteration, total, members)
+        return _commit(ms, generation, iteration) if decision == COMMIT else False
+    return _outcome(ms, generation, iteration, total, members, decision_wait_s)
 
 
-def _outcome(ms: MembershipStore, generation: int, iteration: int, count: int, n: int) -> bool:
+def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
+    """COMMIT, made durable before the caller applies the step (a plain ``set``)."""
+    ms.store.set(_commit_key(generation, iteration), "")
+    return True
+
+
+def _outcome(
+    ms: MembershipStore, generation: int, iteration: int, count: int, n: int, wait_s: float
+) -> bool:
     """The outcome from a reading ``count`` of the vote counter that has all ``n`` votes in or
     an abort in it: commit when the votes completed before any abort."""
     if count < ABORT_WEIGHT:  # every vote in and no abort: the commit stands
-        return True
+        return _commit(ms, generation, iteration)
     if count % ABORT_WEIGHT < n:  # not every vote in even now: the first abort found fewer
         return False
-    return ms.store.get(_decision_key(generation, iteration)).decode() == COMMIT
+    # Every vote and an abort: which came first, only the committers' commit key or the first
+    # abort's decision says. A rare path (an abort racing the last vote): poll, bounded.
+    commit, decision = _commit_key(generation, iteration), _decision_key(generation, iteration)
+    deadline = time.monotonic() + wait_s
+    while True:
+        if ms.store.check([commit]):
+            return True
+        if ms.store.check([decision]):
+            return ms.store.get(decision).decode() == COMMIT
+        if time.monotonic() > deadline:  # both writers died before writing: nobody applied it
+            return False
+        time.sleep(0.01)
+
+
+def forget(ms: MembershipStore, generation: int, iteration: int) -> None:
+    """Delete the vote keys of ``iteration`` (its outcome is known to every member)."""
+    for key in (_votes_key(generation, iteration), _commit_key(generation, iteration)):
+        ms.store.delete_key(key)
 
 
 def _votes_key(generation: int, iteration: int) -> str:
@@ -143,8 +185,11 @@ class AsyncVoter:
         poll_interval_s: As for :func:`vote`.
     """
 
-    def __init__(self, address: str, poll_interval_s: float) -> None:
+    def __init__(
+        self, address: str, poll_interval_s: float, decision_wait_s: float = DECISION_WAIT_S
+    ) -> None:
         self.address, self.poll_interval_s = address, poll_interval_s
+        self.decision_wait_s = decision_wait_s
         self._jobs: "queue.Queue[Tuple[Future, tuple]]" = queue.Queue()
         self._ms: Optional[MembershipStore] = None
         self.cpu_s = 0.0
@@ -176,11 +221,14 @@ class AsyncVoter:
                 outcome: Dict[str, bool] = {}
                 t0 = time.perf_counter()
                 ok = vote(
-                    self._ms, generation, iteration, slot, members, self.poll_interval_s, outcome
-                )
+                    self._ms, generation, iteration, slot, members, self.poll_interval_s,
+                    outcome, self.decision_wait_s,
+                )  # fmt: skip
                 future.set_result((ok, outcome["last"], time.perf_counter() - t0))
                 if ok and progress:
                     self._ms.store.set("progress", str(iteration))
+                if ok and outcome["last"]:  # off the training thread, after its result
+                    forget(self._ms, generation, iteration - 1)
             except BaseException as err:  # noqa: BLE001 (the training thread re-raises it)
                 future.set_exception(err)
             self.cpu_s = time.thread_time()

@@ -99,7 +99,10 @@ class RecoverySession:
         self.heartbeat = Heartbeat(
             config.store, self.slot, self.inc, config.heartbeat_interval_s
         ).start()
-        self.voter = AsyncVoter(config.store, config.poll_interval_s)
+        # A vote reader's bound on a stalled writer: past its heartbeat timeout, it has been
+        # declared dead and killed (commit.DECISION_WAIT_S).
+        self.decision_wait_s = 2 * config.heartbeat_timeout_s
+        self.voter = AsyncVoter(config.store, config.poll_interval_s, self.decision_wait_s)
         self.layout = JobLayout(
             args.tensor_model_parallel_size,
             args.pipeline_model_parallel_size,

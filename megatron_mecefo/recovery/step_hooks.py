@@ -70,7 +70,8 @@ def install_commit_vote(session: Any, trainer: Any) -> None:
             return result
         except BaseException:
             if pending.pop("vote", None) is not None and not future.done():
-                abort(session.ms, gen.number, iteration, len(gen.members))  # wakes the peers
+                # wakes the peers
+                abort(session.ms, gen.number, iteration, len(gen.members), session.decision_wait_s)
             raise
 
     def update_after_commit(*a: Any, **k: Any) -> Any:

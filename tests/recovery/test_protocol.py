@@ -11,7 +11,7 @@ from typing import Iterator, Tuple
 import pytest
 
 from megatron_mecefo.recovery.abort import GenerationWatchdog, WorldAborter
-from megatron_mecefo.recovery.commit import AsyncVoter, abort, vote
+from megatron_mecefo.recovery.commit import ABORT_WEIGHT, AsyncVoter, abort, vote
 from megatron_mecefo.recovery.config import RecoveryConfig, RecoveryConfigError
 from megatron_mecefo.recovery.coordinator import Coordinator
 from megatron_mecefo.recovery.fault_injection import KillSpecError, parse_kills
@@ -229,7 +229,45 @@ def test_vote_counter_orders_votes_and_aborts(store: str) -> None:
     time.sleep(0.1)
     assert ms.store.add("votes/0/4", 1) == 2  # the vote, without the commit key
     assert waiting.result(10)[0] is True
+    assert ms.store.check(["commit/0/4"])  # a committer makes it durable before applying it
     assert abort(ms, 0, 4, 2) is True
+
+
+def test_a_later_abort_is_bounded_when_the_first_aborter_died(store: str) -> None:
+    """The first aborter dies between its ``add`` and its ``set`` (no decision key), then the
+    last votes arrive: a reader finds every vote and an abort, neither key, and aborts after
+    ``decision_wait_s``, not after the store client's timeout (60 s here) with an error."""
+    ms = MembershipStore.connect(store)  # a 60 s client timeout
+    ms.publish(Generation(number=0, replicas=(), members={0: 0, 1: 0}))
+    ms.store.add("votes/0/1", ABORT_WEIGHT)  # the first abort's add; it died before its set
+    assert ms.store.add("votes/0/1", 1) == ABORT_WEIGHT + 1
+    t0 = time.perf_counter()
+    assert vote(ms, 0, 1, 1, [0, 1], 0.005, decision_wait_s=0.3) is False
+    assert abort(ms, 0, 1, 2, decision_wait_s=0.3) is False
+    assert 0.6 <= time.perf_counter() - t0 < 5
+    # Votes complete, then an abort: a reader finds the commit key at once, whatever the wait.
+    assert vote(ms, 0, 2, 0, [0], 0.005) is True
+    ms.store.add("votes/0/2", ABORT_WEIGHT)
+    t0 = time.perf_counter()
+    assert abort(ms, 0, 2, 1, decision_wait_s=30) is True
+    assert time.perf_counter() - t0 < 1
+
+
+def test_committed_iterations_leave_no_vote_keys(store: str) -> None:
+    """The member that completes the count of iteration i deletes iteration i - 1's keys:
+    after 6 iterations only the last one's (and none of the earlier) are in the store."""
+    ms = MembershipStore.connect(store)
+    ms.publish(Generation(number=0, replicas=(), members={0: 0, 1: 0}))
+    voters = [AsyncVoter(store, 0.02), AsyncVoter(store, 0.02)]
+    for iteration in range(1, 7):
+        futures = [v.start(0, iteration, slot, [0, 1]) for slot, v in enumerate(voters)]
+        assert [f.result(10)[0] for f in futures] == [True, True]
+    deadline = time.monotonic() + 5  # the deletion follows the result on the voter thread
+    while ms.store.check(["votes/0/5"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    left = [f"{kind}/0/{i}" for i in range(1, 7) for kind in ("votes", "commit")
+            if ms.store.check([f"{kind}/0/{i}"])]  # fmt: skip
+    assert left == ["votes/0/6", "commit/0/6"], left
 
 
 def test_async_vote_overlaps_and_a_member_that_fails_aborts_everyone(store: str) -> None:
