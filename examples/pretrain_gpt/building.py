@@ -344,9 +344,7 @@ def build_controller(
     ``load_basis`` (a resume with ``--load``) restores the saved low-rank bases once the
     MeCeFO modules are in place. Wraps ``config.finalize_model_grads_func``.
     """
-    from megatron_mecefo.takeover.controller import MecefoController
-    from megatron_mecefo.takeover.data_remap import GlobalBatchLayout
-    from megatron_mecefo.techniques.apply import apply_mecefo, mha_group_parameters
+    from megatron_mecefo.techniques.apply import apply_mecefo
     from megatron_mecefo.techniques.state import MecefoState
 
     a, ft = args, args.mecefo_config
@@ -357,16 +355,7 @@ def build_controller(
     schedule = ft.build_schedule(dp_size, a.train_iters)
     if recovery is not None:  # plus the real failures, from membership
         schedule = recovery.wrap_schedule(schedule)
-    controller = MecefoController(
-        schedule=schedule,
-        policy=ft.build_policy(dp_size, state, model_chunks),
-        state=state,
-        replica=replica,
-        layout=GlobalBatchLayout(a.global_batch_size, a.micro_batch_size, dp_size),
-        mha_parameters=mha_group_parameters(model_chunks),
-        calculate_per_token_loss=a.calculate_per_token_loss,
-        overlap_grad_reduce=a.overlap_grad_reduce,
-    )
+    controller = ft.build_controller(a, state, model_chunks, replica, dp_size, schedule)
     config.finalize_model_grads_func = controller.wrap_finalize(config.finalize_model_grads_func)
     from megatron_mecefo.takeover.topology import ReplicaTopology
 

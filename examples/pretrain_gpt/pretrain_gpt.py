@@ -333,7 +333,7 @@ class Trainer:
                 mecefo["planner"],
                 cpu,
                 ctrl,
-                a.mecefo_config.planner_calibrate_steps,
+                a.mecefo_config.planner.calibrate_steps,
                 self.iteration + 1,
                 self.device,
                 self.log.print,

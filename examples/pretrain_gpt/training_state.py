@@ -54,19 +54,11 @@ def load(trainer: Any) -> None:
     A bad checkpoint stops every rank with one line (every rank checks the same files).
     """
     from arguments import ConfigError
-    from checkpointing import load_checkpoint
 
     a = trainer.args
     t0 = time.perf_counter()
     try:
-        loaded = load_checkpoint(
-            a.load,
-            trainer.model_chunks,
-            trainer.optimizer,
-            trainer.scheduler,
-            load_optimizer=not a.no_load_optim,
-            dist_optimizer=a.use_distributed_optimizer,
-        )
+        loaded = _load_checkpoint(trainer, a.load)
     except ConfigError as err:  # every rank checks the same files: all stop here
         fail(str(err), PROG, err.exit_code)
     trainer.iteration, trainer.consumed_samples = loaded
@@ -77,6 +69,22 @@ def load(trainer: Any) -> None:
             f"(consumed samples {trainer.consumed_samples}); recovery path disk "
             f"(dist_checkpointing), {time.perf_counter() - t0:.3f} s"
         )
+
+
+def _load_checkpoint(trainer: Any, directory: str) -> tuple[int, int]:
+    """Collective: ``directory``'s newest checkpoint into ``trainer``'s model, optimizer and
+    scheduler; returns ``(iteration, consumed_samples)``, ``(0, 0)`` without one."""
+    from checkpointing import load_checkpoint
+
+    a = trainer.args
+    return load_checkpoint(
+        directory,
+        trainer.model_chunks,
+        trainer.optimizer,
+        trainer.scheduler,
+        load_optimizer=not a.no_load_optim,
+        dist_optimizer=a.use_distributed_optimizer,
+    )
 
 
 def load_basis(trainer: Any) -> None:
@@ -117,18 +125,10 @@ def load_recovery_checkpoint(trainer: Any, directory: str, basis_layout: Optiona
     distributed optimizer re-sharded over this world's data-parallel size), and the low-rank
     bases this rank saved (``basis_layout``: its position when it saved); sets the iteration
     and consumed samples. Returns the seconds it took."""
-    from checkpointing import load_checkpoint, load_mecefo_basis
+    from checkpointing import load_mecefo_basis
 
-    a = trainer.args
     t0 = time.perf_counter()
-    trainer.iteration, trainer.consumed_samples = load_checkpoint(
-        directory,
-        trainer.model_chunks,
-        trainer.optimizer,
-        trainer.scheduler,
-        load_optimizer=not a.no_load_optim,
-        dist_optimizer=a.use_distributed_optimizer,
-    )
+    trainer.iteration, trainer.consumed_samples = _load_checkpoint(trainer, directory)
     ckpt_dir = os.path.join(directory, f"iter_{trainer.iteration:07d}")
     load_mecefo_basis(ckpt_dir, trainer.model_chunks, basis_layout)
     return time.perf_counter() - t0
