@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="On --load, keep the checkpoint's LR schedule and ignore the LR flags.",
     )
-    from megatron_mecefo.megatron_lm.arguments import add_arguments
+    from megatron_mecefo.takeover.arguments import add_arguments
 
     add_arguments(p)  # --mecefo, --mecefo-*
     from megatron_mecefo.recovery.arguments import add_arguments as add_recovery_arguments
@@ -582,11 +582,8 @@ def _check_tokens(args: argparse.Namespace, prefix: str) -> None:
 
 
 def _validate_mecefo(args: argparse.Namespace) -> None:
-    from megatron_mecefo.megatron_lm.arguments import (
-        FaultToleranceConfig,
-        MecefoConfigError,
-        mecefo_flags_given,
-    )
+    from megatron_mecefo.cli import mecefo_flags_given
+    from megatron_mecefo.takeover.config import FaultToleranceConfig, MecefoConfigError
 
     try:
         args.mecefo_config = ft = FaultToleranceConfig.from_args(args)
@@ -721,7 +718,7 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse and validate; on a bad config print one line (rank 0 only) and exit 2 (1 for a
     file made by something else)."""
-    from megatron_mecefo.megatron_lm.arguments import normalize_argv
+    from megatron_mecefo.cli import normalize_argv
 
     args = build_parser().parse_args(normalize_argv(list(sys.argv[1:] if argv is None else argv)))
     launched = "WORLD_SIZE" in os.environ

@@ -5,16 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-OPS: Tuple[str, ...] = ("qkv", "scores", "context", "proj")
-"""The protected GEMMs of one attention block, in execution order: the QKV projection, the
-scores ``Q·Kᵀ`` (scaled), the context ``softmax(scores)·V`` and the output projection."""
+# The shared names live in .choices (inject and policy import them from there, not from here);
+# re-exported: ``from megatron_mecefo.abft.config import AbftConfigError`` is public.
+from megatron_mecefo.abft.choices import MODES, ON_UNCORRECTABLE, OPS, AbftConfigError
+from megatron_mecefo.abft.inject import parse_rule
+from megatron_mecefo.abft.policy import build_policy
 
-MODES = ("correct", "detect")
-ON_UNCORRECTABLE = ("skip", "raise")
-
-
-class AbftConfigError(ValueError):
-    """A bad ABFT setting; the message names the field or flag, the value and the fix."""
+__all__ = ["AbftConfig", "AbftConfigError", "MODES", "ON_UNCORRECTABLE", "OPS"]
 
 
 @dataclass
@@ -96,9 +93,6 @@ class AbftConfig:
             raise AbftConfigError(f"abs_threshold={self.abs_threshold}: must be >= 0")
         if self.rel_threshold is not None and not self.rel_threshold >= 0:
             raise AbftConfigError(f"rel_threshold={self.rel_threshold}: must be >= 0")
-        from megatron_mecefo.abft.inject import parse_rule
-        from megatron_mecefo.abft.policy import build_policy
-
         build_policy(self.policy)
         for spec in self.inject:
             parse_rule(spec)

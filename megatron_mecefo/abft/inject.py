@@ -33,7 +33,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 
-from megatron_mecefo.abft.config import OPS, AbftConfigError
+from megatron_mecefo.abft.choices import OPS, AbftConfigError
 from megatron_mecefo.abft.metrics import classify
 
 if TYPE_CHECKING:

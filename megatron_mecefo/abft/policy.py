@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_mecefo.abft.config import AbftConfigError
+from megatron_mecefo.abft.choices import AbftConfigError
 
 
 class ProtectionPolicy:

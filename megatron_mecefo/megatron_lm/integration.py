@@ -35,14 +35,9 @@ import os
 import sys
 from typing import Any, Callable, List, Optional
 
-from megatron_mecefo.megatron_lm.arguments import (
-    FaultToleranceConfig,
-    MecefoConfigError,
-    add_arguments,
-    exit_with_config_error,
-    mecefo_flags_given,
-    normalize_argv,
-)
+from megatron_mecefo.cli import exit_with_config_error, mecefo_flags_given, normalize_argv
+from megatron_mecefo.takeover.arguments import add_arguments
+from megatron_mecefo.takeover.config import FaultToleranceConfig, MecefoConfigError
 
 _TRAINING = "megatron.training.training"
 
@@ -457,10 +452,6 @@ class MegatronLMIntegration:
         from megatron.core import parallel_state as ps
         from megatron.training import get_args
 
-        from megatron_mecefo.takeover.controller import MecefoController
-        from megatron_mecefo.takeover.data_remap import GlobalBatchLayout
-        from megatron_mecefo.techniques.apply import mha_group_parameters
-
         args = get_args()
         ft = self.config
         dp, replica = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -469,16 +460,7 @@ class MegatronLMIntegration:
             schedule = self.recovery.schedule(lambda: ft.build_schedule(dp, _train_iters(args)))
         else:
             schedule = ft.build_schedule(dp, _train_iters(args))
-        self.controller = MecefoController(
-            schedule=schedule,
-            policy=ft.build_policy(dp, self.state, self.chunks),
-            state=self.state,
-            replica=replica,
-            layout=GlobalBatchLayout(args.global_batch_size, args.micro_batch_size, dp),
-            mha_parameters=mha_group_parameters(self.chunks),
-            calculate_per_token_loss=args.calculate_per_token_loss,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-        )
+        self.controller = ft.build_controller(args, self.state, self.chunks, replica, dp, schedule)
         self._device = next(self.chunks[0].parameters()).device
         self._collate = torch.utils.data.default_collate
         from megatron_mecefo.takeover.topology import ORDERS, ReplicaTopology

@@ -7,14 +7,14 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-from megatron_mecefo.errors import UserError
+# Re-exported: ``from megatron_mecefo.recovery.config import RecoveryConfigError`` is public.
+from megatron_mecefo.recovery.config_error import RecoveryConfigError
+from megatron_mecefo.recovery.replacement import build_replacement
+
+__all__ = ["ENV", "RecoveryConfig", "RecoveryConfigError"]
 
 ENV = "MECEFO_RECOVERY"
 """Environment variable through which the supervisor hands the config (JSON) to its ranks."""
-
-
-class RecoveryConfigError(UserError, ValueError):
-    """A bad recovery setting; the message names the flag, the value and the fix (exit 2)."""
 
 
 @dataclass
@@ -82,8 +82,6 @@ class RecoveryConfig:
                     "heartbeat interval < heartbeat timeout < collective timeout < init "
                     f"timeout; raise {name_b} or lower {name_a}"
                 )
-        from megatron_mecefo.recovery.replacement import build_replacement
-
         build_replacement(self.replace)  # raises on a bad value
         if self.orphan not in ("wait", "exit"):
             raise RecoveryConfigError(f"--orphan={self.orphan}: use wait or exit")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatron_mecefo.recovery.config_error import RecoveryConfigError
+
 
 class ReplacementPolicy:
     """Base class: never replace."""
@@ -52,8 +54,6 @@ class ReplaceAfterDelay(ReplacementPolicy):
 
 def build_replacement(spec: str) -> ReplacementPolicy:
     """``never``, ``immediately`` or ``after:SECONDS``."""
-    from megatron_mecefo.recovery.config import RecoveryConfigError
-
     if spec == "never":
         return NeverReplace()
     if spec == "immediately":

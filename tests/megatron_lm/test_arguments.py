@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import TRAINER, child_env, max_down
 
-from megatron_mecefo.megatron_lm.arguments import FaultToleranceConfig, MecefoConfigError
+from megatron_mecefo.takeover.config import FaultToleranceConfig, MecefoConfigError
 from megatron_mecefo.takeover.failure_schedule import (
     FailureSchedule,
 )

@@ -15,17 +15,15 @@ from typing import Any, List
 import pytest
 from conftest import child_env
 
+from megatron_mecefo.cli import normalize_argv
 from megatron_mecefo.megatron_lm import integration as integ
-from megatron_mecefo.megatron_lm.arguments import (
-    MecefoConfigError,
-    add_arguments,
-    normalize_argv,
-)
 from megatron_mecefo.megatron_lm.integration import (
     MegatronLMIntegration,
     _validated_config,
     extra_args_provider,
 )
+from megatron_mecefo.takeover.arguments import add_arguments
+from megatron_mecefo.takeover.config import MecefoConfigError
 
 
 def _args(argv: List[str], **megatron: Any) -> argparse.Namespace:

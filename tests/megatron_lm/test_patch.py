@@ -23,8 +23,8 @@ import pytest
 from conftest import REPO, child_env, free_port
 from mlm_runs import CPU_TINY_GPT
 
-from megatron_mecefo.megatron_lm.arguments import MecefoConfigError
 from megatron_mecefo.megatron_lm.integration import _validated_config, extra_args_provider
+from megatron_mecefo.takeover.config import MecefoConfigError
 
 PATCHES = REPO / "patches"
 

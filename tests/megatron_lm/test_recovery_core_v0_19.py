@@ -35,7 +35,7 @@ def _megatron_args(**over: Any) -> argparse.Namespace:
     )  # fmt: skip
     base.update(over)
     args = argparse.Namespace(**base)
-    from megatron_mecefo.megatron_lm.arguments import add_arguments
+    from megatron_mecefo.takeover.arguments import add_arguments
 
     for key, value in vars(add_arguments(argparse.ArgumentParser()).parse_args([])).items():
         if not hasattr(args, key):

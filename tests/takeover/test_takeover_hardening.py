@@ -9,7 +9,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from megatron_mecefo.megatron_lm.arguments import FaultToleranceConfig, MecefoConfigError
+from megatron_mecefo.takeover.config import FaultToleranceConfig, MecefoConfigError
 from megatron_mecefo.takeover.controller import MecefoController, SampleOffsetError
 from megatron_mecefo.takeover.data_remap import GlobalBatchLayout
 from megatron_mecefo.takeover.failure_schedule import FailureSchedule, ScheduleError
