@@ -35,7 +35,7 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from megatron_mecefo.megatron_lm.arguments import exit_with_config_error
+from megatron_mecefo.cli import exit_with_config_error
 from megatron_mecefo.recovery.config import ENV
 
 _TRAINING = "megatron.training.training"
@@ -75,9 +75,9 @@ def check_recovery_args(args: Any) -> None:
     """Start-up checks of Megatron-LM's parsed flags for ``--mecefo-kill`` and the supervisor
     (the parser hook of :func:`.integration.extra_args_provider` calls it); under the
     supervisor it also hands the collective timeout to ``--distributed-timeout-minutes``."""
-    from megatron_mecefo.megatron_lm.arguments import MecefoConfigError
     from megatron_mecefo.recovery.arguments import validate
     from megatron_mecefo.recovery.config import RecoveryConfig
+    from megatron_mecefo.takeover.config import MecefoConfigError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -132,7 +132,7 @@ def check_recovery_args(args: Any) -> None:
 
 def job_args(args: Any, world_size: int) -> argparse.Namespace:
     """What the recovery session reads of the job, from Megatron-LM's parsed flags."""
-    from megatron_mecefo.megatron_lm.arguments import FaultToleranceConfig
+    from megatron_mecefo.takeover.config import FaultToleranceConfig
 
     tp = int(args.tensor_model_parallel_size)
     pp = int(args.pipeline_model_parallel_size)

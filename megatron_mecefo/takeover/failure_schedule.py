@@ -5,7 +5,7 @@ and a seed, so every rank derives the same events without communicating. Iterati
 Megatron's logged iteration numbers (1-based): an event ``(replica, fail, recover)`` takes the
 replica out of iterations ``fail, fail + 1, ..., recover - 1``.
 
-Four sources, all selected by flags (see :mod:`megatron_mecefo.megatron_lm.arguments`):
+Four sources, all selected by flags (see :mod:`megatron_mecefo.takeover.arguments`):
 
 * scripted: events given explicitly;
 * the paper's three scenarios (MeCeFO Table 1), mapped to iterations through a nominal step
