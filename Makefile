@@ -167,7 +167,7 @@ clean:
 docs: venv
 	$(PY) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(PIP) install -q -c constraints.txt -e .[docs]
 	$(PY) scripts/render_flags.py --check
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 flags-doc: venv
 	$(PY) scripts/render_flags.py
