@@ -368,6 +368,20 @@ class Trainer:
             **({"rank_cpu_s": rank_cpu} if rank_cpu is not None else {}),
         }
 
+    def _log_unlogged(self) -> None:
+        """Under the supervisor, in a new world: the committed iterations whose line and
+        record the logging rank did not write before it died (it died after the commit)."""
+        if self.recovery is None or self.log.rank != 0:
+            return
+        late = self.recovery.unlogged(self.history)
+        for record in late:
+            self.log.emit(record)
+            it = record["iteration"]
+            if it % self.args.log_interval == 0 or it == self.args.train_iters:
+                self.log.window(self.args, [record])
+        if late:
+            self.recovery.logged(late[-1]["iteration"])
+
     def zero_grads(self) -> None:
         for m in self.model:
             m.zero_grad_buffer()
@@ -377,6 +391,7 @@ class Trainer:
     def train(self) -> None:
         a = self.args
         self.log.start(a, self.device.type, self.num_params)
+        self._log_unlogged()
         window: list[dict[str, Any]] = []
         while self.iteration < a.train_iters:
             record = self.train_step()
@@ -390,6 +405,8 @@ class Trainer:
             self.history.append(record)
             window.append(record)
             self.log.emit(record)
+            if self.recovery is not None and self.log.rank == 0:
+                self.recovery.logged(self.iteration)
             if self.recovery is not None:  # boundary snapshot of RNG and counters
                 self.recovery.committed(self)
             if self.iteration % a.log_interval == 0 or self.iteration == a.train_iters:

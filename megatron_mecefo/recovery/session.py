@@ -406,6 +406,19 @@ class RecoverySession:
             self.times["done"] = time.time()
             reporting.write_record(self, trainer)
 
+    def logged(self, iteration: int) -> None:
+        """The logging rank wrote ``iteration``'s line and record: noted in the store (a plain
+        ``set``), so that after its death the next logging rank writes the committed
+        iterations it did not (:meth:`unlogged`)."""
+        self.ms.store.set("logged", str(iteration))
+
+    def unlogged(self, history: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """The records of committed iterations that no logging rank wrote: it died after the
+        commit and before its line (the carried history has them)."""
+        text = self.ms.get_str("logged")
+        done = int(text) if text is not None else 0
+        return [r for r in history if r.get("type") == "train" and r["iteration"] > done]
+
     def at_boundary(self, trainer: Any) -> None:
         """At the end of an iteration (after logging, eval, save): the generation check."""
         t0 = time.perf_counter()

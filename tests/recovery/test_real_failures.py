@@ -98,6 +98,15 @@ def test_dp4_kill_rank0_redo_rejoin_matches_simulated(tmp_path: Path) -> None:
                       replace=True)  # fmt: skip
 
 
+@pytest.mark.slow
+def test_dp4_rank0_dies_after_the_commit_and_its_iteration_is_logged(tmp_path: Path) -> None:
+    """DP4: rank 0, the rank that logs, is SIGKILLed in its optimizer step of iteration 3,
+    after the vote committed it: the survivors keep iteration 3, and the next logging rank
+    writes its record and line (every iteration 1..8 logged exactly once)."""
+    job = _kill_and_compare(tmp_path, 1, 1, 4, rank=0, iteration=3, phase="optimizer")
+    assert "iteration        3/       8" in job.log()
+
+
 def test_tp2_pp2_dp2_kill_grad_sync_matches_simulated(tmp_path: Path) -> None:
     """TP2xPP2xDP2: a rank of replica 1 dies at the gradient sync; replica 0 goes on alone,
     the dead rank's three live siblings wait as spares."""
