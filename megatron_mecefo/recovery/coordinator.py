@@ -38,9 +38,18 @@ class Coordinator:
     """
 
     def __init__(
-        self, store: MembershipStore, world_size: int, config: RecoveryConfig, log=print
+        self,
+        store: MembershipStore,
+        world_size: int,
+        config: RecoveryConfig,
+        log=print,
+        join_at_boundary_only: bool = False,
     ) -> None:
         self.ms = store
+        self.join_at_boundary_only = join_at_boundary_only
+        """Replacements join only at a planned boundary, never a failure's world: under the
+        distributed optimizer the survivors rebuild the lost shards from their snapshots'
+        parity, a collective a process without snapshots cannot take part in."""
         self.world_size = world_size
         self.cfg = config
         self.log = log
@@ -209,13 +218,14 @@ class Coordinator:
         if lost:
             time.sleep(0.05)  # let simultaneous deaths land in one generation
             self._rescan()
-            alive = self.alive_slots()
+            alive = self._failure_world(self.alive_slots())
             lost = [s for s, i in gen.members.items() if (s, i) in self.dead]
             self._publish_change(layout, alive, lost, planned=False, reason="death")
             return
         if gen.number in self._errors_seen:
             self._pending = True
         if self._error_without_death(gen):
+            alive = self._failure_world(alive)
             self._publish_change(layout, alive, [], planned=False, reason="collective error")
             return
         # Rejoin: a replica outside the generation whose slots are all alive and ready.
@@ -227,6 +237,14 @@ class Coordinator:
                 self._pending = True
                 return
             self._publish_change(layout, ready_alive, [], planned=True, reason="rejoin")
+
+    def _failure_world(self, alive: List[int]) -> List[int]:
+        """The slots a failure's world may hold: with :attr:`join_at_boundary_only`, the
+        current members' processes only (a ready replacement waits for the rejoin)."""
+        if not self.join_at_boundary_only:
+            return alive
+        members = self.gen.members if self.gen is not None else {}
+        return [s for s in alive if members.get(s) == self.inc[s]]
 
     def _error_without_death(self, gen: Generation) -> bool:
         """A member reported a collective error in the current generation and no death has

@@ -77,9 +77,10 @@ DIST_OPT_MESSAGE = (
 )
 
 DIST_OPT_REJOIN_MESSAGE = (
-    "a replica cannot rejoin a run with --use-distributed-optimizer (its optimizer shard would "
-    "have to be re-sharded over the grown world, which is not implemented); run the supervisor "
-    "with --replace never, or resume from the last checkpoint (--load) with every replica"
+    "a replica rejoining a run with --use-distributed-optimizer needs the members' in-memory "
+    "snapshots of the boundary it joins at, to re-shard the optimizer over the grown world "
+    "(--mecefo-snapshot-interval K --mecefo-snapshot-redundancy 1); run the supervisor with "
+    "--replace never, or resume from the last checkpoint (--load) with every replica"
 )
 
 
@@ -334,8 +335,6 @@ class RecoverySession:
         dp_ranks = dist.get_process_group_ranks(dp_group)
         needs = [not (infos[r][1] and infos[r][2] == target) for r in dp_ranks]
         any_heal = [not (ok and it == target) for _, ok, it in infos]
-        if any(any_heal) and self.args.use_distributed_optimizer:
-            self.fatal(DIST_OPT_REJOIN_MESSAGE)
         if any(any_heal):
             # Every data-parallel group runs the same number of broadcasts (one, or none).
             if any(needs):
@@ -347,6 +346,8 @@ class RecoverySession:
                 if dist.get_rank() == src:
                     state = export_state(trainer, self.boundary or boundary_snapshot(trainer))
                 heal(trainer, state, src, dp_group, receiving)
+            if self.args.use_distributed_optimizer:
+                self._regrow(trainer, target, joiner=any_heal[dist.get_rank()])
             self.times["healed"] = time.time()
             self._check_replicas_identical(trainer, dp_group)
         self.valid = True
@@ -370,6 +371,28 @@ class RecoverySession:
             is_failure=lambda n: watch.generation(n).at_iteration is None,
             wait_after=watch.wait_generation_after,
         ).start()
+
+    def _regrow(self, trainer: Any, target: int, joiner: bool) -> None:
+        """A rejoin under the distributed optimizer: the heal copied the parameters and the
+        data-parallel-independent state; the optimizer's parameter state is re-sharded over
+        the grown world from the members' snapshots of ``target`` (collective)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_mecefo.snapshot.erasure import SnapshotLost
+
+        manager = getattr(trainer, "snapshots", None)
+        if manager is None:  # the flag checks require snapshots with the distributed optimizer
+            self.fatal(DIST_OPT_REJOIN_MESSAGE)
+        # Megatron's OptimizerParamScheduler.load_state_dict adds the saved steps to its own,
+        # and the heal or the carry loaded them already.
+        trainer.scheduler.num_steps = 0
+        try:
+            done = manager.regrow(
+                trainer.snapshot_state(), ps.get_data_parallel_group_gloo(), target, joiner
+            )
+        except SnapshotLost as err:
+            self.fatal(f"{err}; {DIST_OPT_REJOIN_MESSAGE}")
+        self.takeover_info = {"recovery_path": "regrow", "regrow_s": done["seconds"]}
 
     def _check_replicas_identical(self, trainer: Any, dp_group: Any) -> None:
         """After a heal: parameters and optimizer state hash alike on every DP replica."""
@@ -429,6 +452,12 @@ class RecoverySession:
         if number != self.generation:
             gen = self.ms.generation(number)
             if gen.at_iteration is None or it + 1 >= gen.at_iteration:
+                snapshots = getattr(trainer, "snapshots", None)
+                dist_opt = self.args.use_distributed_optimizer and snapshots is not None
+                if gen.at_iteration is not None and dist_opt:
+                    # Every member is at this boundary: its snapshot is what the grown world
+                    # re-shards the optimizer from (SnapshotManager.regrow).
+                    snapshots.seal_boundary(trainer.snapshot_state(), it)
                 raise RegroupRequest(f"generation {number} ({gen.reason}) at iteration {it + 1}")
         if self.hooks_s:
             self.hooks_s[-1] += time.perf_counter() - t0

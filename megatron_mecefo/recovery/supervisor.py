@@ -311,6 +311,7 @@ class Supervisor:
                 self.world_size,
                 self.cfg,
                 log=lambda line: print(line, flush=True),
+                join_at_boundary_only="--use-distributed-optimizer" in self.args.command,
             )
             self.coordinator.start()
 

@@ -165,7 +165,11 @@ def restore_optimizer(optimizer: Any, tensors: Dict[str, torch.Tensor]) -> None:
                         slot = inner.state.setdefault(param, {})
                         for key, saved in entries.items():
                             live: Optional[torch.Tensor] = slot.get(key)
-                            if live is None or live.shape != saved.shape:
+                            # A scalar gets a tensor of its own: megatron-core's
+                            # DistributedOptimizer.load_state_dict gives every parameter the
+                            # same 'step' tensor, which torch's Adam would then advance once
+                            # per parameter at each step (a wrong bias correction).
+                            if live is None or live.shape != saved.shape or saved.dim() == 0:
                                 live = torch.empty_like(saved, device=param.device)
                                 slot[key] = live
                             live.copy_(saved)

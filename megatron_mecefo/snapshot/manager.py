@@ -546,6 +546,81 @@ class SnapshotManager:
             "rebuilt": rebuilt,
         }
 
+    def regrow(
+        self, state: TrainingState, group: dist.ProcessGroup, iteration: int, joiner: bool
+    ) -> Dict[str, Any]:
+        """Collective over the world after a rejoin (a grown data-parallel ``group``, the new
+        world's): the members that trained hold the snapshot of ``iteration`` (the planned
+        boundary, taken and flushed before the old world was left: :meth:`seal_boundary`);
+        a ``joiner`` holds none. Every member gathers the old layout's shards over ``group``,
+        re-shards the optimizer over the grown group and loads it; a joiner also loads the
+        model tensors of a peer at the same TP/PP coordinates.
+
+        Returns:
+            ``{"path": "regrow", "iteration": N, "seconds": s, "from": [slots]}``.
+
+        Raises:
+            SnapshotLost: A member that trained holds no intact snapshot of ``iteration``
+                (one verdict for the whole world, before any rank writes its state).
+        """
+        from megatron_mecefo.snapshot.erasure import SnapshotLost
+        from megatron_mecefo.snapshot.parity import read_tensors
+
+        t0 = time.perf_counter()
+        held = None if joiner else self.local_snapshots(verify=True).get(iteration)
+        if not _agree(joiner or held is not None):
+            raise SnapshotLost(
+                f"rejoin under the distributed optimizer: a member holds no intact snapshot of "
+                f"iteration {iteration}, the boundary the replica rejoins at"
+            )
+        header = None if held is None else held[1]
+        size = dist.get_world_size(group)
+        every: List[Any] = [None] * size
+        dist.all_gather_object(every, (self.slot_id, header), group=group)
+        top = max(int(h["nbytes"]) for _, h in every if h is not None)
+        packed = torch.zeros(top, dtype=torch.uint8)
+        if held is not None:
+            packed[: header["nbytes"]] = held[0].buffer[: header["nbytes"]]
+        gathered = [torch.empty_like(packed) for _ in range(size)]
+        dist.all_gather(gathered, packed, group=group)
+        shards = [
+            (h, read_tensors(h, data.numpy()[: int(h["nbytes"])]))
+            for (_, h), data in zip(every, gathered, strict=True)
+            if h is not None
+        ]
+        new_map = dist_opt_map(state)
+        if new_map is None:
+            raise RuntimeError("regrow needs the distributed optimizer")
+        sizes = {
+            f"model{i}.{name}": p.numel()
+            for i, chunk in enumerate(state.model_chunks)
+            for name, p in chunk.named_parameters()
+        }
+        optim = reshard([(h["meta"], t) for h, t in shards], new_map, sizes)
+        # A joiner takes the model tensors of the first sender (same TP/PP coordinates).
+        own_header, own = (header, held[0].read(header)) if held is not None else shards[0]
+        merged = {n: t for n, t in own.items() if not n.startswith("optim")}
+        merged.update(optim)
+        restore(state, merged, own_header["meta"])
+        if held is not None:
+            self._rolled_back_to(held[0], iteration)
+        seconds = time.perf_counter() - t0
+        senders = [int(slot) for slot, h in every if h is not None]
+        self.log(
+            f"> MeCeFO snapshot: rejoin at iteration {iteration}: optimizer re-sharded over "
+            f"{size} replicas from the shards of ranks {senders}; {seconds:.3f} s"
+        )
+        return {"path": "regrow", "iteration": iteration, "seconds": seconds, "from": senders}
+
+    def seal_boundary(self, state: TrainingState, iteration: int) -> None:
+        """Before a planned regroup: take the snapshot of ``iteration`` if the interval did
+        not, and finish its copy, so that :meth:`regrow` finds it sealed in the grown world.
+        No collective (its parity is left to the worker, as at every step): a member that
+        sees the new generation an iteration late must not leave the others waiting here."""
+        if iteration not in self.local_snapshots(verify=False):
+            self.take(state, iteration)
+        self._finish_local()
+
     def forget(self) -> None:
         """Drop every snapshot (slots and parity): the state was put back from elsewhere
         (the disk checkpoint), so these belong to a discarded timeline and must never be

@@ -176,3 +176,50 @@ def test_dp4_two_members_lost_falls_back_to_disk(tmp_path: Path) -> None:
     # in another order than DP4 with zero terms (fp32 reassociation); a wrong checkpoint, a
     # wrong re-shard or a replay off by one iteration moves the parameters by ~3e-4 or more.
     assert diff <= 2e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [1, 2], ids=["dp4", "pp2dp4"])
+def test_replacement_rejoins_and_the_optimizer_is_resharded(tmp_path: Path, pp: int) -> None:
+    """A rank of replica 2 dies (the shard rebuilt from parity, DP3), a warm standby replaces it
+    and rejoins at a planned boundary: the optimizer is re-sharded over DP4 from the members'
+    snapshots of that boundary, every replica's parameters hash alike at every iteration after,
+    every sample is counted once, and the final parameters equal the simulated run of the same
+    schedule (replica 2 failed from s+1 to the rejoin)."""
+    iters, world = 14, 4 * pp
+    args = _args(["--optimizer", "adam"]) + ["--pipeline-model-parallel-size", str(pp)]
+    args[args.index("--train-iters") + 1] = str(iters)
+    job = Job(
+        tmp_path / "real", world,
+        args + ["--mecefo-kill", "2:3:backward",  # rank 2: replica 2's (first) stage 0
+                "--check-weight-hash-across-dp-replicas-interval", "1"],
+        supervisor_args=["--replace", "after:1", "--standby", "1"],
+        MECEFO_TEST_STEP_SLEEP="0.2",
+    )  # fmt: skip
+    try:
+        assert job.start().wait() == [0], job.log()[-6000:]
+    finally:
+        job.stop()
+    log = job.log()
+    assert "recovery path peers+parity" in log, log[-4000:]
+    assert "optimizer re-sharded over 4 replicas from the shards of ranks" in log, log[-4000:]
+    assert "healed; parameters and optimizer state identical" in log, log[-4000:]
+    (restore,) = job.records_of("snapshot_restore")
+    s = restore["iteration"]
+    failure, rejoin = job.records_of("recovery")
+    assert failure["kind"] == "failure" and rejoin["kind"] == "rejoin", (failure, rejoin)
+    assert rejoin["recovery_path"] == "regrow", rejoin
+    back = rejoin["iteration"]
+    final = _final_records(job, restore)
+    check_every_sample_once(final, iters, GBS)
+    assert [r["mecefo"]["degraded"] for r in final] == [s < i < back for i in range(1, iters + 1)]
+    checks = job.records_of("dp_weight_check")
+    assert [c["iteration"] for c in checks if c["iteration"] >= back][-1] == iters
+    assert all(c["identical"] for c in checks)
+    real = job.params()
+    assert len(real) == world
+    schedule = f"2:{s + 1}:{back}"
+    sim = run_torchrun(tmp_path / "sim", world, args + ["--mecefo-fail", schedule])
+    diff = max_param_diff(real, sim)
+    print(f"real (rejoined, re-sharded) vs simulated {schedule}: max diff {diff:.2e}")
+    assert diff <= 2e-5
