@@ -60,6 +60,7 @@ class Coordinator:
         self._hb: Dict[Tuple[int, int], Tuple[int, float]] = {}
         self._kill_requested: Dict[Tuple[int, int], float] = {}
         self._errors_seen: Dict[int, float] = {}
+        self._progress_at: Dict[int, int] = {}  # the progress key when a generation was made
         self.gen: Optional[Generation] = None
         self._layout: Optional[JobLayout] = None
         self._pending = False
@@ -233,10 +234,18 @@ class Coordinator:
         replicas, _ = self.assignment.assign(layout, ready_alive)
         if gen.number > 0 and set(replicas) - set(gen.replicas):
             progress = self.ms.get_str("progress")
-            if progress is None:
+            if progress is None or not self._established(gen, int(progress)):
                 self._pending = True
                 return
             self._publish_change(layout, ready_alive, [], planned=True, reason="rejoin")
+
+    def _established(self, gen: Generation, progress: int) -> bool:
+        """Whether a rejoin may supersede ``gen``: with :attr:`join_at_boundary_only`, a
+        failure's world must first commit an iteration past the one it was made at (its
+        survivors' rebuild from the snapshots' parity is a collective of that world)."""
+        if not self.join_at_boundary_only or gen.at_iteration is not None:
+            return True
+        return progress > self._progress_at.get(gen.number, -1)
 
     def _failure_world(self, alive: List[int]) -> List[int]:
         """The slots a failure's world may hold: with :attr:`join_at_boundary_only`, the
@@ -292,6 +301,7 @@ class Coordinator:
             abort=abort,
             layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
         )
+        self._progress_at[new.number] = int(self.ms.get_str("progress") or 0)
         self.ms.publish(new)
         self.gen = new
         what = f"at iteration boundary {at}" if planned else "now"

@@ -326,3 +326,31 @@ def test_distributed_optimizer_shard_rebuilt_from_snapshots(
     assert record["recovery_path"] == "peers+parity", record
     schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
     assert len(schedule) == 1 and schedule[0].startswith("2:"), schedule
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_replacement_rejoins_resharded(
+    megatron_lm: Path, tmp_path: Path
+) -> None:
+    """--use-distributed-optimizer: rank 2 dies in its backward of iteration 4 (its shard
+    rebuilt from parity, DP3); a warm standby replaces it and rejoins at a boundary, where the
+    optimizer is re-sharded over DP4 from the members' snapshots: Megatron-LM's weight-hash
+    check passes, and the run equals the simulated schedule (replica 2 failed, then back)."""
+    argv = ["--train-iters", "30", "--use-distributed-optimizer",
+            "--check-weight-hash-across-dp-replicas-interval", "5"]  # fmt: skip
+    save = tmp_path / "real"
+    rc, real = supervised(
+        megatron_lm,
+        [*argv, *MECEFO, "--mecefo-snapshot-interval", "1", "--mecefo-snapshot-redundancy", "1",
+         "--mecefo-kill", "2:4:backward", "--save", str(save)],
+        tmp_path, supervisor=["--replace", "after:1", "--standby", "1"],
+    )  # fmt: skip
+    assert rc == 0, real[-6000:]
+    assert "optimizer re-sharded over 4 replicas from the shards of ranks" in real, real[-6000:]
+    assert "healed; parameters and optimizer state identical on every data-parallel" in real
+    assert "Weight hashes match after 30 iterations" in real and "do not match" not in real
+    failure, rejoin = _records(tmp_path)
+    assert failure["recovery_path"] == "peers+parity" and rejoin["recovery_path"] == "regrow"
+    schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
+    assert len(schedule) == 1 and schedule[0].startswith("2:"), schedule
+    assert schedule[0].count(":") == 2, schedule  # failed, then back

@@ -81,12 +81,15 @@ def test_membership_schedule_opens_and_closes_events() -> None:
 
 
 @contextlib.contextmanager
-def _coordinating(store: str, dp: int) -> Iterator[Tuple[MembershipStore, RecoveryConfig]]:
+def _coordinating(
+    store: str, dp: int, join_at_boundary_only: bool = False
+) -> Iterator[Tuple[MembershipStore, RecoveryConfig]]:
     """A running coordinator over a DP-``dp`` job whose ranks (incarnation 0) are all ready."""
     cfg = RecoveryConfig(store=store, poll_interval_s=0.005, heartbeat_interval_s=0.2,
                          heartbeat_timeout_s=1.0)  # fmt: skip
     ms = MembershipStore.connect(store)
-    coord = Coordinator(MembershipStore.connect(store), dp, cfg, log=lambda line: None)
+    coord = Coordinator(MembershipStore.connect(store), dp, cfg, log=lambda line: None,
+                        join_at_boundary_only=join_at_boundary_only)  # fmt: skip
     coord.start()
     try:
         ms.set_json("layout", {"tp": 1, "pp": 1, "dp": dp})
@@ -127,6 +130,27 @@ def test_replacement_up_before_the_failure_generation_joins_it(store: str) -> No
         gen = _wait_gen(ms, 1)
         assert gen.lost == (1,) and gen.at_iteration is None
         assert gen.members == {0: 0, 1: 1} and gen.joined == (1,)
+
+
+def test_under_the_distributed_optimizer_a_replacement_joins_only_at_a_boundary(
+    store: str,
+) -> None:
+    """``join_at_boundary_only`` (the supervisor sets it for --use-distributed-optimizer): a
+    replacement ready before the failure is published stays out of the failure's world (its
+    survivors rebuild the lost shards from parity, a collective it cannot join), and the
+    rejoin waits until that world has committed an iteration past the one it was made at."""
+    with _coordinating(store, 2, join_at_boundary_only=True) as (ms, cfg):
+        ms.store.set("progress", "4")
+        ms.store.set("inc/1", "1")
+        ms.mark_ready(1, 1, {})
+        ms.report_dead(1, 0, {"exit_code": -9, "t": time.time()})
+        gen = _wait_gen(ms, 1)
+        assert gen.members == {0: 0} and gen.joined == () and gen.lost == (1,)
+        time.sleep(0.3)  # the failure's world has not committed: no rejoin yet
+        assert ms.generation_number() == 1
+        ms.store.set("progress", "5")
+        gen = _wait_gen(ms, 2)
+        assert gen.joined == (1,) and gen.at_iteration == 5 + cfg.join_margin_iterations
 
 
 def _wait_gen(ms: MembershipStore, number: int) -> Generation:
