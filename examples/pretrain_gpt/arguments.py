@@ -276,6 +276,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.mecefo_virtual_replicas is not None:  # one process stands for N replicas
         _validate_virtual_replicas(args, world_size)
         args.data_parallel_size = dp = args.mecefo_virtual_replicas
+    if args.use_distributed_optimizer and args.optimizer != "adam":
+        # megatron-core asserts it when it builds the optimizer, after the model.
+        raise ConfigError(
+            f"--optimizer={args.optimizer} with --use-distributed-optimizer: megatron-core's "
+            "distributed optimizer supports Adam only; use --optimizer adam or drop "
+            "--use-distributed-optimizer"
+        )
     if args.num_layers % pp != 0:
         raise ConfigError(
             f"--num-layers={args.num_layers} is not divisible by "

@@ -208,6 +208,8 @@ ROWS = [
         2, TP, ["--metrics-file /proc/m.jsonl", "cannot write"], rank_env()),
     Row("tensorboard-dir-unwritable", "flags", trainer(*MOCK, "--tensorboard-dir", "/proc/tb"),
         2, TP, ["--tensorboard-dir /proc/tb", "cannot write"], rank_env()),
+    Row("dist-opt-sgd", "flags", trainer(*MOCK, "--use-distributed-optimizer", "--optimizer",
+        "sgd"), 2, TP, ["--optimizer=sgd", "Adam only"], rank_env()),
     Row("unknown-flag", "flags", trainer(*MOCK, "--num-layer", "4"), 2, TP,
         ["unrecognized arguments: --num-layer"], rank_env()),
     # ------------------------------------------------------------- flags: the supervisor's
