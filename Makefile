@@ -10,7 +10,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-all test-errors test-slurm bench bench-long lint clean
+.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-errors test-slurm bench bench-long lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -91,13 +91,23 @@ demo-simulated: data
 demo-abft: data
 	$(PY) examples/pretrain_gpt/abft_demo.py
 
+# tests/unit: one process, seconds each; tests/integration: real processes (torchrun, the
+# recovery supervisor, spawned ranks, subprocesses). make test runs both, without the slow ones.
 test: venv
 	$(PY) -m pytest -q -m "not slow" --timeout=900 --durations=15 tests
+
+# The fast loop: the unit tests only (about a minute).
+test-unit: venv
+	$(PY) -m pytest -q -m "not slow" tests/unit
+
+test-integration: venv
+	$(PY) -m pytest -q -m "not slow" --timeout=900 --durations=15 tests/integration
 
 # docs/errors.md: one row per user mistake, each ending in one line (the start-up rows are in
 # make test; this runs the slow ones too: training, signals, about 3 minutes more).
 test-errors: venv
-	$(PY) -m pytest -q --timeout=1800 tests/examples/test_user_errors.py
+	$(PY) -m pytest -q --timeout=1800 tests/unit/examples/test_user_errors_table.py \
+	    tests/integration/examples/test_user_errors.py
 
 test-all: venv
 	$(PY) -m pytest -q --timeout=1800 tests
@@ -107,7 +117,7 @@ test-all: venv
 # (root), a node lost and brought back during the example trainer's run, the Megatron-LM
 # script fully only with MEGATRON_LM_DIR set. Every daemon is stopped on exit.
 test-slurm: venv
-	tests/slurm/run_slurm_test.sh
+	tests/integration/slurm/run_slurm_test.sh
 
 # The CPU evidence suite (README "Results"), about 70 minutes on 2 cores (25 before the n = 32 convergence runs, about 45 of their own): costs, ABFT overhead, degraded
 # throughput (model + real DP4 runs), failure traces, the planner's profile and the cluster
@@ -151,7 +161,7 @@ lint: venv
 	$(VENV)/bin/ruff check megatron_mecefo examples tests benchmarks patches
 	$(VENV)/bin/black --check megatron_mecefo examples tests benchmarks patches
 	@if command -v shellcheck > /dev/null; then \
-	    shellcheck examples/slurm/*.sh examples/slurm/*.sbatch tests/slurm/*.sh; \
+	    shellcheck examples/slurm/*.sh examples/slurm/*.sbatch tests/integration/slurm/*.sh; \
 	else echo "make lint: shellcheck not installed; make test-slurm installs it and checks the Slurm scripts"; fi
 
 # results/ holds committed benchmark outputs (see .gitignore); only the run folders go.

@@ -12,8 +12,9 @@ computation).
 The run is repeated (``--repeats``) because one rank's CPU time for the same work varies by
 about ±30% from iteration to iteration on these 2 shared cores; the JSON holds every step of
 every repeat, and the summary line gives the median over repeats of the median relative error.
-This replaces a timing assertion the test suite had (``tests/planner/test_auto_policy.py`` now
-checks the decisions and the records only).
+This replaces a timing assertion the test suite had
+(``tests/integration/planner/test_auto_policy_run.py`` now checks the decisions and the records
+only).
 
 Usage (repo root): ``.venv/bin/python benchmarks/planner_accuracy.py [--repeats 3]``.
 """
@@ -63,7 +64,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def trainer_flags(args: argparse.Namespace, metrics: Path) -> List[str]:
-    """The run of ``tests/planner/test_auto_policy.py``, longer: 4 micro-batches per replica."""
+    """The run of ``tests/integration/planner/test_auto_policy_run.py``, longer: 4 micro-batches
+    per replica."""
     return [
         "--data-path", args.data_path, "--train-iters", str(args.train_iters),
         "--micro-batch-size", "1", "--global-batch-size", str(4 * args.nproc),

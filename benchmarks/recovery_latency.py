@@ -28,7 +28,8 @@ Usage: ``.venv/bin/python benchmarks/recovery_latency.py [--kills-per-phase 20]`
 with ``patches/megatron-lm-core_v0.16.1.patch``, on CPU ranks through
 ``patches/run_megatron_lm_cpu.py``; the tree is unpacked from
 ``../shared/megatron-lm/Megatron-LM-core_v0.16.1.tar.gz`` or given with ``--megatron-lm-dir``)
-at DP4 on 4 ranks, the tiny GPT of ``tests/megatron_lm`` (:data:`MLM_MODEL`), in three parts:
+at DP4 on 4 ranks, the tiny GPT of ``tests/helpers/mlm_runs.py`` (:data:`MLM_MODEL`), in three
+parts:
 
 1. per phase, one supervised run with ``--kills-per-phase`` (default 10) ``--mecefo-kill``
    values ``--spacing`` (default 60) iterations apart, victims cycling over the replicas, each
@@ -407,7 +408,7 @@ MLM_MODEL = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--seed", "1234",
     "--ckpt-format", "torch",
 ]  # fmt: skip
-"""The CPU_GPT flags of ``tests/megatron_lm/mlm_runs.py`` (DP4 on 4 ranks), without its
+"""The CPU_GPT flags of ``tests/helpers/mlm_runs.py`` (DP4 on 4 ranks), without its
 ``--save-interval``."""
 MLM_MECEFO = ["--mecefo", "--mecefo-rank", "16"]
 MLM_SUPERVISOR = ["--replace", "after:1", "--standby", "2"]

@@ -1,4 +1,10 @@
-"""Shared fixtures: a small real-text dataset, and launching the example trainer."""
+"""Shared fixtures: a small real-text dataset, and launching the example trainer.
+
+The tests are in ``unit/`` (one process, seconds) and ``integration/`` (real processes:
+torchrun, the recovery supervisor, spawned ranks, subprocesses), each mirroring the package's
+subsystems. The scripts those tests start as processes are in ``workers/``; the modules they
+share (``from harness import Job``) are in ``helpers/``, which this file puts on ``sys.path``.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
+WORKERS = REPO / "tests" / "workers"
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 # A tiny LLaMA-style model that still has every parallel dimension to split.
 TINY_MODEL = [
@@ -42,12 +50,12 @@ def child_env(**extra: str) -> dict[str, str]:
 def run_failure_cases(
     nproc: int, cases: list, out: Path, reference: bool = False, timeout: float = 900
 ) -> None:
-    """Run ``tests/takeover/failure_training_worker.py`` on ``nproc`` torchrun ranks over the
+    """Run ``tests/workers/failure_training_worker.py`` on ``nproc`` torchrun ranks over the
     training ``cases`` (written to ``out``; each case's results land there too)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"cases{'_ref' if reference else ''}.json"
     path.write_text(json.dumps(cases))
-    worker = REPO / "tests" / "takeover" / "failure_training_worker.py"
+    worker = WORKERS / "failure_training_worker.py"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         f"--master_port={free_port()}", str(worker), "--cases", str(path), "--out", str(out),
@@ -140,3 +148,15 @@ def trainer_args():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path):
+    """A holder directory in shared memory (/dev/shm when present), removed afterwards."""
+    import shutil
+    import uuid
+
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    path = root / f"mecefo-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -11,8 +11,9 @@ refuses to start when CUDA is available, so it can never change a GPU run.
 
 Each patch belongs to one *layer*; :data:`PATCHED_CALL_SITES` lists every megatron-core call
 site a layer serves, with the reason. ``CpuRuntime(record=True)`` records the sites it actually
-intercepts, and ``tests/runtime/test_cpu_runtime.py`` checks that the list is complete for the
-features the plugin supports, so the list cannot silently go stale on a megatron-core upgrade.
+intercepts, and ``tests/integration/runtime/test_cpu_runtime_runs.py`` checks that the list is
+complete for the features the plugin supports, so the list cannot silently go stale on a
+megatron-core upgrade.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ _TYPE = (
 #: learned positions, tied embeddings), DDP with and without overlap_grad_reduce, the plain
 #: and distributed optimizer, fp32/bf16/fp16, 1F1B and interleaved schedules, TP with and
 #: without sequence parallelism, full recomputation, and dist_checkpointing save/load.
-#: ``tests/runtime/test_cpu_runtime.py`` re-runs that sweep and requires this list to equal what it
-#: records, so it can go stale neither way.
+#: ``tests/integration/runtime/test_cpu_runtime_runs.py`` re-runs that sweep and requires this
+#: list to equal what it records, so it can go stale neither way.
 PATCHED_CALL_SITES: tuple[PatchedCallSite, ...] = tuple(
     PatchedCallSite(*row)
     for row in [

@@ -19,7 +19,7 @@ A replica keeps its own low-rank bases V: it computes V when it first runs a tak
 micro-batch and refreshes it every tau steps, so replicas hold V of different steps. The bases
 are swapped in and out per replica. The only difference from the real run is the order of the
 sum over replicas: gloo sums fp32 in its own ring order, here the sum is in fp64 and rounded
-once (tests/takeover/test_virtual_replicas.py measures the difference).
+once (tests/integration/takeover/test_virtual_replicas.py measures the difference).
 
 Not simulated, so refused at start-up (:func:`check_virtual_replicas`): more than one process,
 dropout (each real rank draws its own random stream), overlapped grad reduce and the

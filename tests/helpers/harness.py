@@ -1,0 +1,185 @@
+"""Launching the example trainer under the recovery supervisor(s), and ending it by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+from conftest import REPO
+from conftest import child_env as env
+
+DUMP_TRAINER = REPO / "tests" / "workers" / "dump_trainer.py"
+
+# Ordered as RecoveryConfig requires; short enough that a test never waits long on a backstop.
+TIMEOUTS = [
+    "--heartbeat-interval", "0.5", "--heartbeat-timeout", "6",
+    "--collective-timeout", "25", "--init-timeout", "50",
+]  # fmt: skip
+
+SMALL_MODEL = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--micro-batch-size", "2", "--lr", "3e-3",
+    "--lr-decay-style", "constant", "--split", "90,10,0", "--make-vocab-size-divisible-by",
+    "256", "--eval-iters", "0", "--log-interval", "1", "--mecefo-rank", "16",
+]  # fmt: skip
+
+
+class Job:
+    """One supervised training job (one supervisor per node), ended by PID in :meth:`stop`."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        nproc: int,
+        trainer_args: List[str],
+        nnodes: int = 1,
+        supervisor_args: Optional[List[str]] = None,
+        **extra_env: str,
+    ) -> None:
+        self.workdir = workdir
+        self.nproc, self.nnodes = nproc, nnodes
+        self.trainer_args = trainer_args
+        self.supervisor_args = list(supervisor_args or [])
+        self.dump = workdir / "dump"
+        self.dump.mkdir(parents=True, exist_ok=True)
+        self.metrics = workdir / "metrics.jsonl"
+        self.records = workdir / "recovery.jsonl"
+        self.pid_file = workdir / "pids.txt"
+        self.procs: List[subprocess.Popen] = []
+        self.logs: List[Path] = []
+        self.extra_env = extra_env
+
+    def start(self) -> Job:
+        store_file = self.workdir / "store.txt"
+        for node in range(self.nnodes):
+            cmd = [
+                sys.executable, "-m", "megatron_mecefo.recovery.supervisor",
+                "--nproc-per-node", str(self.nproc), "--nnodes", str(self.nnodes),
+                "--node-rank", str(node), "--pid-file", str(self.pid_file),
+                "--records", str(self.records), *TIMEOUTS, *self.supervisor_args,
+            ]  # fmt: skip
+            if node == 0:
+                cmd += ["--store-file", str(store_file)]
+            else:
+                deadline = time.time() + 60
+                while not store_file.exists() and time.time() < deadline:
+                    time.sleep(0.1)
+                cmd += ["--store", store_file.read_text()]
+            cmd += ["--", str(DUMP_TRAINER), *self.trainer_args, "--metrics-file",
+                    str(self.metrics)]  # fmt: skip
+            log = self.workdir / f"node{node}.log"
+            self.logs.append(log)
+            self.procs.append(
+                subprocess.Popen(
+                    cmd, cwd=REPO, env=env(MECEFO_TEST_DUMP=str(self.dump), **self.extra_env),
+                    stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+            )
+        return self
+
+    def wait(self, timeout: float = 400) -> List[int]:
+        deadline = time.time() + timeout
+        for p in self.procs:
+            p.wait(timeout=max(1.0, deadline - time.time()))
+        return [p.returncode for p in self.procs]
+
+    def log(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in self.logs if p.exists())
+
+    def rank_pids(self) -> Dict[tuple, int]:
+        """(slot, incarnation) -> pid of every rank process started so far."""
+        out = {}
+        if self.pid_file.exists():
+            for line in self.pid_file.read_text().splitlines():
+                slot, inc, pid = (int(x) for x in line.split())
+                out[(slot, inc)] = pid
+        return out
+
+    def wait_for(self, text: str, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while text not in self.log():
+            if time.time() > deadline or all(p.poll() is not None for p in self.procs):
+                raise AssertionError(f"never saw {text!r}:\n{self.log()[-4000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Kill every supervisor and every rank it started, by PID (also after a failure)."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for pid in self.rank_pids().values():
+            for kill, target in ((os.killpg, pid), (os.kill, pid)):
+                try:
+                    kill(target, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    # ------------------------------------------------------------------ results
+    def records_of(self, kind: str) -> List[Dict[str, Any]]:
+        if not self.metrics.exists():
+            return []
+        recs = [json.loads(line) for line in self.metrics.read_text().splitlines() if line]
+        return [r for r in recs if r["type"] == kind]
+
+    def params(self) -> Dict[int, Dict[str, Any]]:
+        return {int(p.stem[4:]): torch.load(p) for p in self.dump.glob("slot*.pt")}
+
+
+def run_torchrun(workdir: Path, nproc: int, args: List[str]) -> Dict[int, Dict[str, Any]]:
+    """The same trainer under torchrun (no supervisor): the simulated-failure reference."""
+    import socket
+
+    dump = workdir / "dump"
+    dump.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={port}", str(DUMP_TRAINER), *args,
+           "--metrics-file", str(workdir / "metrics.jsonl")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env(MECEFO_TEST_DUMP=str(dump)),
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {int(p.stem[4:]): torch.load(p) for p in dump.glob("slot*.pt")}
+
+
+def train_records(metrics: Path) -> List[Dict[str, Any]]:
+    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    return [r for r in recs if r["type"] == "train"]
+
+
+def check_every_sample_once(records: List[Dict[str, Any]], iters: int, gbs: int) -> None:
+    """Each iteration 1..iters logged once, its whole global batch processed, none skipped."""
+    assert [r["iteration"] for r in records] == list(range(1, iters + 1))
+    for r in records:
+        assert r["consumed_samples"] == r["iteration"] * gbs
+        assert r["mecefo"]["samples_processed"] == gbs, r
+        assert r["mecefo"]["samples_skipped"] == 0, r
+
+
+def max_param_diff(real: Dict[int, Dict[str, Any]], sim: Dict[int, Dict[str, Any]]) -> float:
+    """Largest |real - simulated| over every surviving rank's parameters; the simulated rank
+    with the same (tp, pp) and replica 0 coordinates is the reference (replicas are equal)."""
+    ref = {(d["tp"], d["pp"]): d for d in sim.values()}
+    worst = 0.0
+    for d in real.values():
+        other = ref[(d["tp"], d["pp"])]
+        assert d["iteration"] == other["iteration"]
+        for name, value in d["params"].items():
+            worst = max(worst, (value - other["params"][name]).abs().max().item())
+    return worst

@@ -1,0 +1,397 @@
+#!/bin/bash
+# make test-slurm: the sbatch scripts of examples/slurm/ under a real Slurm on this one host.
+#
+# Installs slurm-wlm, munge and shellcheck with apt when they are missing (fails, loudly, when
+# it cannot), checks the scripts with shellcheck, writes a one-host slurm.conf in a temporary
+# folder and starts munged, slurmctld and slurmd there, then:
+#   1. pretrain_gpt_mecefo.sbatch, 8 tasks (8 one-rank "nodes", PP2 x DP4, CPU): once training
+#      runs, the supervisor of node 3 is SIGKILLed (its rank dies with it: a lost node); the
+#      job trains on, rejoin_node.sh brings node 3 back in a new job step, and the job must
+#      complete every iteration with the failure and the rejoin recorded in the metrics, the
+#      rejoined replica healed, and the last DP weight-hash check passing.
+#   2. megatron_lm_mecefo.sbatch, 8 tasks, Megatron-LM core_v0.16.1 (MEGATRON_LM_DIR, else the
+#      tarball in ../shared/megatron-lm, unpacked and patched): the same node loss and rejoin
+#      as 1, survived in-process in Megatron-LM's own pretrain_gpt.py: no requeue, no
+#      checkpoint read, the node healed, Megatron-LM's weight-hash check passing at the end.
+#      With neither, the script must fail under Slurm with its own message, and this says
+#      loudly that the Megatron-LM run was not exercised.
+#   3. pretrain_gpt_mecefo.sbatch cut by its time limit: once training runs, the job's limit is
+#      lowered so that Slurm's --signal=TERM@120 (the script's own) falls due; the ranks save
+#      at the next iteration boundary, the script requeues the job, and the requeued job
+#      resumes from that checkpoint: every iteration is logged exactly once across the two.
+# Every daemon and job it started is stopped by PID / job id, and the folder removed, on exit.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/../../.." && pwd)
+PY=${PYTHON:-$REPO/.venv/bin/python}
+T0=$(date +%s)
+say() { echo "[test-slurm $(($(date +%s) - T0))s] $*"; }
+fail() { echo "[test-slurm] FAILED: $*" >&2; exit 1; }
+
+# ------------------------------------------------------------------ install
+need=()
+for tool in slurmctld:slurm-wlm slurmd:slurm-wlm sbatch:slurm-wlm munged:munge shellcheck:shellcheck; do
+    command -v "${tool%%:*}" > /dev/null 2>&1 || need+=("${tool##*:}")
+done
+if [ "${#need[@]}" -gt 0 ]; then
+    mapfile -t need < <(printf '%s\n' "${need[@]}" | sort -u)
+    if [ "$(id -u)" -ne 0 ] || ! command -v apt-get > /dev/null; then
+        fail "missing ${need[*]} and cannot install them here (needs root and apt-get); install" \
+            "them (Debian/Ubuntu: apt-get install slurm-wlm munge shellcheck) and rerun"
+    fi
+    say "installing ${need[*]} with apt-get"
+    t=$(date +%s)
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" \
+        > /dev/null
+    say "apt-get install took $(($(date +%s) - t)) s"
+fi
+"$PY" -c "import megatron_mecefo" || fail "$PY cannot import megatron_mecefo (run make venv)"
+
+say "shellcheck examples/slurm tests/integration/slurm"
+shellcheck "$REPO"/examples/slurm/*.sh "$REPO"/examples/slurm/*.sbatch "$REPO"/tests/integration/slurm/*.sh
+
+# ------------------------------------------------------------------ a one-host cluster
+TMP=$(mktemp -d /tmp/mecefo-slurm.XXXXXX)
+chmod 711 "$TMP"
+DAEMONS=()
+JOBS=()
+cleanup() {
+    local rc=$?
+    set +e
+    local pids=()
+    for job in "${JOBS[@]}"; do  # every process of the job's steps (proctrack/linuxproc)
+        mapfile -t -O "${#pids[@]}" pids < <(scontrol listpids "$job" 2> /dev/null | awk 'NR > 1 {print $1}')
+        scancel "$job" 2> /dev/null
+    done
+    for job in "${JOBS[@]}"; do  # its processes end before slurmd does
+        for _ in $(seq 100); do
+            squeue -h -j "$job" 2> /dev/null | grep -q . || break
+            sleep 0.2
+        done
+    done
+    for pid in "${pids[@]}"; do kill -9 "$pid" 2> /dev/null; done
+    for pid in "${DAEMONS[@]}"; do kill "$pid" 2> /dev/null; done
+    for pid in "${DAEMONS[@]}"; do
+        for _ in $(seq 50); do kill -0 "$pid" 2> /dev/null || break; sleep 0.1; done
+        kill -9 "$pid" 2> /dev/null
+    done
+    if [ "$rc" -ne 0 ]; then
+        echo "---- slurmctld log (tail)"; tail -n 20 "$TMP/slurmctld.log" 2> /dev/null
+        echo "---- slurmd log (tail)"; tail -n 20 "$TMP/slurmd.log" 2> /dev/null
+    fi
+    rm -rf "$TMP"
+    say "stopped ${#DAEMONS[@]} daemons, removed $TMP (status $rc)"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+free_port() { "$PY" -c "import socket; s=socket.socket(); s.bind(('',0)); print(s.getsockname()[1])"; }
+HOST=$(hostname -s)
+mkdir -p "$TMP/munge" "$TMP/state" "$TMP/spool" "$TMP/runs"
+chmod 700 "$TMP/munge"
+head -c 1024 /dev/urandom > "$TMP/munge/munge.key"
+chmod 400 "$TMP/munge/munge.key"
+# Slurm refuses more tasks on a node than it has CPUs: the node claims max(nproc, 8) CPUs
+# (config_overrides), i.e. the 8 tiny CPU ranks oversubscribe the real cores.
+CPUS=$(nproc)
+[ "$CPUS" -ge 8 ] || CPUS=8
+cat > "$TMP/slurm.conf" << CONF
+ClusterName=mecefotest
+SlurmctldHost=$HOST(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$TMP/munge/munge.sock
+SlurmctldPort=$(free_port)
+SlurmdPort=$(free_port)
+StateSaveLocation=$TMP/state
+SlurmdSpoolDir=$TMP/spool
+SlurmctldPidFile=$TMP/slurmctld.pid
+SlurmdPidFile=$TMP/slurmd.pid
+SlurmctldLogFile=$TMP/slurmctld.log
+SlurmdLogFile=$TMP/slurmd.log
+SlurmdParameters=config_overrides
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+MpiDefault=none
+ReturnToService=2
+SlurmdTimeout=300
+InactiveLimit=0
+KillWait=5
+NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
+PartitionName=test Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+CONF
+export SLURM_CONF=$TMP/slurm.conf
+munged -F --force --socket="$TMP/munge/munge.sock" --key-file="$TMP/munge/munge.key" \
+    --pid-file="$TMP/munge/munged.pid" --log-file="$TMP/munged.log" --seed-file="$TMP/munge/seed" \
+    > "$TMP/munged.out" 2>&1 &
+DAEMONS+=($!)
+slurmctld -D -f "$SLURM_CONF" > "$TMP/slurmctld.out" 2>&1 &
+DAEMONS+=($!)
+slurmd -D -f "$SLURM_CONF" > "$TMP/slurmd.out" 2>&1 &
+DAEMONS+=($!)
+for _ in $(seq 150); do
+    state=$(sinfo -h -N -o %T 2> /dev/null || true)
+    [ "$state" = idle ] && break
+    sleep 0.2
+done
+[ "$state" = idle ] || fail "the one-host cluster did not come up (node state '$state')"
+say "munged, slurmctld, slurmd up (pids ${DAEMONS[*]}), node $HOST with $CPUS CPUs"
+
+job_state() { scontrol show job "$1" 2> /dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
+wait_job_end() {  # JOB TIMEOUT_S -> $STATE (not a $(...) subshell: a signal reaches the trap)
+    local end=$(($(date +%s) + $2))
+    while [ "$(date +%s)" -lt "$end" ]; do
+        STATE=$(job_state "$1")
+        case $STATE in COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) return;; esac
+        sleep 1
+    done
+    STATE="STILL-$STATE"
+}
+wait_for_text() {  # FILE TEXT TIMEOUT_S
+    local end=$(($(date +%s) + $3))
+    while [ "$(date +%s)" -lt "$end" ]; do
+        grep -qF -- "$2" "$1" 2> /dev/null && return 0
+        sleep 0.5
+    done
+    return 1
+}
+submit() {  # OUT SCRIPT  (env passed through; each job gets a free port for its store)
+    local id
+    id=$(STORE_PORT=$(free_port) sbatch --parsable -N1 -n8 --ntasks-per-node=8 --gpus-per-node=0 -o "$1" "$2")
+    JOBS+=("$id")
+    echo "$id"
+}
+
+standby_warm() {  # node 3's rejoin standby (in $RUN/pids.node3) connected to the store: imported
+    local pid
+    pid=$(awk '$1 == -1 {print $3}' "$RUN/pids.node3" 2> /dev/null | tail -n 1)
+    [ -n "$pid" ] && find "/proc/$pid/fd" -lname 'socket:*' 2> /dev/null | grep -q .
+}
+
+# The tiny CPU run both scripts train (8 ranks, PP2 x DP4).
+export PYTHON=$PY GPUS_PER_NODE=1 TP=1 PP=2 DEVICE=cpu OMP_NUM_THREADS=1
+export SUPERVISOR_ARGS="--heartbeat-interval 0.5 --heartbeat-timeout 6 --collective-timeout 25 --init-timeout 90"
+
+# ------------------------------------------------------------------ 1. the example trainer
+# SLURM_TEST_PARTS=gpt,mlm,timelimit (default all three) runs only the parts named.
+PARTS=${SLURM_TEST_PARTS:-gpt,mlm,timelimit}
+if [[ ,$PARTS, == *,gpt,* ]]; then
+# The example trainer through tests/workers/dump_trainer.py, which only adds a sleep per
+# iteration (MECEFO_TEST_STEP_SLEEP) so that the run outlasts the node's loss and return.
+ITERS=${SLURM_TEST_ITERS:-80}
+RUN=$TMP/runs/gpt
+OUT=$TMP/runs/gpt.out
+export RUN_DIR=$RUN MECEFO_DIR=$REPO TRAINER=$REPO/tests/workers/dump_trainer.py \
+    MECEFO_TEST_STEP_SLEEP=${SLURM_TEST_STEP_SLEEP:-0.3} DATA_PATH=mock PRECISION_ARGS="" \
+    MODEL_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64" \
+    MICRO_BATCH=2 GLOBAL_BATCH=16 TRAIN_ITERS=$ITERS SAVE_INTERVAL=$ITERS \
+    EXTRA_ARGS="--mecefo-rank 16 --log-interval 1 --eval-iters 0 --split 98,2,0 --lr 3e-3 \
+--lr-decay-style constant --check-weight-hash-across-dp-replicas-interval 10"
+JOB=$(submit "$OUT" "$REPO/examples/slurm/pretrain_gpt_mecefo.sbatch")
+say "job $JOB: pretrain_gpt_mecefo.sbatch, 8 tasks, $ITERS iterations"
+# The replacement node is started with the job (a hot spare): its supervisor starts a warm
+# standby that imports everything while the job starts, then waits until node 3's rank is
+# known dead, and takes its slot about a second later.
+wait_for_text "$OUT" "membership store at" 300 || { tail -n 30 "$OUT"; fail "job $JOB never started"; }
+"$REPO/examples/slurm/rejoin_node.sh" --standby 1 "$RUN" 3 > "$TMP/runs/rejoin.out" 2>&1 &
+rejoin=$!
+wait_for_text "$OUT" "iteration        3/" 300 || { tail -n 30 "$OUT"; fail "job $JOB never reached iteration 3"; }
+victim=$(cat "$RUN/supervisor.node3.pid")
+for _ in $(seq 600); do standby_warm && break; sleep 0.5; done
+standby_warm || { cat "$TMP/runs/rejoin.out"; fail "the rejoining node's standby never came up"; }
+grep "iteration " "$OUT" | tail -n 1 | cut -c1-60
+kill -9 "$victim"
+say "SIGKILLed node 3's supervisor (pid $victim; its rank 3 dies with it): a lost node"
+wait_job_end "$JOB" 600
+state=$STATE
+wait "$rejoin" && rejoin_rc=0 || rejoin_rc=$?
+say "job $JOB: $state; rejoin step exit status $rejoin_rc"
+echo "---- job output (recovery lines)"
+grep -E "MeCeFO (recovery|job)|supervisor node|rejoin|coordinator|dp weight" "$OUT" | cut -c1-220 || true
+echo "---- rejoin step"
+grep -v "^ *\[.*iteration\|Warning\|warnings.warn" "$TMP/runs/rejoin.out" | cut -c1-220 || true
+[ "$state" = COMPLETED ] || { tail -n 40 "$OUT"; fail "job $JOB ended $state"; }
+[ "$rejoin_rc" -eq 0 ] || fail "the rejoin step exited $rejoin_rc"
+"$PY" - "$RUN/metrics.jsonl" "$ITERS" "$OUT" "$TMP/runs/rejoin.out" << 'PYCHECK'
+import json, sys
+metrics, iters, logs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+recs = [json.loads(line) for line in open(metrics) if line.strip()]
+train = sorted(r["iteration"] for r in recs if r["type"] == "train")
+assert train == list(range(1, iters + 1)), f"iterations logged: {train}"
+rec = [r for r in recs if r["type"] == "recovery"]
+fail = [r for r in rec if r["kind"] == "failure"]
+# Rank 3's new process joins in a rejoin generation, or in the failure's own generation when
+# its warm standby is up before the coordinator has declared the old one dead (a race).
+join = [r for r in rec if 3 in r["ranks_joined"]]
+assert fail and 3 in fail[0]["ranks_lost"], f"no failure of rank 3 recorded: {rec}"
+assert join, f"no rejoin of rank 3 recorded: {rec}"
+checks = [r for r in recs if r["type"] == "dp_weight_check"]
+assert checks and all(c["identical"] for c in checks), f"DP weight-hash checks: {checks}"
+assert max(c["iteration"] for c in checks) == iters, f"no check at the last iteration: {checks}"
+text = "".join(open(p, errors="replace").read() for p in logs)
+assert "healed; parameters and optimizer state identical" in text, "no heal line in the log"
+print(f"[test-slurm] example trainer: {iters} iterations each logged once; failure at iteration "
+      f"{fail[0]['iteration']} (ranks lost {fail[0]['ranks_lost']}), rejoin at iteration "
+      f"{join[-1]['iteration']} (ranks {join[-1]['ranks_joined']}, in a {join[-1]['kind']} "
+      f"generation), healed; {len(checks)} DP "
+      f"weight-hash checks identical (last at iteration {iters})")
+PYCHECK
+say "pretrain_gpt_mecefo.sbatch: PASSED"
+fi
+
+# ------------------------------------------------------------------ 2. Megatron-LM
+if [[ ,$PARTS, == *,mlm,* ]]; then
+RUN=$TMP/runs/mlm
+OUT=$TMP/runs/mlm.out
+export RUN_DIR=$RUN
+# Megatron-LM core_v0.16.1: MEGATRON_LM_DIR, else the tarball beside the project (CI's copy
+# of shared/), unpacked here and patched.
+TARBALL=$REPO/../shared/megatron-lm/Megatron-LM-core_v0.16.1.tar.gz
+if [ -z "${MEGATRON_LM_DIR:-}" ] && [ -f "$TARBALL" ]; then
+    tar xzf "$TARBALL" -C "$TMP"
+    MEGATRON_LM_DIR=$TMP/Megatron-LM-core_v0.16.1
+    # GIT_CEILING_DIRECTORIES: inside another git work tree, git apply would apply nothing.
+    (cd "$MEGATRON_LM_DIR" && GIT_CEILING_DIRECTORIES=$TMP git apply "$REPO/patches/megatron-lm-core_v0.16.1.patch")
+    grep -q megatron_mecefo "$MEGATRON_LM_DIR/pretrain_gpt.py" || fail "the patch did not apply to $MEGATRON_LM_DIR"
+    export MEGATRON_LM_DIR
+    say "Megatron-LM core_v0.16.1 from $TARBALL, patched, in $MEGATRON_LM_DIR"
+fi
+if [ -z "${MEGATRON_LM_DIR:-}" ]; then
+    JOB=$(submit "$OUT" "$REPO/examples/slurm/megatron_lm_mecefo.sbatch")
+    wait_job_end "$JOB" 60
+    state=$STATE
+    cat "$OUT"
+    [ "$state" = FAILED ] || fail "megatron_lm_mecefo.sbatch without MEGATRON_LM_DIR ended $state, not FAILED"
+    grep -q "error: MEGATRON_LM_DIR=<unset>: no Megatron-LM pretrain_gpt.py there" "$OUT" \
+        || fail "megatron_lm_mecefo.sbatch failed without its own message"
+    echo "########################################################################################"
+    echo "# megatron_lm_mecefo.sbatch: NOT EXERCISED (no MEGATRON_LM_DIR, no tarball in          #"
+    echo "# ../shared/megatron-lm). Only checked that it fails under Slurm with its own message. #"
+    echo "########################################################################################"
+else
+    # The same node loss and rejoin as part 1, in Megatron-LM's own pretrain_gpt.py: the job
+    # must train on in-process (no requeue, no checkpoint read), heal the rejoined node and
+    # pass Megatron-LM's own weight-hash check across the data-parallel replicas.
+    MLM_ITERS=${SLURM_TEST_MLM_ITERS:-300}
+    export GPT_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
+--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 --lr 1e-3 \
+--lr-decay-style constant --train-iters $MLM_ITERS --hidden-dropout 0 --attention-dropout 0 \
+--ckpt-format torch --num-workers 0" \
+        DATA_ARGS="--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --seed 1234" \
+        OUTPUT_ARGS="--log-interval 10 --save-interval $MLM_ITERS --eval-iters 0 --eval-interval 100000 \
+--check-weight-hash-across-dp-replicas-interval 50" \
+        EXTRA_ARGS="--mecefo-rank 16"
+    JOB=$(submit "$OUT" "$REPO/examples/slurm/megatron_lm_mecefo.sbatch")
+    say "job $JOB: megatron_lm_mecefo.sbatch ($MEGATRON_LM_DIR), 8 tasks, $MLM_ITERS iterations"
+    wait_for_text "$OUT" "membership store at" 300 || { tail -n 30 "$OUT"; fail "job $JOB never started"; }
+    "$REPO/examples/slurm/rejoin_node.sh" --standby 1 "$RUN" 3 > "$TMP/runs/mlm-rejoin.out" 2>&1 &
+    rejoin=$!
+    wait_for_text "$OUT" "iteration       10/" 300 || { tail -n 30 "$OUT"; fail "job $JOB never reached iteration 10"; }
+    for _ in $(seq 600); do standby_warm && break; sleep 0.5; done
+    standby_warm || { cat "$TMP/runs/mlm-rejoin.out"; fail "the rejoining node's standby never came up"; }
+    victim=$(cat "$RUN/supervisor.node3.pid")
+    kill -9 "$victim"
+    say "SIGKILLed node 3's supervisor (pid $victim; its rank 3 dies with it): a lost node"
+    wait_job_end "$JOB" 900
+    state=$STATE
+    wait "$rejoin" && rejoin_rc=0 || rejoin_rc=$?
+    say "job $JOB: $state; rejoin step exit status $rejoin_rc"
+    echo "---- job output (recovery lines)"
+    grep -E "MeCeFO (recovery|Megatron-LM job)|supervisor node|Weight hashes|loaded checkpoint" "$OUT" | cut -c1-220 || true
+    echo "---- rejoin step"
+    grep -E "MeCeFO|supervisor|mecefo_node" "$TMP/runs/mlm-rejoin.out" | cut -c1-220 || true
+    [ "$state" = COMPLETED ] || { tail -n 40 "$OUT"; fail "job $JOB ended $state"; }
+    [ "$rejoin_rc" -eq 0 ] || fail "the rejoin step exited $rejoin_rc"
+    scontrol show job "$JOB" | grep -q "Restarts=0" || fail "job $JOB was requeued: the loss was not survived in-process"
+    grep -q "iteration *$MLM_ITERS/ *$MLM_ITERS" "$OUT" || fail "Megatron-LM did not reach iteration $MLM_ITERS"
+    grep -Eq "pretrain\(\) re-entered in generation [0-9]+; no checkpoint read" "$OUT" \
+        || fail "no in-process re-entry of pretrain() after the loss"
+    grep -q "successfully loaded checkpoint" "$OUT" "$TMP/runs/mlm-rejoin.out" \
+        && fail "a checkpoint was read"
+    cat "$OUT" "$TMP/runs/mlm-rejoin.out" | grep -q "healed; parameters and optimizer state identical" \
+        || fail "no heal line in the log"
+    grep -q "Weight hashes match after $MLM_ITERS iterations" "$OUT" \
+        || fail "no passing weight-hash check at iteration $MLM_ITERS"
+    grep -q "do not match" "$OUT" && fail "a weight-hash check failed"
+    "$PY" - "$RUN/recovery.jsonl" << 'PYCHECK'
+import json, sys
+rec = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+rec = [r for r in rec if r.get("type") == "recovery"]
+fail = [r for r in rec if r["kind"] == "failure"]
+join = [r for r in rec if 3 in r["ranks_joined"]]
+assert fail and 3 in fail[0]["ranks_lost"], f"no failure of rank 3 recorded: {rec}"
+assert join, f"no rejoin of rank 3 recorded: {rec}"
+print(f"[test-slurm] Megatron-LM: failure at iteration {fail[0]['iteration']} (ranks lost "
+      f"{fail[0]['ranks_lost']}), rejoin at iteration {join[-1]['iteration']} (ranks "
+      f"{join[-1]['ranks_joined']}, in a {join[-1]['kind']} generation), healed")
+PYCHECK
+    say "megatron_lm_mecefo.sbatch ($MEGATRON_LM_DIR): PASSED (node lost and rejoined in-process, no requeue)"
+fi
+fi
+
+# ------------------------------------------------------------------ 3. cut by the time limit
+if [[ ,$PARTS, == *,timelimit,* ]]; then
+TL_ITERS=${SLURM_TEST_TL_ITERS:-300}
+RUN=$TMP/runs/timelimit
+OUT=$TMP/runs/timelimit.out
+CKPT=$RUN/checkpoints
+export RUN_DIR=$RUN MECEFO_DIR=$REPO TRAINER=$REPO/tests/workers/dump_trainer.py \
+    MECEFO_TEST_STEP_SLEEP=0.2 DATA_PATH=mock PRECISION_ARGS="" \
+    MODEL_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64" \
+    MICRO_BATCH=2 GLOBAL_BATCH=16 TRAIN_ITERS=$TL_ITERS SAVE_INTERVAL=100000 \
+    EXTRA_ARGS="--mecefo-rank 16 --log-interval 10 --eval-iters 0 --split 98,2,0 --lr 3e-3 \
+--lr-decay-style constant"
+JOB=$(submit "$OUT" "$REPO/examples/slurm/pretrain_gpt_mecefo.sbatch")
+say "job $JOB: pretrain_gpt_mecefo.sbatch, 8 tasks, $TL_ITERS iterations, to be cut by its time limit"
+wait_for_text "$OUT" "iteration       10/" 300 || { tail -n 30 "$OUT"; fail "job $JOB never reached iteration 10"; }
+# The limit (whole minutes) that puts the end 60-120 s from now: the script's SIGTERM, due
+# 120 s before the end, is sent at slurmctld's next time-limit pass (every 30 s), and the
+# ranks then have at least 30 s to save before the job would be killed.
+elapsed=$(($(date +%s) - $(date -d "$(scontrol show job "$JOB" | grep -o 'StartTime=[^ ]*' | cut -d= -f2)" +%s)))
+limit=$(((elapsed + 120) / 60))
+scontrol update JobId="$JOB" TimeLimit="$limit"
+say "job $JOB: time limit lowered to $limit min after $elapsed s (SIGTERM due now, the end in $((limit * 60 - elapsed)) s)"
+# Requeued: raise the limit again before the new run can be signalled, so that it finishes.
+for _ in $(seq 600); do
+    scontrol show job "$JOB" 2> /dev/null | grep -q "Restarts=1" && break
+    sleep 0.5
+done
+scontrol show job "$JOB" | grep -q "Restarts=1" || { tail -n 40 "$OUT"; fail "job $JOB was not requeued after its time-limit signal"; }
+# ... and eligible now: Slurm holds a requeued job back for about two minutes (measured here),
+# which is Slurm's, not under test.
+scontrol update JobId="$JOB" TimeLimit=30 StartTime=now
+say "job $JOB requeued; its time limit raised back to 30 min"
+wait_job_end "$JOB" 600
+say "job $JOB: $STATE"
+echo "---- job output (stop, requeue, resume)"
+grep -E "MeCeFO job|supervisor node|stopped by|exiting at|loaded checkpoint|training finished" "$OUT" | cut -c1-220 || true
+[ "$STATE" = COMPLETED ] || { tail -n 40 "$OUT"; fail "job $JOB ended $STATE"; }
+saved=$(grep -o "stopped before the time limit and saved iteration [0-9]*" "$OUT" | grep -o "[0-9]*$") \
+    || fail "job $JOB: no save-and-requeue line"
+if [ "$saved" -lt 10 ] || [ "$saved" -ge "$TL_ITERS" ]; then
+    fail "the stop saved iteration $saved (expected 10..$((TL_ITERS - 1)))"
+fi
+grep -q "loaded checkpoint from $CKPT at iteration $saved " "$OUT" || fail "the requeued run did not resume at iteration $saved"
+grep -q "ranks ended before their save completed" "$OUT" && fail "a rank ended before its save"
+"$PY" - "$RUN/metrics.jsonl" "$TL_ITERS" "$saved" << 'PYCHECK'
+import json, sys
+metrics, iters, saved = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+recs = [json.loads(line) for line in open(metrics) if line.strip()]
+train = [r["iteration"] for r in recs if r["type"] == "train"]
+assert train == list(range(1, iters + 1)), f"iterations logged: {train}"
+assert not [r for r in recs if r["type"] == "recovery"], "the stop was recovered as a failure"
+print(f"[test-slurm] time limit: stopped and saved at iteration {saved}, requeued, resumed there; "
+      f"iterations 1..{iters} each logged exactly once across the two runs")
+PYCHECK
+say "pretrain_gpt_mecefo.sbatch cut by its time limit: PASSED (saved, requeued, resumed)"
+fi
+say "make test-slurm: PASSED in $(($(date +%s) - T0)) s"
