@@ -50,6 +50,9 @@ class Row:
     check: Optional[Callable[[str, Path], None]] = None
     slow: bool = False
     timeout: float = 120
+    startup_s: float = 30
+    """A start-up row's bound: it fails before a model is built (Megatron-LM's rows import
+    megatron.training first: 4-7 s alone, 38-43 s once at a load average of 15-31)."""
 
 
 def trainer(*flags: str) -> list[str]:
@@ -372,20 +375,20 @@ ROWS = [
     # Megatron-LM's own pretrain_gpt.py (core_v0.16.1, patched): the plugin's flag checks run
     # in Megatron-LM's parser, before its validate_args and before any process group.
     Row("mlm-rank-not-positive", "flags", megatron_lm("--mecefo", "--mecefo-rank", "0"), 2, TP,
-        ["--mecefo-rank=0", "positive"], rank_env(), needs=("mlm",)),
+        ["--mecefo-rank=0", "positive"], rank_env(), needs=("mlm",), startup_s=60),
     Row("mlm-flag-without-mecefo", "flags", megatron_lm("--mecefo-rank", "16"), 2, TP,
-        ["--mecefo-rank=16", "without --mecefo"], rank_env(), needs=("mlm",)),
+        ["--mecefo-rank=16", "without --mecefo"], rank_env(), needs=("mlm",), startup_s=60),
     Row("mlm-replica-beyond-dp", "flags", megatron_lm("--mecefo", "--mecefo-rank", "16",
         "--mecefo-fail", "5:1:2"), 2, TP, ["--mecefo-fail", "replica 5", "only 2"],
-        rank_env(), needs=("mlm",)),
+        rank_env(), needs=("mlm",), startup_s=60),
     Row("mlm-kill-without-supervisor", "flags", megatron_lm("--mecefo", "--mecefo-rank", "16",
         "--mecefo-kill", "1:3:backward"), 2, TP, ["--mecefo-kill=1:3:backward",
-        "recovery.supervisor"], rank_env(), needs=("mlm",)),
+        "recovery.supervisor"], rank_env(), needs=("mlm",), startup_s=60),
     Row("mlm-save-unwritable", "flags", megatron_lm("--mecefo", "--mecefo-rank", "16",
         "--save", "/proc/mecefo_ckpt"), 2, TP, ["--save /proc/mecefo_ckpt", "cannot write"],
-        rank_env(), needs=("mlm",)),
+        rank_env(), needs=("mlm",), startup_s=60),
     Row("mlm-start-up-failure-supervised", "flags", [*SUPERVISOR, "--nproc-per-node", "2",
         *FAST, "--", *megatron_lm("--mecefo", "--mecefo-rank", "0")[1:]], 2, SUP,
         ["start-up failure", "rank 0", "--mecefo-rank=0", "nothing to resume"],
-        needs=("mlm",)),
+        needs=("mlm",), startup_s=60),
 ]  # fmt: skip
