@@ -64,18 +64,51 @@ TFT_TRAINER = REPO / "benchmarks" / "goodput_torchft.py"
 TFT_PYTHON = REPO / ".venv-tft" / "bin" / "python"
 GBS = 16
 MODEL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", str(GBS),
-    "--lr", "3e-3", "--lr-decay-style", "constant", "--split", "90,10,0",
-    "--make-vocab-size-divisible-by", "256", "--eval-iters", "10", "--eval-interval", "100000",
-    "--log-interval", "50",
-]  # fmt: skip
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    str(GBS),
+    "--lr",
+    "3e-3",
+    "--lr-decay-style",
+    "constant",
+    "--split",
+    "90,10,0",
+    "--make-vocab-size-divisible-by",
+    "256",
+    "--eval-iters",
+    "10",
+    "--eval-interval",
+    "100000",
+    "--log-interval",
+    "50",
+]
 SUPERVISOR_TIMEOUTS = [
-    "--heartbeat-interval", "1", "--heartbeat-timeout", "10",
-    "--collective-timeout", "30", "--init-timeout", "60",
-]  # fmt: skip
-SYSTEMS = ("failure-free", "checkpoint-restart", "torchft", "mecefo-neighbor", "mecefo-spread",
-           "mecefo-auto")  # fmt: skip
+    "--heartbeat-interval",
+    "1",
+    "--heartbeat-timeout",
+    "10",
+    "--collective-timeout",
+    "30",
+    "--init-timeout",
+    "60",
+]
+SYSTEMS = (
+    "failure-free",
+    "checkpoint-restart",
+    "torchft",
+    "mecefo-neighbor",
+    "mecefo-spread",
+    "mecefo-auto",
+)
 SETTINGS = {"T60_R20": (60.0, 20.0), "T20_R10": (20.0, 10.0)}
 
 
@@ -197,8 +230,14 @@ def _wait(
 
 def _start(cmd: List[str], log: Path, **env: str) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=_env(**env), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        return subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=_env(**env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _stop(proc: subprocess.Popen, pids: List[int]) -> None:
@@ -225,14 +264,33 @@ def _example_result(metrics: Path) -> Dict[str, Any]:
 
 
 def _trainer_args(iters: int, metrics: Path, data: str) -> List[str]:
-    return [str(TRAINER), *MODEL, "--data-path", data, "--train-iters", str(iters),
-            "--metrics-file", str(metrics)]  # fmt: skip
+    return [
+        str(TRAINER),
+        *MODEL,
+        "--data-path",
+        data,
+        "--train-iters",
+        str(iters),
+        "--metrics-file",
+        str(metrics),
+    ]
 
 
 def _torchrun(port: int, restarts: int, run_id: str) -> List[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-            "--max-restarts", str(restarts), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=4",
+        "--max-restarts",
+        str(restarts),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        run_id,
+    ]
 
 
 def _finish(run: Dict[str, Any], t0: float, load0: Tuple[float, ...]) -> Dict[str, Any]:
@@ -254,18 +312,32 @@ def run_failure_free(run_dir: Path, iters: int, data: str, save_every: int = 0) 
         subprocess.run(["rm", "-rf", str(ckpt)], check=True)
         args += ["--save", str(ckpt), "--save-interval", str(save_every)]
     load0, t0 = os.getloadavg(), time.time()
-    proc = _start([*_torchrun(_free_port(), 0, "ff"), *args], run_dir / "log.txt",
-                  TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
+    proc = _start(
+        [*_torchrun(_free_port(), 0, "ff"), *args],
+        run_dir / "log.txt",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     try:
         rc = _wait(proc, None, dict, lambda s, t: None, t0 + 60 + iters * 3)
     finally:
         _stop(proc, [])
     res = _example_result(metrics)
     done = len(res["last"]) if rc == 0 else 0
-    return _finish({"system": "failure-free", "rc": rc, "committed": done,
-                    "logged_iterations": res["logged"], "repeated_samples": 0,
-                    "skipped_samples": iters * GBS - done * GBS, "redone_iterations": 0,
-                    "eval": res["eval"], "kills": []}, t0, load0)  # fmt: skip
+    return _finish(
+        {
+            "system": "failure-free",
+            "rc": rc,
+            "committed": done,
+            "logged_iterations": res["logged"],
+            "repeated_samples": 0,
+            "skipped_samples": iters * GBS - done * GBS,
+            "redone_iterations": 0,
+            "eval": res["eval"],
+            "kills": [],
+        },
+        t0,
+        load0,
+    )
 
 
 def delayed_exec(back_dir: str, argv: List[str]) -> None:
@@ -280,7 +352,13 @@ def delayed_exec(back_dir: str, argv: List[str]) -> None:
 
 
 def run_checkpoint_restart(
-    run_dir: Path, iters: int, data: str, period: float, repair: float, seed: int, k: int,
+    run_dir: Path,
+    iters: int,
+    data: str,
+    period: float,
+    repair: float,
+    seed: int,
+    k: int,
     budget: float,
 ) -> Dict:
     """Stock checkpoint-restart under torchrun, killed on the schedule."""
@@ -289,14 +367,24 @@ def run_checkpoint_restart(
     subprocess.run(["rm", "-rf", str(ckpt)], check=True)
     for f in run_dir.glob("back_*"):
         f.unlink()
-    cmd = [*_torchrun(_free_port(), 1000, "cr"), str(Path(__file__).resolve()), "--delayed-exec",
-           str(run_dir), "--", *_trainer_args(iters, metrics, data), "--save", str(ckpt),
-           "--load", str(ckpt), "--save-interval", str(k)]  # fmt: skip
+    cmd = [
+        *_torchrun(_free_port(), 1000, "cr"),
+        str(Path(__file__).resolve()),
+        "--delayed-exec",
+        str(run_dir),
+        "--",
+        *_trainer_args(iters, metrics, data),
+        "--save",
+        str(ckpt),
+        "--load",
+        str(ckpt),
+        "--save-interval",
+        str(k),
+    ]
     load0, t0 = os.getloadavg(), time.time()
     # LOGLEVEL=INFO: the agent's restart lines. TORCH_DISABLE_SHARE_RDZV_TCP_STORE: without it
     # the restarted gloo ranks read the dead attempt's addresses and fail or hang in init.
-    proc = _start(cmd, run_dir / "log.txt", LOGLEVEL="INFO",
-                  TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
+    proc = _start(cmd, run_dir / "log.txt", LOGLEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     killer = Killer(t0, period, repair, seed)
     seen: set = set()
 
@@ -323,27 +411,65 @@ def run_checkpoint_restart(
     committed = iters if rc == 0 else max(saved, default=0)
     # Redone: iterations logged more than once, plus the one in flight at each restart.
     redone = res["logged"] - len(res["last"]) + restarts
-    return _finish({"system": "checkpoint-restart", "rc": rc, "committed": committed,
-                    "save_interval": k, "restarts": restarts, "logged_iterations": res["logged"],
-                    "redone_iterations": redone, "repeated_samples": redone * GBS,
-                    "skipped_samples": (iters - committed) * GBS, "eval": res["eval"],
-                    "kills": killer.events}, t0, load0)  # fmt: skip
+    return _finish(
+        {
+            "system": "checkpoint-restart",
+            "rc": rc,
+            "committed": committed,
+            "save_interval": k,
+            "restarts": restarts,
+            "logged_iterations": res["logged"],
+            "redone_iterations": redone,
+            "repeated_samples": redone * GBS,
+            "skipped_samples": (iters - committed) * GBS,
+            "eval": res["eval"],
+            "kills": killer.events,
+        },
+        t0,
+        load0,
+    )
 
 
 def run_mecefo(
-    run_dir: Path, iters: int, data: str, period: float, repair: float, seed: int, policy: str,
+    run_dir: Path,
+    iters: int,
+    data: str,
+    period: float,
+    repair: float,
+    seed: int,
+    policy: str,
     budget: float,
 ) -> Dict:
     """MeCeFO under the supervisor: survivors take over, replacements rejoin after R s."""
-    metrics, records, pid_file = (run_dir / n for n in ("metrics.jsonl", "records.jsonl",
-                                                        "pids.txt"))  # fmt: skip
+    metrics, records, pid_file = (
+        run_dir / n for n in ("metrics.jsonl", "records.jsonl", "pids.txt")
+    )
     for f in (metrics, records, pid_file):
         f.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor", "--nproc-per-node=4",
-           "--pid-file", str(pid_file), *SUPERVISOR_TIMEOUTS, "--replace", f"after:{repair:g}",
-           "--standby", "1", "--max-replacements", "1000", "--records", str(records), "--",
-           *_trainer_args(iters, metrics, data), "--mecefo", "--mecefo-rank", "16",
-           "--mecefo-policy", policy]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_mecefo.recovery.supervisor",
+        "--nproc-per-node=4",
+        "--pid-file",
+        str(pid_file),
+        *SUPERVISOR_TIMEOUTS,
+        "--replace",
+        f"after:{repair:g}",
+        "--standby",
+        "1",
+        "--max-replacements",
+        "1000",
+        "--records",
+        str(records),
+        "--",
+        *_trainer_args(iters, metrics, data),
+        "--mecefo",
+        "--mecefo-rank",
+        "16",
+        "--mecefo-policy",
+        policy,
+    ]
     load0, t0 = os.getloadavg(), time.time()
     proc = _start(cmd, run_dir / "log.txt")
     killer = Killer(t0, period, repair, seed)
@@ -362,8 +488,11 @@ def run_mecefo(
         rc = _wait(proc, killer, live, lambda s, t: None, t0 + budget)
     finally:
         if pid_file.exists():
-            all_pids = [int(ln.split()[2]) for ln in pid_file.read_text().splitlines()
-                        if len(ln.split()) == 3]  # fmt: skip
+            all_pids = [
+                int(ln.split()[2])
+                for ln in pid_file.read_text().splitlines()
+                if len(ln.split()) == 3
+            ]
         _stop(proc, all_pids)
     res = _example_result(metrics)
     recs = [r for r in _read_jsonl(records) if r.get("type") == "recovery"]
@@ -371,17 +500,28 @@ def run_mecefo(
     skipped = sum(r.get("mecefo", {}).get("samples_skipped", 0) for r in res["last"].values())
     committed = len(res["last"]) if rc == 0 else len(res["last"])
     redone = res["logged"] - len(res["last"]) + len(fails)
-    return _finish({"system": f"mecefo-{policy}", "rc": rc, "committed": committed,
-                    "logged_iterations": res["logged"], "failures": len(fails),
-                    "rejoins": sum(1 for r in recs if r.get("kind") == "rejoin"),
-                    "redone_iterations": redone,
-                    "repeated_samples": sum(r.get("samples_redone", 0) for r in fails)
-                    + (res["logged"] - len(res["last"])) * GBS,
-                    "skipped_samples": skipped + (iters - committed) * GBS,
-                    "degraded_iterations": sum(1 for r in res["last"].values()
-                                               if r.get("mecefo", {}).get("degraded")),
-                    "recovery_total_s": [r.get("total_s") for r in fails],
-                    "eval": res["eval"], "kills": killer.events}, t0, load0)  # fmt: skip
+    return _finish(
+        {
+            "system": f"mecefo-{policy}",
+            "rc": rc,
+            "committed": committed,
+            "logged_iterations": res["logged"],
+            "failures": len(fails),
+            "rejoins": sum(1 for r in recs if r.get("kind") == "rejoin"),
+            "redone_iterations": redone,
+            "repeated_samples": sum(r.get("samples_redone", 0) for r in fails)
+            + (res["logged"] - len(res["last"])) * GBS,
+            "skipped_samples": skipped + (iters - committed) * GBS,
+            "degraded_iterations": sum(
+                1 for r in res["last"].values() if r.get("mecefo", {}).get("degraded")
+            ),
+            "recovery_total_s": [r.get("total_s") for r in fails],
+            "eval": res["eval"],
+            "kills": killer.events,
+        },
+        t0,
+        load0,
+    )
 
 
 LIGHTHOUSE = """
@@ -421,11 +561,25 @@ def run_torchft(
 
         def spawn(slot: int) -> None:
             inc = incarnation[slot]
-            p = _start([str(TFT_PYTHON), str(TFT_TRAINER), "--replica-id", str(slot),
-                        "--lighthouse", addr, "--train-iters", str(iters), "--data-path", data,
-                        "--metrics-file", str(run_dir / f"replica{slot}_{inc}.jsonl"),
-                        "--wait-go", str(go)],
-                       run_dir / f"replica{slot}_{inc}.log")  # fmt: skip
+            p = _start(
+                [
+                    str(TFT_PYTHON),
+                    str(TFT_TRAINER),
+                    "--replica-id",
+                    str(slot),
+                    "--lighthouse",
+                    addr,
+                    "--train-iters",
+                    str(iters),
+                    "--data-path",
+                    data,
+                    "--metrics-file",
+                    str(run_dir / f"replica{slot}_{inc}.jsonl"),
+                    "--wait-go",
+                    str(go),
+                ],
+                run_dir / f"replica{slot}_{inc}.log",
+            )
             procs[slot] = p
             every.append(p)
 
@@ -468,10 +622,18 @@ def run_torchft(
         for p in every:
             _stop(p, [])
     recs = [r for f in sorted(run_dir.glob("replica*.jsonl")) for r in _read_jsonl(f)]
-    return _finish({"system": "torchft", "rc": 0 if error is None else None, "error": error,
-                    **torchft_accounting(recs, iters),
-                    "incarnations": {str(s): i + 1 for s, i in incarnation.items()},
-                    "kills": killer.events}, t0, load0)  # fmt: skip
+    return _finish(
+        {
+            "system": "torchft",
+            "rc": 0 if error is None else None,
+            "error": error,
+            **torchft_accounting(recs, iters),
+            "incarnations": {str(s): i + 1 for s, i in incarnation.items()},
+            "kills": killer.events,
+        },
+        t0,
+        load0,
+    )
 
 
 def torchft_accounting(recs: List[Dict[str, Any]], iters: int) -> Dict[str, Any]:
@@ -493,8 +655,10 @@ def torchft_accounting(recs: List[Dict[str, Any]], iters: int) -> Dict[str, Any]
     # in an attempt that failed and then dropped, its replica gone, counts as skipped.)
     repeated = sum(n - 1 for key, n in attempts.items() if key in used)
     failed_steps = {r["step"] for r in train if not r["committed"]}
-    evals = sorted((r for r in recs if r.get("type") == "eval" and r["t"] <= finish + 5),
-                   key=lambda r: r["replica"])  # fmt: skip
+    evals = sorted(
+        (r for r in recs if r.get("type") == "eval" and r["t"] <= finish + 5),
+        key=lambda r: r["replica"],
+    )
     committed = len(committed_steps)
     return {
         "committed": committed,
@@ -502,9 +666,12 @@ def torchft_accounting(recs: List[Dict[str, Any]], iters: int) -> Dict[str, Any]
         "repeated_samples": repeated * share,
         "skipped_samples": iters * GBS - len(used) * share,
         "participants_histogram": {
-            str(n): sum(1 for s in committed_steps
-                        if sum(1 for r in train if r["step"] == s and r["committed"]
-                               and r["participating"]) == n)  # fmt: skip
+            str(n): sum(
+                1
+                for s in committed_steps
+                if sum(1 for r in train if r["step"] == s and r["committed"] and r["participating"])
+                == n
+            )
             for n in range(1, 5)
         },
         "eval": evals[0] if evals else None,
@@ -528,25 +695,45 @@ def measure_save_time(out: Path, data: str, iters: int = 30, every: int = 3) -> 
     plain = run_failure_free(d, iters, data)
     saving = run_failure_free(d, iters, data, save_every=every)
     n = iters // every
-    return {"iterations": iters, "save_interval": every, "saves": n,
-            "wall_plain_s": plain["wall_s"], "wall_saving_s": saving["wall_s"],
-            "save_s": max(0.05, (saving["wall_s"] - plain["wall_s"]) / n)}  # fmt: skip
+    return {
+        "iterations": iters,
+        "save_interval": every,
+        "saves": n,
+        "wall_plain_s": plain["wall_s"],
+        "wall_saving_s": saving["wall_s"],
+        "save_s": max(0.05, (saving["wall_s"] - plain["wall_s"]) / n),
+    }
 
 
-def run_one(system: str, run_dir: Path, a: argparse.Namespace, period: float, repair: float,
-            seed: int, k: int, budget: float) -> Dict[str, Any]:  # fmt: skip
+def run_one(
+    system: str,
+    run_dir: Path,
+    a: argparse.Namespace,
+    period: float,
+    repair: float,
+    seed: int,
+    k: int,
+    budget: float,
+) -> Dict[str, Any]:
     """One run of ``system``; a run still going after ``budget`` seconds is stopped (what it
     committed by then counts)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if system == "failure-free":
         return run_failure_free(run_dir, a.iters, a.data_path)
     if system == "checkpoint-restart":
-        return run_checkpoint_restart(run_dir, a.iters, a.data_path, period, repair, seed, k,
-                                      budget)  # fmt: skip
+        return run_checkpoint_restart(
+            run_dir, a.iters, a.data_path, period, repair, seed, k, budget
+        )
     if system == "torchft":
         return run_torchft(run_dir, a.iters, a.data_path, period, repair, seed, budget)
-    return run_mecefo(run_dir, a.iters, a.data_path, period, repair, seed,
-                      system.removeprefix("mecefo-"), budget)  # fmt: skip
+    return run_mecefo(
+        run_dir, a.iters, a.data_path, period, repair, seed, system.removeprefix("mecefo-"), budget
+    )
+
+
+def _kills(run: Dict[str, Any]) -> int:
+    """The kills that hit a process (a due kill with no live target hits nothing)."""
+    return sum(1 for e in run["kills"] if e.get("slot") is not None)
 
 
 def summarize(runs: List[Dict[str, Any]], systems: List[str]) -> Dict[str, Any]:
@@ -565,8 +752,7 @@ def summarize(runs: List[Dict[str, Any]], systems: List[str]) -> Dict[str, Any]:
                 "ettr_min": round(min(ettr), 4) if ettr else None,
                 "ettr_max": round(max(ettr), 4) if ettr else None,
                 "wall_s_mean": round(statistics.mean(r["wall_s"] for r in rs), 1) if rs else None,
-                "kills_mean": statistics.mean(sum(1 for e in r["kills"] if e.get("slot") is not None)
-                                              for r in rs) if rs else None,  # fmt: skip
+                "kills_mean": (statistics.mean(_kills(r) for r in rs) if rs else None),
                 "committed": [r["committed"] for r in rs],
                 "skipped_samples": [r["skipped_samples"] for r in rs],
                 "repeated_samples": [r["repeated_samples"] for r in rs],
@@ -623,20 +809,31 @@ def main() -> None:
     # A SIGTERM (a timeout, CI) unwinds through the finally blocks that end every process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="one setting (T20_R10), one round, 100 batches, --max-slowdown 3: the "
-                   "smoke test")  # fmt: skip
-    p.add_argument("--settings", default=",".join(SETTINGS),
-                   help="comma list of T<seconds>_R<seconds>")  # fmt: skip
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one setting (T20_R10), one round, 100 batches, --max-slowdown 3: the " "smoke test",
+    )
+    p.add_argument(
+        "--settings", default=",".join(SETTINGS), help="comma list of T<seconds>_R<seconds>"
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--iters", type=int, default=600, help="global batches per run")
     p.add_argument("--seed", type=int, default=30)
-    p.add_argument("--max-slowdown", type=float, default=4.0,
-                   help="stop a run after this many failure-free walls (+30 s): its ETTR is "
-                   "below 1/this then anyway; what it committed counts")  # fmt: skip
-    p.add_argument("--save-time", type=float, default=None,
-                   help="seconds per checkpoint save (default: measured; --quick: 0.5)")  # fmt: skip
+    p.add_argument(
+        "--max-slowdown",
+        type=float,
+        default=4.0,
+        help="stop a run after this many failure-free walls (+30 s): its ETTR is "
+        "below 1/this then anyway; what it committed counts",
+    )
+    p.add_argument(
+        "--save-time",
+        type=float,
+        default=None,
+        help="seconds per checkpoint save (default: measured; --quick 0.5)",
+    )
     p.add_argument("--data-path", default=str(REPO / "data" / "stdlib_text_document"))
     p.add_argument("--output", default=None, help="default results/goodput.json")
     p.add_argument("--plot", default=None, help="default results/plots/goodput.png")
@@ -645,8 +842,11 @@ def main() -> None:
     a = p.parse_args()
     if a.plot_only:
         res = json.loads(Path(a.plot_only).read_text())
-        plot(res["table"], Path(a.plot or REPO / "results" / "plots" / "goodput.png"),
-             res.get("plot_title", "goodput"))  # fmt: skip
+        plot(
+            res["table"],
+            Path(a.plot or REPO / "results" / "plots" / "goodput.png"),
+            res.get("plot_title", "goodput"),
+        )
         return
     if a.quick:
         a.settings, a.repeats, a.iters, a.max_slowdown = "T20_R10", 1, 100, 3.0
@@ -683,34 +883,50 @@ def main() -> None:
                     assert ff_step is not None, "the failure-free run goes first"
                     k = young_daly(a.save_time, period, ff_step)
                 budget = a.max_slowdown * (ff_step or 0) * a.iters + 30
-                run = run_one(system, out / setting / f"r{rnd}" / system, a, period, repair,
-                              seed, k or 0, budget)  # fmt: skip
+                run = run_one(
+                    system,
+                    out / setting / f"r{rnd}" / system,
+                    a,
+                    period,
+                    repair,
+                    seed,
+                    k or 0,
+                    budget,
+                )
                 if system == "failure-free":
                     ff_step = run["wall_s"] / a.iters
                     ff_loss = run["eval"]["loss"] if run.get("eval") else None
                 run["setting"], run["round"], run["seed"] = setting, rnd, seed
                 run["ettr"] = round(ff_step * run["committed"] / run["wall_s"], 4)
                 run["exactly_once_samples"] = (
-                    a.iters * GBS - run["skipped_samples"]
+                    a.iters * GBS
+                    - run["skipped_samples"]
                     - min(run["repeated_samples"], a.iters * GBS - run["skipped_samples"])
-                )  # fmt: skip
+                )
                 run["ff_val_loss"] = ff_loss
                 runs.append(run)
                 ev = run.get("eval") or {}
-                print(f"goodput {setting} round {rnd} {system:>18}: wall {run['wall_s']:7.1f} s, "
-                      f"committed {run['committed']}/{a.iters}, ETTR {run['ettr']:.3f}, kills "
-                      f"{sum(1 for e in run['kills'] if e.get('slot') is not None)}, skipped "
-                      f"{run['skipped_samples']}, repeated {run['repeated_samples']}, val loss "
-                      f"{ev.get('loss', float('nan')):.4f} (rc {run['rc']}, load "
-                      f"{run['loadavg_start_end'][1][0]:.1f})", flush=True)  # fmt: skip
+                print(
+                    f"goodput {setting} round {rnd} {system:>18}: wall {run['wall_s']:7.1f} s, "
+                    f"committed {run['committed']}/{a.iters}, ETTR {run['ettr']:.3f}, kills "
+                    f"{_kills(run)}, skipped "
+                    f"{run['skipped_samples']}, repeated {run['repeated_samples']}, val loss "
+                    f"{ev.get('loss', float('nan')):.4f} (rc {run['rc']}, load "
+                    f"{run['loadavg_start_end'][1][0]:.1f})",
+                    flush=True,
+                )
                 Path(a.output).write_text(json.dumps({"partial": True, "runs": runs}, indent=1))
     table = summarize(runs, systems)
     result = {
         "benchmark": "goodput",
         "date": started,
         "duration_s": round(time.time() - t_start, 1),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()},  # fmt: skip
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_at_start": load_start,
+            "loadavg_at_end": os.getloadavg(),
+        },
         "config": {
             "quick": a.quick,
             "layout": "DP4 (TP1 PP1) on 4 CPU ranks, gloo, OMP_NUM_THREADS=1",
@@ -727,39 +943,54 @@ def main() -> None:
             "s per batch) iterations, per round (the run's save_interval)",
             "torchrun": "--nproc_per_node=4 --max-restarts 1000 --rdzv-backend c10d "
             "--rdzv-endpoint 127.0.0.1:<port>; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-            "supervisor": ["--replace", "after:R", "--standby", "1", "--max-replacements",
-                           "1000", *SUPERVISOR_TIMEOUTS],
+            "supervisor": [
+                "--replace",
+                "after:R",
+                "--standby",
+                "1",
+                "--max-replacements",
+                "1000",
+                *SUPERVISOR_TIMEOUTS,
+            ],
             "mecefo": ["--mecefo", "--mecefo-rank", "16", "--mecefo-policy", "P"],
             "torchft": "0.2.0 in .venv-tft; Lighthouse min_replicas 1, join_timeout 1 s, "
             "heartbeat timeout 5 s; Manager min_replica_size 1, synchronous quorum, "
             "ProcessGroupGloo timeout 30 s; one replica group per process",
             "ettr": "failure-free wall s per global batch (same round) x committed / wall s",
             "max_slowdown": a.max_slowdown,
-        },  # fmt: skip
+        },
         "table": table,
         "runs": runs,
     }
     Path(a.output).write_text(json.dumps(result, indent=1))
     load_end = os.getloadavg()
-    title = (f"goodput, DP4 on 4 CPU ranks, {a.iters} global batches, {a.repeats} round(s); "
-             f"load {load_start[0]:.1f} -> {load_end[0]:.1f}")  # fmt: skip
+    title = (
+        f"goodput, DP4 on 4 CPU ranks, {a.iters} global batches, {a.repeats} round(s); "
+        f"load {load_start[0]:.1f} -> {load_end[0]:.1f}"
+    )
     result["plot_title"] = title
     Path(a.output).write_text(json.dumps(result, indent=1))
     try:
         plot(table, Path(a.plot), title)
     except ImportError:  # the plot extra is not installed here: .venv-tft has matplotlib
         if TFT_PYTHON.exists():
-            subprocess.run([str(TFT_PYTHON), __file__, "--plot-only", a.output, "--plot", a.plot],
-                           env=_env(), check=False)  # fmt: skip
+            subprocess.run(
+                [str(TFT_PYTHON), __file__, "--plot-only", a.output, "--plot", a.plot],
+                env=_env(),
+                check=False,
+            )
         else:
             print("goodput: matplotlib missing (the plot extra): no plot")
     parts = []
     for setting, rows in table.items():
         cells = ", ".join(f"{s} {r['ettr_mean']}" for s, r in rows.items() if r["ettr_mean"])
         parts.append(f"{setting}: {cells}")
-    print(f"goodput (DP4, {a.iters} batches, {a.repeats} round(s), save every K by Young/Daly "
-          f"from {a.save_time:.2f} s saves, load {load_start[0]:.1f} -> {load_end[0]:.1f}): ETTR "
-          + "; ".join(parts) + f"; wrote {a.output}")  # fmt: skip
+    print(
+        f"goodput (DP4, {a.iters} batches, {a.repeats} round(s), save every K by Young/Daly "
+        f"from {a.save_time:.2f} s saves, load {load_start[0]:.1f} -> {load_end[0]:.1f}): ETTR "
+        + "; ".join(parts)
+        + f"; wrote {a.output}"
+    )
 
 
 if __name__ == "__main__":

@@ -245,7 +245,7 @@ def main(argv: List[str] | None = None) -> None:
             "t": time.time(),
             "step_time_s": time.time() - t0,
         }
-        out.write(json.dumps(rec) + "\n")  # fmt: skip
+        out.write(json.dumps(rec) + "\n")
     model.eval()
     with torch.no_grad():
         sampler = PretrainingSampler(
@@ -264,8 +264,19 @@ def main(argv: List[str] | None = None) -> None:
             total += float(torch.sum(o.float().view(-1) * m))
             tokens += float(m.sum())
     val = total / tokens
-    out.write(json.dumps({"type": "eval", "replica": a.replica_id, "step": step, "loss": val,
-                          "ppl": math.exp(min(val, 50.0)), "t": time.time()}) + "\n")  # fmt: skip
+    out.write(
+        json.dumps(
+            {
+                "type": "eval",
+                "replica": a.replica_id,
+                "step": step,
+                "loss": val,
+                "ppl": math.exp(min(val, 50.0)),
+                "t": time.time(),
+            }
+        )
+        + "\n"
+    )
     out.close()
     manager.shutdown(wait=False)
     os._exit(0)  # torchft's threads and HTTP server would keep the process alive

@@ -17,8 +17,14 @@ import goodput  # noqa: E402
 
 
 def _rec(step: int, replica: int, committed: bool = True, participating: bool = True) -> dict:
-    return {"type": "train", "step": step, "replica": replica, "committed": committed,
-            "participating": participating, "t": float(step)}  # fmt: skip
+    return {
+        "type": "train",
+        "step": step,
+        "replica": replica,
+        "committed": committed,
+        "participating": participating,
+        "t": float(step),
+    }
 
 
 def test_torchft_accounting_counts_dropped_and_redone_shares() -> None:
@@ -61,10 +67,23 @@ def test_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "goodput.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "goodput.py"), "--quick", "--workdir",
-         str(tmp_path / "work"), "--output", str(out), "--plot", str(tmp_path / "g.png")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=420,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "goodput.py"),
+            "--quick",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--output",
+            str(out),
+            "--plot",
+            str(tmp_path / "g.png"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "goodput (DP4" in proc.stdout.splitlines()[-1]
     res = json.loads(out.read_text())
