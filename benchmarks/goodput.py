@@ -812,14 +812,14 @@ def main() -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="one setting (T20_R10), one round, 100 batches, --max-slowdown 3: the " "smoke test",
+        help="one setting (T20_R10), one round, 100 batches, --max-slowdown 2: the " "smoke test",
     )
     p.add_argument(
         "--settings", default=",".join(SETTINGS), help="comma list of T<seconds>_R<seconds>"
     )
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--iters", type=int, default=600, help="global batches per run")
+    p.add_argument("--iters", type=int, default=300, help="global batches per run")
     p.add_argument("--seed", type=int, default=30)
     p.add_argument(
         "--max-slowdown",
@@ -849,7 +849,7 @@ def main() -> None:
         )
         return
     if a.quick:
-        a.settings, a.repeats, a.iters, a.max_slowdown = "T20_R10", 1, 100, 3.0
+        a.settings, a.repeats, a.iters, a.max_slowdown = "T20_R10", 1, 100, 2.0
         a.save_time = 0.5 if a.save_time is None else a.save_time
     suffix = "_quick" if a.quick else ""
     a.output = a.output or str(REPO / "results" / f"goodput{suffix}.json")
