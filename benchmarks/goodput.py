@@ -660,8 +660,19 @@ def torchft_accounting(recs: List[Dict[str, Any]], iters: int) -> Dict[str, Any]
         key=lambda r: r["replica"],
     )
     committed = len(committed_steps)
+    # The job's stall: gaps between consecutive steps' first commits above 5x the median gap
+    # (the failed attempt, detection, the new quorum), less the median gap each.
+    first: Dict[int, float] = {}
+    for r in train:
+        if r["committed"]:
+            first[r["step"]] = min(first.get(r["step"], math.inf), r["t"])
+    times = [first[s] for s in sorted(first)]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    med = statistics.median(gaps) if gaps else 0.0
+    stall = sum(g - med for g in gaps if g > 5 * med)
     return {
         "committed": committed,
+        "stall_s": round(stall, 3),
         "redone_iterations": len(failed_steps),
         "repeated_samples": repeated * share,
         "skipped_samples": iters * GBS - len(used) * share,
@@ -744,6 +755,7 @@ def summarize(runs: List[Dict[str, Any]], systems: List[str]) -> Dict[str, Any]:
         for system in systems:
             rs = [r for r in runs if r["setting"] == setting and r["system"] == system]
             ettr = [r["ettr"] for r in rs if r.get("ettr") is not None]
+            ettr_med = [r["ettr_vs_median_ff"] for r in rs if "ettr_vs_median_ff" in r]
             ff_loss = [r.get("ff_val_loss") for r in rs]
             loss = [r["eval"]["loss"] if r.get("eval") else None for r in rs]
             rows[system] = {
@@ -751,6 +763,8 @@ def summarize(runs: List[Dict[str, Any]], systems: List[str]) -> Dict[str, Any]:
                 "ettr_mean": round(statistics.mean(ettr), 4) if ettr else None,
                 "ettr_min": round(min(ettr), 4) if ettr else None,
                 "ettr_max": round(max(ettr), 4) if ettr else None,
+                "ettr_vs_median_ff_mean": round(statistics.mean(ettr_med), 4) if ettr_med else None,
+                "ettr_per_round": ettr,
                 "wall_s_mean": round(statistics.mean(r["wall_s"] for r in rs), 1) if rs else None,
                 "kills_mean": (statistics.mean(_kills(r) for r in rs) if rs else None),
                 "committed": [r["committed"] for r in rs],
@@ -839,6 +853,9 @@ def main() -> None:
     p.add_argument("--plot", default=None, help="default results/plots/goodput.png")
     p.add_argument("--workdir", default=str(REPO / "results" / "goodput"))
     p.add_argument("--plot-only", default=None, metavar="JSON", help="only plot this result")
+    p.add_argument("--recount", action="store_true",
+                   help="rebuild --output's table, derived fields and plot from its runs (a "
+                   "partial file too), with the same flags as the run")  # fmt: skip
     a = p.parse_args()
     if a.plot_only:
         res = json.loads(Path(a.plot_only).read_text())
@@ -856,7 +873,7 @@ def main() -> None:
     a.plot = a.plot or str(REPO / "results" / "plots" / f"goodput{suffix}.png")
     systems = [s for s in a.systems.split(",") if s]
     assert "failure-free" in systems, "ETTR needs the failure-free reference"
-    if "torchft" in systems and not TFT_PYTHON.exists():
+    if "torchft" in systems and not TFT_PYTHON.exists() and not a.recount:
         print(f"goodput: {TFT_PYTHON} missing (see benchmarks/README.md): torchft left out")
         systems.remove("torchft")
     settings = {}
@@ -864,6 +881,18 @@ def main() -> None:
         m = re.fullmatch(r"T([\d.]+)_R([\d.]+)", s)
         assert m, f"bad setting {s}"
         settings[s] = (float(m.group(1)), float(m.group(2)))
+    if a.recount:
+        old = json.loads(Path(a.output).read_text())
+        runs = old["runs"]
+        systems = [s for s in systems if any(r["system"] == s for r in runs)]
+        loads = [r["loadavg_start_end"] for r in runs]
+        finish(a, runs, systems, {s: v for s, v in settings.items()
+                                  if any(r["setting"] == s for r in runs)},
+               (old.get("config") or {}).get("save_time_calibration"),
+               old.get("date", "unknown"),
+               old.get("duration_s", sum(r["wall_s"] for r in runs)),
+               tuple(loads[0][0]), tuple(loads[-1][1]))  # fmt: skip
+        return
     out = Path(a.workdir)
     out.mkdir(parents=True, exist_ok=True)
     load_start, t_start = os.getloadavg(), time.time()
@@ -915,17 +944,58 @@ def main() -> None:
                     f"{run['loadavg_start_end'][1][0]:.1f})",
                     flush=True,
                 )
-                Path(a.output).write_text(json.dumps({"partial": True, "runs": runs}, indent=1))
+                Path(a.output).write_text(
+                    json.dumps({"partial": True, "date": started, "runs": runs}, indent=1)
+                )
+    finish(a, runs, systems, settings, calibration, started, time.time() - t_start, load_start,
+           os.getloadavg())  # fmt: skip
+
+
+def _post(runs: List[Dict[str, Any]], iters: int, workdir: Path) -> None:
+    """Derived fields: ETTR against the setting's median failure-free run (less exposed to a
+    load swing during one reference run than the round's own), and torchft's stall per kill
+    (from the replicas' records in ``workdir``, where they are still there)."""
+    for setting in {r["setting"] for r in runs}:
+        ffs = [r["wall_s"] / iters for r in runs if r["setting"] == setting
+               and r["system"] == "failure-free"]  # fmt: skip
+        med = statistics.median(ffs)
+        for r in runs:
+            if r["setting"] == setting:
+                r["ettr_vs_median_ff"] = round(med * r["committed"] / r["wall_s"], 4)
+    for r in runs:
+        if r["system"] != "torchft":
+            continue
+        d = workdir / r["setting"] / f"r{r['round']}" / "torchft"
+        if "stall_s" not in r and d.is_dir():
+            recs = [x for f in sorted(d.glob("replica*.jsonl")) for x in _read_jsonl(f)]
+            r["stall_s"] = torchft_accounting(recs, iters)["stall_s"]
+        if r.get("stall_s") is not None and _kills(r):
+            r["torchft_stall_s_per_kill"] = round(r["stall_s"] / _kills(r), 3)
+
+
+def finish(
+    a: argparse.Namespace,
+    runs: List[Dict[str, Any]],
+    systems: List[str],
+    settings: Dict[str, Tuple[float, float]],
+    calibration: Optional[Dict[str, Any]],
+    started: str,
+    duration: float,
+    load_start: Tuple[float, ...],
+    load_end: Tuple[float, ...],
+) -> None:
+    """The table, JSON, plot and summary line of ``runs``."""
+    _post(runs, a.iters, Path(a.workdir))
     table = summarize(runs, systems)
     result = {
         "benchmark": "goodput",
         "date": started,
-        "duration_s": round(time.time() - t_start, 1),
+        "duration_s": round(duration, 1),
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "loadavg_at_start": load_start,
-            "loadavg_at_end": os.getloadavg(),
+            "loadavg_at_end": load_end,
         },
         "config": {
             "quick": a.quick,
@@ -958,12 +1028,11 @@ def main() -> None:
             "ProcessGroupGloo timeout 30 s; one replica group per process",
             "ettr": "failure-free wall s per global batch (same round) x committed / wall s",
             "max_slowdown": a.max_slowdown,
+            "ettr_vs_median_ff": "the same with the median failure-free wall of the setting",
         },
         "table": table,
         "runs": runs,
     }
-    Path(a.output).write_text(json.dumps(result, indent=1))
-    load_end = os.getloadavg()
     title = (
         f"goodput, DP4 on 4 CPU ranks, {a.iters} global batches, {a.repeats} round(s); "
         f"load {load_start[0]:.1f} -> {load_end[0]:.1f}"

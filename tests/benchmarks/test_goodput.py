@@ -63,7 +63,8 @@ def test_killer_passes_a_kill_on_to_the_next_live_rank() -> None:
 )
 def test_quick_run(tmp_path: Path) -> None:
     """The --quick mode end to end (one setting, one round), torchft where .venv-tft exists:
-    every system commits every batch, MeCeFO skips no sample, and no process is left."""
+    MeCeFO and torchft commit every batch (checkpoint-restart may not: at T = 20 s, R = 10 s
+    its restarts outlast the kill interval here), MeCeFO skips no sample, no process is left."""
     out = tmp_path / "goodput.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
@@ -82,18 +83,19 @@ def test_quick_run(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=420,
+        timeout=480,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "goodput (DP4" in proc.stdout.splitlines()[-1]
     res = json.loads(out.read_text())
     runs = {r["system"]: r for r in res["runs"]}
     assert runs["failure-free"]["ettr"] == 1.0
+    assert {"failure-free", "checkpoint-restart", "mecefo-neighbor"} <= set(runs)
     for name, run in runs.items():
-        assert run["committed"] == res["config"]["global_batches"], (name, run["rc"])
-        assert 0.0 < run["ettr"] <= 1.2
-        assert run["loadavg_start_end"]
+        assert run["loadavg_start_end"] and 0.0 <= run["ettr"] <= 1.2
+        if name != "checkpoint-restart":
+            assert run["committed"] == res["config"]["global_batches"], (name, run["rc"])
         if name.startswith("mecefo"):
-            assert run["skipped_samples"] == 0
+            assert run["skipped_samples"] == 0 and run["failures"] >= 1
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", leftover.stdout
