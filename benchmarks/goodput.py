@@ -109,7 +109,9 @@ SYSTEMS = (
     "mecefo-spread",
     "mecefo-auto",
 )
-SETTINGS = {"T60_R20": (60.0, 20.0), "T20_R10": (20.0, 10.0)}
+# Kill every T s, back after R s. The runs last about 80 s failure-free here (400 batches plus
+# start-up), so T = 40 s gives 2 kills a run and T = 20 s 4; T = 60 s would give at most one.
+SETTINGS = {"T40_R15": (40.0, 15.0), "T20_R10": (20.0, 10.0)}
 
 
 def _env(**extra: str) -> Dict[str, str]:
@@ -833,12 +835,12 @@ def main() -> None:
     )
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--iters", type=int, default=300, help="global batches per run")
+    p.add_argument("--iters", type=int, default=400, help="global batches per run")
     p.add_argument("--seed", type=int, default=30)
     p.add_argument(
         "--max-slowdown",
         type=float,
-        default=4.0,
+        default=2.5,
         help="stop a run after this many failure-free walls (+30 s): its ETTR is "
         "below 1/this then anyway; what it committed counts",
     )
