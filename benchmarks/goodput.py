@@ -500,7 +500,9 @@ def run_mecefo(
     recs = [r for r in _read_jsonl(records) if r.get("type") == "recovery"]
     fails = [r for r in recs if r.get("kind") == "failure"]
     skipped = sum(r.get("mecefo", {}).get("samples_skipped", 0) for r in res["last"].values())
-    committed = len(res["last"]) if rc == 0 else len(res["last"])
+    # A rank 0 killed between an iteration's commit and its metrics line leaves that line out:
+    # a run that finished committed every iteration, logged or not.
+    committed = iters if rc == 0 else len(res["last"])
     redone = res["logged"] - len(res["last"]) + len(fails)
     return _finish(
         {
@@ -514,6 +516,7 @@ def run_mecefo(
             "repeated_samples": sum(r.get("samples_redone", 0) for r in fails)
             + (res["logged"] - len(res["last"])) * GBS,
             "skipped_samples": skipped + (iters - committed) * GBS,
+            "unlogged_iterations": iters - len(res["last"]) if rc == 0 else 0,
             "degraded_iterations": sum(
                 1 for r in res["last"].values() if r.get("mecefo", {}).get("degraded")
             ),
@@ -957,6 +960,18 @@ def _post(runs: List[Dict[str, Any]], iters: int, workdir: Path) -> None:
     """Derived fields: ETTR against the setting's median failure-free run (less exposed to a
     load swing during one reference run than the round's own), and torchft's stall per kill
     (from the replicas' records in ``workdir``, where they are still there)."""
+    ff = {(r["setting"], r["round"]): r for r in runs if r["system"] == "failure-free"}
+    for r in runs:
+        if r["system"].startswith("mecefo") and r["rc"] == 0 and r["committed"] < iters:
+            # Recorded before run_mecefo counted a finished run's unlogged iterations as
+            # committed (see there): the same correction.
+            r["unlogged_iterations"] = iters - r["committed"]
+            r["skipped_samples"] -= r["unlogged_iterations"] * GBS
+            r["committed"] = iters
+        ref = ff[(r["setting"], r["round"])]
+        r["ettr"] = round(ref["wall_s"] / iters * r["committed"] / r["wall_s"], 4)
+        total = iters * GBS - r["skipped_samples"]
+        r["exactly_once_samples"] = total - min(r["repeated_samples"], total)
     for setting in {r["setting"] for r in runs}:
         ffs = [r["wall_s"] / iters for r in runs if r["setting"] == setting
                and r["system"] == "failure-free"]  # fmt: skip
