@@ -787,6 +787,33 @@ def summarize(runs: List[Dict[str, Any]], systems: List[str]) -> Dict[str, Any]:
     return table
 
 
+def markdown(table: Dict[str, Any], iters: int) -> str:
+    """The README table: per setting and system, ETTR over the rounds and the sample counts."""
+
+    def cell(xs: List[Any], fmt: str = "{}") -> str:
+        return ", ".join("-" if x is None else fmt.format(x) for x in xs)
+
+    lines = [
+        "| setting | system | ETTR mean (min-max) | ETTR per round | ETTR vs median "
+        "failure-free | kills | batches committed | samples skipped | samples repeated | "
+        "val loss - failure-free |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for setting, rows in table.items():
+        for system, r in rows.items():
+            if r["ettr_mean"] is None:
+                continue
+            lines.append(
+                f"| {setting} | {system} | {r['ettr_mean']:.3f} ({r['ettr_min']:.3f}-"
+                f"{r['ettr_max']:.3f}) | {cell(r['ettr_per_round'], '{:.3f}')} | "
+                f"{r['ettr_vs_median_ff_mean']:.3f} | {r['kills_mean']:.1f} | "
+                f"{cell(r['committed'])} of {iters} | {cell(r['skipped_samples'])} | "
+                f"{cell(r['repeated_samples'])} | "
+                f"{cell(r['val_loss_minus_failure_free'], '{:+.3f}')} |"
+            )
+    return "\n".join(lines)
+
+
 def plot(table: Dict[str, Any], path: Path, title: str) -> None:
     import matplotlib
 
@@ -889,6 +916,8 @@ def main() -> None:
     if a.recount:
         old = json.loads(Path(a.output).read_text())
         runs = old["runs"]
+        if a.save_time is None:
+            a.save_time = (old.get("config") or {}).get("save_time_s", math.nan)
         systems = [s for s in systems if any(r["system"] == s for r in runs)]
         loads = [r["loadavg_start_end"] for r in runs]
         finish(a, runs, systems, {s: v for s, v in settings.items()
@@ -1067,6 +1096,7 @@ def finish(
             )
         else:
             print("goodput: matplotlib missing (the plot extra): no plot")
+    print(markdown(table, a.iters))
     parts = []
     for setting, rows in table.items():
         cells = ", ".join(f"{s} {r['ettr_mean']}" for s, r in rows.items() if r["ettr_mean"])
