@@ -824,6 +824,7 @@ def plot(table: Dict[str, Any], path: Path, title: str) -> None:
     systems = list(next(iter(table.values())))
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / max(1, len(settings))
+    top = 1.0
     for i, setting in enumerate(settings):
         xs, ys, lo, hi = [], [], [], []
         for j, system in enumerate(systems):
@@ -834,11 +835,17 @@ def plot(table: Dict[str, Any], path: Path, title: str) -> None:
             ys.append(row["ettr_mean"])
             lo.append(row["ettr_mean"] - row["ettr_min"])
             hi.append(row["ettr_max"] - row["ettr_mean"])
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=setting.replace("_", ", "))
+        bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=setting.replace("_", ", "))
+        for x, system in zip(xs, [s for s in systems if table[setting][s]["ettr_mean"] is not None],
+                             strict=True):  # fmt: skip
+            pts = table[setting][system]["ettr_per_round"]
+            ax.plot([x] * len(pts), pts, "o", ms=3, color="black", alpha=0.6)
+        top = max(top, *(y + h for y, h in zip(ys, hi, strict=True)))
+        del bars
     ax.set_xticks(range(len(systems)))
     ax.set_xticklabels(systems, rotation=15)
-    ax.set_ylabel("ETTR (bars: mean; whiskers: min-max of rounds)")
-    ax.set_ylim(0, 1.1)
+    ax.set_ylabel("ETTR (bar: mean; whiskers: min-max; dots: rounds)", fontsize=8)
+    ax.set_ylim(0, top + 0.1)
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_title(title, fontsize=9)
     ax.legend()
