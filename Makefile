@@ -139,7 +139,7 @@ bench: data
 	@echo "make bench: done; summaries in $(BENCH_LOG)/, plots in results/plots/." \
 	    "Not run on CPU: the llama-1b / llama-7b GPU shapes (benchmarks/README.md)."
 
-# The goodput comparison alone (benchmarks/goodput.py, about 70 minutes; GOODPUT_ARGS=--quick
+# The goodput comparison alone (benchmarks/goodput.py, about 55 minutes here; GOODPUT_ARGS=--quick
 # for the 4-minute smoke run), with torchft 0.2.0 in .venv-tft: a venv of its own that sees
 # this venv's packages through a .pth file, so torchft never touches the CPU torch here.
 TFT := .venv-tft
