@@ -913,7 +913,7 @@ def main() -> None:
     systems = [s for s in a.systems.split(",") if s]
     assert "failure-free" in systems, "ETTR needs the failure-free reference"
     if "torchft" in systems and not TFT_PYTHON.exists() and not a.recount:
-        print(f"goodput: {TFT_PYTHON} missing (see benchmarks/README.md): torchft left out")
+        print(f"goodput: {TFT_PYTHON} missing (make bench-goodput sets it up): torchft left out")
         systems.remove("torchft")
     settings = {}
     for s in a.settings.split(","):

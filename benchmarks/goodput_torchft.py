@@ -26,7 +26,7 @@ Writes one JSON line per step attempt to ``--metrics-file``: the step, whether i
 the quorum's participants, whether this replica took part, and the time; at the end one
 ``eval`` line (validation loss and perplexity on the first ``--eval-iters`` global batches).
 
-Run only under the ``.venv-tft`` environment (see ``benchmarks/README.md``).
+Run only under ``.venv-tft`` (``make bench-goodput`` sets it up; docs/results.md, Goodput).
 """
 
 from __future__ import annotations
