@@ -242,8 +242,27 @@ def _start(cmd: List[str], log: Path, **env: str) -> subprocess.Popen:
         )
 
 
+def _session_members(sids: set) -> List[int]:
+    """Processes of this interpreter in the sessions ``sids``: a rank killed while saving
+    leaves dist_checkpointing's helper processes behind, re-parented to init but still in the
+    rank's session (torchrun and the supervisor start each rank as a session leader)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            sid = int((d / "stat").read_text().rsplit(") ", 1)[1].split()[3])
+            cmd = (d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if sid in sids and cmd == sys.executable:
+            found.append(int(d.name))
+    return found
+
+
 def _stop(proc: subprocess.Popen, pids: List[int]) -> None:
-    """End ``proc``'s process group and every PID in ``pids``, by PID, and reap ``proc``."""
+    """End ``proc``'s process group, every PID in ``pids`` and whatever is left in their
+    sessions, by PID, and reap ``proc``."""
     pids = list(pids) + _descendants(proc.pid)
     if proc.poll() is None:
         try:
@@ -252,6 +271,7 @@ def _stop(proc: subprocess.Popen, pids: List[int]) -> None:
             pass
     _kill(pids)
     proc.wait()
+    _kill(_session_members({proc.pid, *pids}))
 
 
 def _example_result(metrics: Path) -> Dict[str, Any]:
