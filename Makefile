@@ -10,7 +10,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-errors test-slurm bench bench-long lint clean
+.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-errors test-slurm bench bench-goodput bench-long lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -144,9 +144,28 @@ bench: data
 	set -o pipefail; $(PY) examples/pretrain_gpt/convergence.py | tee $(BENCH_LOG)/convergence.txt
 	set -o pipefail; $(PY) examples/pretrain_gpt/convergence.py $(CONVERGENCE_N32) | tee $(BENCH_LOG)/convergence_n32.txt
 	set -o pipefail; $(PY) benchmarks/abft_overhead.py | tee $(BENCH_LOG)/abft_overhead.txt
+	set -o pipefail; $(PY) benchmarks/goodput.py | tee $(BENCH_LOG)/goodput.txt
 	$(PY) benchmarks/plots.py
 	@echo "make bench: done; summaries in $(BENCH_LOG)/, plots in results/plots/." \
 	    "Not run on CPU: the llama-1b / llama-7b GPU shapes (benchmarks/README.md)."
+
+# The goodput comparison alone (benchmarks/goodput.py, about 55 minutes here; GOODPUT_ARGS=--quick
+# for the 4-minute smoke run), with torchft 0.2.0 in .venv-tft: a venv of its own that sees
+# this venv's packages through a .pth file, so torchft never touches the CPU torch here.
+TFT := .venv-tft
+$(TFT)/.installed: constraints.txt
+	test -x $(TFT)/bin/python || $(PYTHON) -m venv $(TFT)
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+	    $$($(TFT)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/main_venv.pth
+	$(TFT)/bin/pip install -q --no-deps -c constraints.txt torchft
+	$(TFT)/bin/pip install -q -c constraints.txt opentelemetry-api opentelemetry-sdk \
+	    opentelemetry-exporter-otlp-proto-http matplotlib
+	$(TFT)/bin/python -c "import torch, torchft; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	touch $@
+
+bench-goodput: data $(TFT)/.installed
+	mkdir -p $(BENCH_LOG)
+	set -o pipefail; $(PY) benchmarks/goodput.py $(GOODPUT_ARGS) | tee $(BENCH_LOG)/goodput.txt
 
 # Not part of make bench (about 11 minutes): the high scenario at 600 iterations, one seed,
 # to see whether the convergence gaps last once the validation loss is flatter.

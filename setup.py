@@ -32,6 +32,9 @@ setup(
             "mkdocstrings-python==2.0.11",
         ],  # fmt: skip
         "tensorboard": ["tensorboard"],
+        # benchmarks/goodput.py's torchft peer (Lighthouse, Manager, ProcessGroupGloo on CPU).
+        # `make bench-goodput` installs it into its own .venv-tft (see docs/results.md).
+        "torchft": ["torchft==0.2.0"],
         # What Megatron-LM's megatron/training imports beyond megatron-core, for running the
         # patched pretrain_gpt.py (patches/).
         "megatron-lm": ["six", "regex", "pyyaml", "pydantic"],
