@@ -314,7 +314,11 @@ class RecoverySession:
         # Trained state: the carry of the previous world, or a fresh start in the first one.
         # The carry is kept until this world is established: if it fails before (e.g. a
         # joiner dies during the heal), the next world imports it again.
-        self.valid = self.carry is not None or (gen.number == 0 and self.inc == 0)
+        # Nothing committed yet (a rank died before the first commit, maybe before anyone had
+        # built a model): every member starts from the seed, as generation 0 did; otherwise
+        # no member would hold trained state, and the job would loop on the heal.
+        untrained = self.carry is None and self.ms.get_str("progress") is None
+        self.valid = self.carry is not None or (gen.number == 0 and self.inc == 0) or untrained
         if self.carry is not None and self.takeover_pending:
             take_over_from_snapshot(self, trainer)
         elif self.carry is not None:

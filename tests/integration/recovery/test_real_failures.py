@@ -22,6 +22,8 @@ from harness import (
     train_records,
 )
 
+from megatron_mecefo.recovery.membership import MembershipStore
+
 # Real vs simulated failure, final parameters. The real run all-reduces the same per-replica
 # terms (pre-scaled by 1/n of the original replicas) over the n - k survivors; the simulated
 # run over n ranks, one contributing exact zeros. Adding a zero is exact, but gloo's ring
@@ -278,3 +280,35 @@ def test_trainer_without_session_stops_with_one_message(tmp_path: Path) -> None:
     assert proc.returncode == 1, out
     assert out.count("does not run MeCeFO's in-process recovery") == 1, out
     assert "--load" in out and time.time() - t0 < 100
+
+
+@pytest.mark.slow
+def test_dp4_rank_killed_before_the_first_iteration(tmp_path: Path) -> None:
+    """Rank 2 is SIGKILLed while it starts (before any iteration is committed, before the
+    survivors hold trained state): every member starts from the seed in the new world, as the
+    first one did, instead of looping on "no member holds trained state"; the run equals the
+    simulated failure of replica 2 from iteration 1."""
+    args = _layout(1, 1, 4, 8, 16) + ["--optimizer", "sgd", "--lr", "0.05"]
+    job = Job(tmp_path / "real", 4, args)
+    try:
+        job.start()
+        # The moment the first session registers the job's layout (the ranks are importing and
+        # building their models, nothing is trained yet), rank 2 dies.
+        deadline = time.time() + 120
+        while not (job.workdir / "store.txt").exists():
+            assert time.time() < deadline, "no store"
+            time.sleep(0.05)
+        ms = MembershipStore.connect((job.workdir / "store.txt").read_text().strip(), 60)
+        while ms.get_str("layout") is None:
+            assert time.time() < deadline, "no session registered"
+            time.sleep(0.01)
+        os.kill(job.rank_pids()[(2, 0)], signal.SIGKILL)
+        assert job.wait() == [0], job.log()[-5000:]
+    finally:
+        job.stop()
+    assert "no member holds trained state" not in job.log()
+    check_every_sample_once(train_records(job.metrics), 8, 16)
+    sim = run_torchrun(tmp_path / "sim", 4, args + ["--mecefo-fail", "2:1"])
+    diff = max_param_diff(job.params(), sim)
+    print(f"killed at start-up vs simulated 2:1: max |param diff| = {diff:.2e}")
+    assert diff <= PARAM_ATOL
