@@ -58,6 +58,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from recovery_latency import _children  # noqa: E402  (a sibling script; /proc children)
+
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
 TFT_TRAINER = REPO / "benchmarks" / "goodput_torchft.py"
@@ -145,16 +147,6 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1][0] != "Z"
     except OSError:
         return False
-
-
-def _children(pid: int) -> List[int]:
-    kids: List[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            kids += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return kids
 
 
 def _descendants(pid: int) -> List[int]:
