@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from conftest import REPO, child_env, free_port
@@ -68,14 +68,24 @@ def unpack_megatron_lm(root: Path) -> Optional[Path]:
     return tree
 
 
-def run_logged(cmd: List[str], log_path: Path, timeout: float = 600, **env: str) -> int:
-    """Run ``cmd`` in its own session, output to ``log_path``; kill the session at the end."""
+def run_logged(
+    cmd: List[str],
+    log_path: Path,
+    timeout: float = 600,
+    act: Optional[Callable[[subprocess.Popen, Path], None]] = None,
+    **env: str,
+) -> int:
+    """Run ``cmd`` in its own session, output to ``log_path``, with ``act(proc, log_path)``
+    done to it from outside while it runs; kill the session at the end (also when ``act``
+    fails)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             cmd, env=child_env(**env), stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, cwd=log_path.parent,
         )  # fmt: skip
         try:
+            if act is not None:
+                act(proc, log_path)
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return -999
@@ -104,16 +114,17 @@ def supervised(
     nproc: int = 4,
     supervisor: Optional[List[str]] = None,
     timeout: float = 600,
+    act: Optional[Callable[[subprocess.Popen, Path], None]] = None,
 ) -> Tuple[int, str]:
     """Megatron-LM under MeCeFO's recovery supervisor (records in ``work/records.jsonl``,
-    pids in ``work/pids.txt``)."""
+    pids in ``work/pids.txt``), with ``act`` (see :func:`run_logged`) done to it."""
     log = work / f"supervised_{len(list(work.glob('supervised_*')))}.log"
     cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor",
            f"--nproc-per-node={nproc}", "--records", str(work / "records.jsonl"),
            "--pid-file", str(work / "pids.txt"),
            *(supervisor if supervisor is not None else ["--replace", "never"]),
            "--", str(LAUNCHER), "--megatron-lm-dir", str(tree), *CPU_GPT, *argv]  # fmt: skip
-    rc = run_logged(cmd, log, timeout=timeout)
+    rc = run_logged(cmd, log, timeout=timeout, act=act)
     return rc, log.read_text()
 
 

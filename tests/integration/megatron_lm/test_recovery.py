@@ -16,10 +16,9 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Callable, List, Sequence, Tuple
+from typing import List
 
 import pytest
 from mlm_runs import (
@@ -122,7 +121,7 @@ def test_sigterm_saves_and_the_run_resumes_there(megatron_lm: Path, tmp_path: Pa
         _wait_for(log_path, "iteration        3/")
         proc.send_signal(signal.SIGTERM)
 
-    rc, first = _supervised_acting(megatron_lm, tmp_path, flags, stop)
+    rc, first = supervised(megatron_lm, flags, tmp_path, act=stop)
     assert rc == 0, first[-6000:]
     assert "exiting program after receiving SIGTERM" in first
     assert "ranks saved and exited (--exit-signal-handler)" in first
@@ -208,39 +207,6 @@ def _wait_for(path: Path, text: str, timeout: float = 120) -> None:
     raise AssertionError(f"{text!r} not in {path} after {timeout} s")
 
 
-def _supervised_acting(
-    tree: Path,
-    work: Path,
-    argv: List[str],
-    act: Callable[[subprocess.Popen, Path], None],
-    supervisor: Sequence[str] = ("--replace", "never"),
-) -> Tuple[int, str]:
-    """Megatron-LM under the supervisor, with ``act(proc, log_path)`` done to it from outside
-    while it runs; every process of the run is ended, also when ``act`` fails."""
-    from conftest import child_env
-    from mlm_runs import CPU_GPT, LAUNCHER
-
-    log_path = work / f"supervised_{len(list(work.glob('supervised_*')))}.log"
-    cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor", "--nproc-per-node=4",
-           "--records", str(work / "records.jsonl"), "--pid-file", str(work / "pids.txt"),
-           *supervisor, "--", str(LAUNCHER), "--megatron-lm-dir", str(tree), *CPU_GPT,
-           *argv]  # fmt: skip
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            act(proc, log_path)
-            rc = proc.wait(timeout=300)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    return rc, log_path.read_text()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["sigkill", "sigstop", "two_200ms_apart"])
 def test_external_signals(megatron_lm: Path, tmp_path: Path, how: str) -> None:
@@ -262,9 +228,9 @@ def test_external_signals(megatron_lm: Path, tmp_path: Path, how: str) -> None:
             time.sleep(0.2)
             os.kill(pids[3], signal.SIGKILL)
 
-    rc, real = _supervised_acting(
-        megatron_lm, tmp_path, [*argv, *MECEFO, "--save", str(save)], kill,
-        ("--replace", "never", "--heartbeat-timeout", "3"),
+    rc, real = supervised(
+        megatron_lm, [*argv, *MECEFO, "--save", str(save)], tmp_path,
+        supervisor=["--replace", "never", "--heartbeat-timeout", "3"], act=kill,
     )  # fmt: skip
     assert rc == 0, real[-6000:]
     schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
