@@ -85,9 +85,10 @@ MODEL = [
     "--make-vocab-size-divisible-by", "256", "--eval-iters", "0", "--log-interval", "20",
     "--mecefo", "--mecefo-rank", "16",
 ]  # fmt: skip
+COLLECTIVE_TIMEOUT_S = 30.0
 SUPERVISOR_TIMEOUTS = [
     "--heartbeat-interval", "1", "--heartbeat-timeout", "10",
-    "--collective-timeout", "30", "--init-timeout", "60",
+    "--collective-timeout", str(int(COLLECTIVE_TIMEOUT_S)), "--init-timeout", "60",
 ]  # fmt: skip
 
 
@@ -376,19 +377,32 @@ def _stats(values: List[float]) -> Dict[str, Any]:
             "max": round(max(values), 3)}  # fmt: skip
 
 
+def _at_backstop(fails: List[Dict]) -> int:
+    """Kills whose recovery waited for the collective timeout (a survivor that nothing woke
+    leaves only when its wait times out, so kill -> redone exceeds it)."""
+    return sum(1 for r in fails if (r.get("total_s") or 0) >= 0.9 * COLLECTIVE_TIMEOUT_S)
+
+
 def summarize(runs: List[Dict]) -> Dict[str, Any]:
     table = {}
+    every: List[Dict] = []
     for run in runs:
         fails = [r for r in run["records"] if r.get("kind") == "failure"]
         joins = [r for r in run["records"] if r.get("kind") == "rejoin"]
+        every += fails
         table[f"{run['layout']}/{run['phase']}"] = {
             key: _stats([r.get(key) for r in fails])
             for key in ("detect_s", "regroup_s", "redo_s", "total_s")
         } | {
             "heal_s": _stats([r.get("heal_s") for r in joins]),
             "rejoin_s": _stats([r.get("rejoin_s") for r in joins]),
+            "at_backstop": _at_backstop(fails),
             "rc": run["rc"],
         }
+    if len(runs) > 1:
+        table["all"] = {"total_s": _stats([r.get("total_s") for r in every]),
+                        "at_backstop": _at_backstop(every),
+                        "rc": [run["rc"] for run in runs]}  # fmt: skip
     return table
 
 
@@ -1098,8 +1112,9 @@ def main() -> None:
             s = summarize([run])[f"{layout}/{phase}"]
             print(f"{layout:>10} {phase:>9}: failures {s['total_s'].get('n', 0)}/"
                   f"{a.kills_per_phase}, kill->redone p50 {s['total_s'].get('p50')} s max "
-                  f"{s['total_s'].get('max')} s; rejoin p50 {s['rejoin_s'].get('p50')} s "
-                  f"(rc {run['rc']}, {run['wall_s']} s)", flush=True)  # fmt: skip
+                  f"{s['total_s'].get('max')} s, {s['at_backstop']} at the backstop; rejoin "
+                  f"p50 {s['rejoin_s'].get('p50')} s (rc {run['rc']}, {run['wall_s']} s, load "
+                  f"{os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     over = (
         overhead(out, a.overhead_repeats, a.overhead_iters, a.data_path, a.overhead_hidden,
                  a.overhead_seq)  # fmt: skip
@@ -1144,6 +1159,13 @@ def main() -> None:
             f"{1e3 * acc['plain_cpu_per_iteration_s']:.0f} ms CPU; armed cost "
             f"{acc['armed_pct']:.2f}%"
         )
+    every = result["table"].get("all")
+    if every:
+        tot = every["total_s"]
+        print(f"recovery_latency ({a.layouts}, {tot.get('n', 0)} kills, load "
+              f"{os.getloadavg()[0]:.1f}): kill -> redone p50 {tot.get('p50')} s, max "
+              f"{tot.get('max')} s, {every['at_backstop']} at the {COLLECTIVE_TIMEOUT_S:.0f} s "
+              f"backstop")  # fmt: skip
     print(f"recovery_latency: wrote {a.output}")
 
 

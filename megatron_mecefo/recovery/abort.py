@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Optional
 
+from megatron_mecefo.recovery import abortable_waits
+
 
 def release_megatron(chunks: Iterable[Any], ddp_models: Iterable[Any], config: Any) -> None:
     """Break the reference cycles that keep Megatron's groups alive after the model is
@@ -51,8 +53,14 @@ class WorldAborter:
 
     name = "base"
 
+    def arm(self) -> None:
+        """A new world exists (after ``init_process_group``)."""
+
     def abort(self) -> None:
         """Interrupt in-flight collectives (thread-safe; may run on a watchdog thread)."""
+
+    def retain_groups(self) -> None:
+        """Before the groups are destroyed: keep what must outlive them (default: nothing)."""
 
     def destroy(self) -> None:
         """Destroy Megatron's parallel state and every torch.distributed group."""
@@ -74,6 +82,7 @@ class WorldAborter:
             ):
                 setattr(ps, name, None)
 
+        self.retain_groups()
         t_pg = time.time()
         if dist.is_initialized():
             try:
@@ -88,21 +97,42 @@ class WorldAborter:
 class GlooRelease(WorldAborter):
     """gloo: no abort API exists. ``abort()`` shuts down (without closing: gloo owns them)
     this process's TCP sockets except those to the membership store; gloo's pair loop then
-    sees the connection end and fails every pending operation, as when a peer dies. Without
-    it, a rank waiting in a send/recv whose peer died (a pipeline neighbour, a 2-rank
-    all-reduce) is not always woken and waits for the backstop timeout (measured: 25 s at
-    TP2xPP2xDP2). Dropping every reference afterwards (``destroy``) closes them.
+    sees the connection end and fails every pending operation, as when a peer dies. That
+    does not wake a send of an unbound buffer (a gloo bug), so ``abort()`` then releases the
+    training thread from its wait (:mod:`.abortable_waits`); before that change such a rank
+    waited for the backstop timeout (measured: 25-31 s at TP2xPP2xDP2). Dropping every
+    reference afterwards (``destroy``) closes the sockets, except those of an aborted world's
+    groups, kept until the backstop has released gloo's threads.
 
     Args:
         store_port: Port of the membership store, whose connections stay up.
+        hold_s: How long an aborted world's groups are kept (the collective timeout and a
+            margin).
     """
 
     name = "gloo"
 
-    def __init__(self, store_port: int = -1) -> None:
+    def __init__(self, store_port: int = -1, hold_s: float = 60.0) -> None:
         self.store_port = store_port
+        self.hold_s = hold_s
+
+    def arm(self) -> None:
+        abortable_waits.STATE.arm()
+
+    def retain_groups(self) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        waits = abortable_waits.STATE
+        waits.disarm()
+        groups = list(c10d._world.pg_map.keys()) if waits.aborted.is_set() else []
+        waits.retain(groups, self.hold_s)
 
     def abort(self) -> None:
+        self._shutdown_sockets()
+        # After the sockets: the training thread, once released, leaves and closes them.
+        abortable_waits.STATE.abort()
+
+    def _shutdown_sockets(self) -> None:
         import os
         import socket
 
@@ -147,8 +177,8 @@ class NcclAbort(WorldAborter):
                 pass
 
 
-def build_aborter(backend: str, store_port: int = -1) -> WorldAborter:
-    return NcclAbort() if backend == "nccl" else GlooRelease(store_port)
+def build_aborter(backend: str, store_port: int = -1, hold_s: float = 60.0) -> WorldAborter:
+    return NcclAbort() if backend == "nccl" else GlooRelease(store_port, hold_s)
 
 
 class GenerationWatchdog:

@@ -150,7 +150,9 @@ class RecoverySession:
         self.watchdog_cpu_s = 0.0
         """CPU seconds of the finished generations' watchdog threads."""
         self.backend = "gloo" if args.device == "cpu" else "nccl"
-        self.aborter = build_aborter(self.backend, int(config.store.rsplit(":", 1)[1]))
+        self.aborter = build_aborter(
+            self.backend, int(config.store.rsplit(":", 1)[1]), config.collective_timeout_s + 30.0
+        )
         self.watchdog: Optional[GenerationWatchdog] = None
         self.rank = -1
         self.snapshots: Any = None
@@ -265,6 +267,7 @@ class RecoverySession:
             world_size=gen.world_size,
             timeout=datetime.timedelta(seconds=self.cfg.collective_timeout_s),
         )
+        self.aborter.arm()
         self.rank = rank
         self.gen = gen
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -170,6 +171,16 @@ def check_every_sample_once(records: List[Dict[str, Any]], iters: int, gbs: int)
         assert r["consumed_samples"] == r["iteration"] * gbs
         assert r["mecefo"]["samples_processed"] == gbs, r
         assert r["mecefo"]["samples_skipped"] == 0, r
+
+
+def left_by_timeout(log: str) -> List[str]:
+    """The ranks' "left generation" lines whose error is a collective timeout: a survivor that
+    nothing released waited for the backstop (``--collective-timeout``)."""
+    return [
+        line
+        for line in log.splitlines()
+        if " left generation " in line and re.search(r"timed out|timeout", line, re.IGNORECASE)
+    ]
 
 
 def max_param_diff(real: Dict[int, Dict[str, Any]], sim: Dict[int, Dict[str, Any]]) -> float:

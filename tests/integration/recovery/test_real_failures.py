@@ -17,6 +17,7 @@ from harness import (
     SMALL_MODEL,
     Job,
     check_every_sample_once,
+    left_by_timeout,
     max_param_diff,
     run_torchrun,
     train_records,
@@ -68,6 +69,8 @@ def _kill_and_compare(
         job.stop()
     log = job.log()
     assert "died: SIGKILL" in log
+    # No survivor waited for the collective backstop (gloo's unwoken send: abortable_waits).
+    assert not left_by_timeout(log), left_by_timeout(log)
     failure, *rest = job.records_of("recovery")
     replica = (rank // tp) % dp
     first = failure["iteration"]

@@ -1,0 +1,112 @@
+"""The training thread's waits can be cut short (``recovery/abortable_waits.py``): two real
+gloo ranks, a send nobody receives and an all-reduce a peer never joins.
+
+Without the abort, each wait would last the collective timeout (20 s here). The survivor must
+raise :class:`WorldAborted` soon after ``abort()``, leave the world without blocking on gloo's
+stuck threads, and then work in a new world.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+
+TIMEOUT_S = 20.0
+
+
+def _rank(rank: int, port: int, mode: str, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    from megatron_mecefo.recovery.abort import GlooRelease
+    from megatron_mecefo.recovery.abortable_waits import STATE, WorldAborted
+
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("w0/", store), rank=rank, world_size=2, timeout=timeout
+    )
+    aborter = GlooRelease(store_port=port, hold_s=60.0)
+    aborter.arm()
+    result: dict = {}
+    # Through the patched wait, before any abort: the values are exact.
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    peer = torch.zeros(3)
+    if rank == 0:
+        dist.send(t * 2, 1)
+    else:
+        dist.recv(peer, 0)
+    result["sum"], result["peer"] = t.tolist(), peer.tolist()
+    store.set(f"ready{rank}", "1")
+    store.wait(["ready0", "ready1"])
+    if rank == 1:
+        # The waits alone (no socket shutdown, which may wake some gloo operations itself).
+        threading.Timer(0.5, STATE.abort).start()
+        t0 = time.monotonic()
+        try:
+            if mode == "send":
+                dist.send(torch.ones(1000), 0)  # rank 0 never receives
+            else:
+                dist.all_reduce(torch.ones(3))  # rank 0 never joins
+            result["error"] = None
+        except WorldAborted as err:
+            result["error"] = str(err)
+        result["released_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        aborter.destroy()
+        result["destroy_s"] = time.monotonic() - t0
+        result["retained"] = sum(len(g) for _, g in STATE.retained)
+        result["abandoned"] = STATE.abandoned
+        store.set("left1", "1")
+    else:
+        store.wait(["left1"])
+        aborter.destroy()
+    # A new world on the same store: it works, through the patched wait.
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("w1/", store), rank=rank, world_size=2, timeout=timeout
+    )
+    aborter.arm()
+    t = torch.full((2,), float(10 * (rank + 1)))
+    dist.all_reduce(t)
+    result["new_world_sum"] = t.tolist()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # the abandoned gloo thread is still stuck until the backstop
+
+
+@pytest.mark.parametrize("mode", ["send", "all_reduce"])
+def test_a_blocked_wait_is_released_by_abort(tmp_path: Path, mode: str) -> None:
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, port, mode, str(tmp_path))) for r in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(TIMEOUT_S + 40)
+        assert [p.exitcode for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0["sum"] == r1["sum"] == [3.0, 3.0, 3.0]
+    assert r1["peer"] == [6.0, 6.0, 6.0]
+    assert r1["error"] is not None and "failure ended this world" in r1["error"]
+    # Released by the abort at 0.5 s, not by the 20 s backstop; the destroy does not join
+    # the stuck gloo thread because the groups are retained.
+    assert 0.4 < r1["released_s"] < 5.0, r1
+    assert r1["destroy_s"] < 5.0, r1
+    assert r1["abandoned"] == 1 and r1["retained"] >= 1, r1
+    assert r0["new_world_sum"] == r1["new_world_sum"] == [30.0, 30.0]
