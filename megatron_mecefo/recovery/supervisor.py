@@ -630,6 +630,10 @@ class Supervisor:
                         self.standby.remove(child)
                         self.exits.discard(child.proc.pid)
                         self.spawn_standby()
+                if not self.children and self.pending and self.ms.get_str("done") is not None:
+                    # A rank died after the last iteration: its replacement (due in --replace
+                    # seconds) would have nothing to do, and the node would wait for it.
+                    self.pending.clear()
                 if not self.children and not self.pending and self.stopping is None:
                     if self.ms.get_str("done") is not None:
                         return self._finish_node()

@@ -141,6 +141,19 @@ def _run_job(tmp_path: Path, nproc: int, args: list[str], sup: list[str] | None 
     return job
 
 
+def test_a_death_after_the_last_iteration_starts_no_replacement(tmp_path: Path) -> None:
+    """DP4: rank 2 dies after the last iteration was committed, while the others start the
+    final validation (which fails, so they regroup before training is done). Its replacement
+    (due 120 s later) is dropped once training is done: the node does not wait for it."""
+    args = _layout(1, 1, 4, 6, 16) + ["--eval-iters", "2", "--eval-interval", "100"]
+    kill = ["--mecefo-kill", "2:6:between"]
+    job = _run_job(tmp_path, 4, args + kill, ["--replace", "after:120", "--standby", "0"])
+    log = job.log()
+    assert "died: SIGKILL" in log
+    assert "replacement for rank 2" not in log and "replaces rank 2" not in log
+    check_every_sample_once(train_records(job.metrics), 6, 16)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("second", ["backward", "regroup"], ids=["at-once", "during-regroup"])
 def test_dp4_two_replicas_lost(tmp_path: Path, second: str) -> None:
