@@ -10,7 +10,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-errors test-slurm bench bench-goodput bench-long lint clean
+.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-errors test-slurm test-goodput bench bench-goodput bench-long lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -118,6 +118,11 @@ test-all: venv
 # script fully only with MEGATRON_LM_DIR set. Every daemon is stopped on exit.
 test-slurm: venv
 	tests/integration/slurm/run_slurm_test.sh
+
+# The goodput benchmark's --quick mode end to end (about 5 minutes; CI runs it): every system,
+# torchft from .venv-tft, on a schedule of real kills.
+test-goodput: venv data $(TFT)/.installed
+	$(PY) -m pytest -q -m slow --timeout=900 tests/integration/benchmarks/test_goodput_quick.py
 
 # The CPU evidence suite (README "Results"), about 70 minutes on 2 cores (25 before the n = 32 convergence runs, about 45 of their own): costs, ABFT overhead, degraded
 # throughput (model + real DP4 runs), failure traces, the planner's profile and the cluster

@@ -19,12 +19,10 @@ def test_quick_run(tmp_path: Path, text_data: str) -> None:
     every system ran and was measured, a MeCeFO run that finished skipped no sample, and no
     process is left.
 
-    Marked slow: 4 min 8 s at load 10 and 5 min 50 s beside a CI run (load 14), over the
-    4-minute share of ``make test``. Whether a run finishes depends on where the first kill
-    (20 s after the launch) lands: checkpoint-restart's restarts outlast the kill interval, and
-    a MeCeFO rank killed before its first iteration leaves the survivors in a loop of "no member
-    holds trained state; cannot heal" until the run's wall budget ends it (see docs/results.md,
-    Goodput)."""
+    Marked slow (4 min 8 s at load 10 and 5 min 50 s beside a CI run, load 14, over the
+    4-minute share of ``make test``); ``make test-goodput`` runs it, and ``.ci/run`` with it.
+    Whether a run finishes depends on where the first kill (20 s after the launch) lands:
+    checkpoint-restart's restarts can outlast the kill interval."""
     out = tmp_path / "goodput.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
