@@ -150,11 +150,12 @@ bench: data
 	set -o pipefail; $(PY) examples/pretrain_gpt/convergence.py $(CONVERGENCE_N32) | tee $(BENCH_LOG)/convergence_n32.txt
 	set -o pipefail; $(PY) benchmarks/abft_overhead.py | tee $(BENCH_LOG)/abft_overhead.txt
 	set -o pipefail; $(PY) benchmarks/goodput.py | tee $(BENCH_LOG)/goodput.txt
+	$(PY) benchmarks/cluster_sim.py --goodput-only > $(BENCH_LOG)/goodput_at_scale.txt
 	$(PY) benchmarks/plots.py
 	@echo "make bench: done; summaries in $(BENCH_LOG)/, plots in results/plots/." \
 	    "Not run on CPU: the llama-1b / llama-7b GPU shapes (benchmarks/README.md)."
 
-# The goodput comparison alone (benchmarks/goodput.py, about 55 minutes here; GOODPUT_ARGS=--quick
+# The goodput comparison alone (benchmarks/goodput.py, about 60 minutes here; GOODPUT_ARGS=--quick
 # for the 4-minute smoke run), with torchft 0.2.0 in .venv-tft: a venv of its own that sees
 # this venv's packages through a .pth file, so torchft never touches the CPU torch here.
 TFT := .venv-tft
@@ -171,6 +172,9 @@ $(TFT)/.installed: constraints.txt
 bench-goodput: data $(TFT)/.installed
 	mkdir -p $(BENCH_LOG)
 	set -o pipefail; $(PY) benchmarks/goodput.py $(GOODPUT_ARGS) | tee $(BENCH_LOG)/goodput.txt
+	@# goodput.py rewrites results/goodput.json: the at-scale comparison is derived from it again
+	if [ -z "$(GOODPUT_ARGS)" ]; then $(PY) benchmarks/cluster_sim.py --goodput-only \
+	    > $(BENCH_LOG)/goodput_at_scale.txt; fi
 
 # Not part of make bench (about 11 minutes): the high scenario at 600 iterations, one seed,
 # to see whether the convergence gaps last once the validation loss is flatter.
