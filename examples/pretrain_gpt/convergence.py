@@ -75,6 +75,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr", type=float, default=3e-4)
     p.add_argument("--lr-warmup-iters", type=int, default=10)
+    p.add_argument("--adam-beta2", type=float, default=0.999)
+    p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--eval-interval", type=int, default=25)
     p.add_argument("--eval-iters", type=int, default=4)
     p.add_argument("--mecefo-rank", type=int, default=32)
@@ -114,7 +116,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--data-path", default="data/stdlib_text_document")
     p.add_argument("--output-dir", default="results/convergence")
     p.add_argument("--master-port", type=int, default=29561)
-    p.add_argument("--reuse", action="store_true", help="keep runs whose metrics file exists")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep finished runs; share the queue with other --reuse invocations on the same "
+        "--output-dir (each run is claimed by one)",
+    )
     args = p.parse_args(argv)
     replicas = args.virtual_replicas or args.nproc
     which = "--virtual-replicas" if args.virtual_replicas else "--nproc"
@@ -183,6 +190,10 @@ def trainer_command(args: argparse.Namespace, seed: int, metrics: Path, port: in
             str(args.min_lr),
             "--lr-warmup-iters",
             str(args.lr_warmup_iters),
+            "--adam-beta2",
+            str(args.adam_beta2),
+            "--clip-grad",
+            str(args.clip_grad),
             "--log-interval",
             str(args.eval_interval),
             "--eval-interval",
@@ -195,6 +206,26 @@ def trainer_command(args: argparse.Namespace, seed: int, metrics: Path, port: in
             str(metrics),
         ],
     )
+
+
+DONE = "done"
+"""A run's marker file, written when its trainer exited cleanly (its wall seconds)."""
+
+CLAIM = "claim"
+
+
+def claim(run_dir: Path) -> bool:
+    """Take ``run_dir`` for this process (False: another invocation took it first).
+
+    Lets a second ``--reuse`` invocation on the same output directory share the queue, e.g. to
+    add a worker while the first runs.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(run_dir / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def run_trainer(cmd: List[str], run_dir: Path) -> float:
@@ -372,27 +403,40 @@ def main(argv: Optional[List[str]] = None) -> None:
     for k in range(args.jobs):
         ports.put(args.master_port + k)
 
+    # auto's runs last: they compare with every fixed policy's, which come first per seed.
+    jobs.sort(key=lambda job: job[0] == "auto")
+
     def one(i: int, job: tuple) -> None:
         policy, scenario, seed, flags = job
         name = run_name(policy, scenario, seed)
         run_dir = out / name
         metrics = run_dir / "metrics.jsonl"
-        if not (args.reuse and metrics.exists()):
-            if metrics.exists():
-                metrics.unlink()  # the trainer appends
-            port = ports.get()  # one port per concurrent run
-            try:
-                wall = run_trainer(trainer_command(args, seed, metrics, port) + flags, run_dir)
-            finally:
-                ports.put(port)
-            print(f"[{i}/{len(jobs)}] {name}: {wall:.0f} s", flush=True)
+        if args.reuse and (run_dir / DONE).exists():
+            return
+        if args.reuse and not claim(run_dir):
+            return  # another --reuse invocation on the same --output-dir runs it
+        if metrics.exists():
+            metrics.unlink()  # the trainer appends
+        port = ports.get()  # one port per concurrent run
+        try:
+            wall = run_trainer(trainer_command(args, seed, metrics, port) + flags, run_dir)
+        except BaseException:
+            (run_dir / CLAIM).unlink(missing_ok=True)  # a later --reuse runs it again
+            raise
+        finally:
+            ports.put(port)
+        (run_dir / DONE).write_text(f"{wall:.1f}\n")
+        print(f"[{i}/{len(jobs)}] {name}: {wall:.0f} s", flush=True)
 
     # A thread per concurrent run: each waits on its trainer's processes.
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for future in [pool.submit(one, i, job) for i, job in enumerate(jobs, 1)]:
             future.result()
     for policy, scenario, seed, _ in jobs:
-        metrics = out / run_name(policy, scenario, seed) / "metrics.jsonl"
+        run_dir = out / run_name(policy, scenario, seed)
+        while not (run_dir / DONE).exists():  # claimed by another invocation: wait for it
+            time.sleep(10)
+        metrics = run_dir / "metrics.jsonl"
         runs[run_name(policy, scenario, seed)] = {
             "policy": policy,
             "scenario": scenario,
