@@ -260,6 +260,36 @@ def read_metrics(path: Path) -> Dict[str, Any]:
         for r in train
         if "grad_rel_error" in r.get("mecefo", {})
     ]
+    probes = []  # each logged error with the shares of its plan (the error model's inputs)
+    for r in train:
+        m = r.get("mecefo", {})
+        if "grad_rel_error" not in m:
+            continue
+        total = sum(m["microbatches_per_replica"]) + m.get("microbatches_skipped", 0)
+        planner = m.get("planner", {})
+        probes.append(
+            {
+                "iteration": r["iteration"],
+                "error": m["grad_rel_error"],
+                "failed": len(m["failed_replicas"]),
+                "takeover_share": m["takeover_microbatches"] / total,
+                "samples_lost_share": m.get("microbatches_skipped", 0) / total,
+                "policy": planner.get("policy", m.get("policy")),
+                "rank": planner.get("rank"),
+                "predicted": planner.get("predicted_grad_error"),
+            }
+        )
+    # auto: its decision per iteration (the policy run, predicted throughput and error)
+    planner = [
+        {
+            "policy": r["mecefo"]["planner"].get("policy"),
+            "rank": r["mecefo"]["planner"].get("rank"),
+            "throughput_rel": r["mecefo"]["planner"].get("predicted_throughput_rel"),
+            "grad_error": r["mecefo"]["planner"].get("predicted_grad_error"),
+        }
+        for r in train
+        if "planner" in r.get("mecefo", {})
+    ]
     return {
         "loss": [r["loss"] for r in train],
         "failed_replicas": [m.get("failed_replicas", []) for m in mecefo],
@@ -272,6 +302,8 @@ def read_metrics(path: Path) -> Dict[str, Any]:
         "takeover_microbatches": sum(m.get("takeover_microbatches", 0) for m in mecefo),
         "fallback_iterations": sum(bool(m.get("fallback")) for m in mecefo),
         "grad_rel_error": errors,
+        "grad_error_probes": probes,
+        **({"planner": planner} if planner else {}),
     }
 
 
