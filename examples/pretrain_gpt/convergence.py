@@ -122,7 +122,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="keep finished runs; share the queue with other --reuse invocations on the same "
         "--output-dir (each run is claimed by one)",
     )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run of the same study: 60 iterations (warm-up at most 20, evaluation "
+        "every 20), the first two seeds; too short to resolve a gap",
+    )
     args = p.parse_args(argv)
+    if args.quick:
+        args.train_iters, args.eval_interval = 60, 20
+        args.lr_warmup_iters = min(args.lr_warmup_iters, 20)
+        args.seeds = args.seeds[:2]
     replicas = args.virtual_replicas or args.nproc
     which = "--virtual-replicas" if args.virtual_replicas else "--nproc"
     if args.global_batch_size % (args.micro_batch_size * replicas):
