@@ -147,20 +147,28 @@ def loss_plot(conv: Dict[str, Any], policies: List[str], path: Path) -> None:
         vm = [statistics.fmean(v[i][1] for v in valids) for i in range(len(vs))]
         vlo = [min(v[i][1] for v in valids) for i in range(len(vs))]
         vhi = [max(v[i][1] for v in valids) for i in range(len(vs))]
-        for ax in axes[1:]:
-            ax.plot(vs, vm, marker=".", label=label, color=line.get_color(), lw=1.2)
-            ax.fill_between(vs, vlo, vhi, color=line.get_color(), alpha=0.15)
+        axes[1].plot(vs, vm, marker=".", label=label, color=line.get_color(), lw=1.2)
+        axes[1].fill_between(vs, vlo, vhi, color=line.get_color(), alpha=0.15)
+        # The paired gap: each seed against its own failure-free run, at every evaluation.
+        base = [conv["runs"][f"seed{s}_failure-free"]["valid"] for s in seeds]
+        gap = [
+            [100.0 * (math.exp(v[i][1] - b[i][1]) - 1.0) for i in range(len(vs))]
+            for v, b in zip(valids, base, strict=True)
+        ]
+        gm = [statistics.fmean(g[i] for g in gap) for i in range(len(vs))]
+        axes[2].plot(vs, gm, marker=".", label=label, color=line.get_color(), lw=1.2)
+        axes[2].fill_between(
+            vs, [min(g[i] for g in gap) for i in range(len(vs))],
+            [max(g[i] for g in gap) for i in range(len(vs))], color=line.get_color(), alpha=0.12,
+        )  # fmt: skip
     axes[0].set(title="training loss (10-iteration mean)", xlabel="iteration", ylabel="loss")
     axes[1].set(title="validation loss", xlabel="iteration", ylabel="loss")
-    last = max(it for it, _ in conv["runs"][f"seed{seeds[0]}_failure-free"]["valid"])
-    axes[2].set(title="validation loss, second half", xlabel="iteration", xlim=(last / 2, last))
-    ys = [
-        v
-        for r in conv["runs"].values()
-        for it, v in r["valid"]
-        if it >= last / 2 and r["scenario"] in (None, "high")
-    ]
-    axes[2].set_ylim(min(ys) - 0.02, max(ys) + 0.02)
+    axes[2].set(
+        title="valid ppl gap to the same seed's failure-free",
+        xlabel="iteration",
+        ylabel="%",
+    )
+    axes[2].axhline(0.0, color="k", lw=0.6)
     axes[0].legend(fontsize=8)
     cfg = conv["config"]
     fig.suptitle(
