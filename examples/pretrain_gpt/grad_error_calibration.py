@@ -1,6 +1,6 @@
 """Calibrate the planner's gradient-error model on probe runs at n = 32 simulated replicas.
 
-Each probe run trains the study's recipe failure-free to ``--start`` (past warm-up), then
+Each probe run trains the study's recipe failure-free to ``--start`` (mid-run), then
 holds k = 1, 2, 4, 8 replicas down for ``--phase`` iterations each (replicas 1, 5, 9, ...: no
 two share a ring neighbour, so ``neighbor`` never falls back) and logs the gradient relative
 error on every degraded iteration (``--mecefo-grad-error-interval 1``). One run per
@@ -43,13 +43,12 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, An
     p.add_argument(
         "--configs",
         nargs="+",
-        default=["neighbor:32", "spread:32", "drop:32", "neighbor:8", "spread:8",
-                 "neighbor:128", "spread:128"],  # fmt: skip
+        default=["neighbor:32", "spread:32", "drop:32", "neighbor:128", "spread:128"],
         metavar="POLICY:R",
         help="one probe run per policy and low-rank r",
     )
-    p.add_argument("--start", type=int, default=100, help="first degraded iteration")
-    p.add_argument("--phase", type=int, default=10, help="iterations per failed-set size")
+    p.add_argument("--start", type=int, default=200, help="first degraded iteration (mid-run)")
+    p.add_argument("--phase", type=int, default=8, help="iterations per failed-set size")
     p.add_argument("--failed", type=int, nargs="+", default=[1, 2, 4, 8], help="k per phase")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--calibration-dir", default="results/convergence_n32/calibration")
