@@ -123,6 +123,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "--output-dir (each run is claimed by one)",
     )
     p.add_argument(
+        "--order",
+        choices=("auto-last", "auto-first"),
+        default="auto-last",
+        help="queue order: every seed's fixed policies, then auto's runs (auto-last), or auto's "
+        "first; with --reuse, two invocations with different orders share the queue",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="a smoke run of the same study: 60 iterations (warm-up at most 20, evaluation "
@@ -445,8 +452,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     for k in range(args.jobs):
         ports.put(args.master_port + k)
 
-    # auto's runs last: they compare with every fixed policy's, which come first per seed.
-    jobs.sort(key=lambda job: job[0] == "auto")
+    # auto's runs last by default; a second worker started later may take them first.
+    jobs.sort(key=lambda job: (job[0] == "auto") != (args.order == "auto-first"))
 
     def one(i: int, job: tuple) -> None:
         policy, scenario, seed, flags = job
@@ -490,7 +497,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     result = {
         "benchmark": "convergence",
         "config": {
-            **{k: v for k, v in vars(args).items() if k not in ("reuse",)},
+            **{k: v for k, v in vars(args).items() if k not in ("reuse", "order", "jobs")},
             "model": "example trainer default: 4 layers, hidden 128, FFN 320 (SwiGLU), 4 heads, "
             "seq 128, RMSNorm, RoPE, byte vocab 384",
             "layout": (
