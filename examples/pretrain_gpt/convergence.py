@@ -75,6 +75,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr", type=float, default=3e-4)
     p.add_argument("--lr-warmup-iters", type=int, default=10)
+    p.add_argument(
+        "--seq-length", type=int, default=None, help="the trainer's (default: its own, 128)"
+    )
     p.add_argument("--adam-beta2", type=float, default=0.999)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--eval-interval", type=int, default=25)
@@ -207,6 +210,7 @@ def trainer_command(args: argparse.Namespace, seed: int, metrics: Path, port: in
             str(args.min_lr),
             "--lr-warmup-iters",
             str(args.lr_warmup_iters),
+            *(["--seq-length", str(args.seq_length)] if args.seq_length else []),
             "--adam-beta2",
             str(args.adam_beta2),
             "--clip-grad",
