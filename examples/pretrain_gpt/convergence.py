@@ -78,6 +78,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--seq-length", type=int, default=None, help="the trainer's (default: its own, 128)"
     )
+    p.add_argument(
+        "--hidden-size", type=int, default=None, help="the trainer's (default: its own, 128)"
+    )
+    p.add_argument(
+        "--ffn-hidden-size", type=int, default=None, help="the trainer's (default: its own)"
+    )
     p.add_argument("--adam-beta2", type=float, default=0.999)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--eval-interval", type=int, default=25)
@@ -211,6 +217,8 @@ def trainer_command(args: argparse.Namespace, seed: int, metrics: Path, port: in
             "--lr-warmup-iters",
             str(args.lr_warmup_iters),
             *(["--seq-length", str(args.seq_length)] if args.seq_length else []),
+            *(["--hidden-size", str(args.hidden_size)] if args.hidden_size else []),
+            *(["--ffn-hidden-size", str(args.ffn_hidden_size)] if args.ffn_hidden_size else []),
             "--adam-beta2",
             str(args.adam_beta2),
             "--clip-grad",

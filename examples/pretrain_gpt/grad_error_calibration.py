@@ -43,7 +43,7 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, An
     p.add_argument(
         "--configs",
         nargs="+",
-        default=["neighbor:32", "spread:32", "drop:32", "neighbor:128", "spread:128"],
+        default=["neighbor:32", "spread:32", "drop:32", "neighbor:8", "spread:8"],
         metavar="POLICY:R",
         help="one probe run per policy and low-rank r",
     )
