@@ -425,7 +425,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     n = num_replicas(args)
     for seed in args.seeds:
         # A simulated failure-free run goes through the controller too (every factor 1).
-        jobs.append((None, None, seed, ["--mecefo"] if args.virtual_replicas else []))
+        # (its r is the policies': an r above --hidden-size is refused even with no failure)
+        ff_flags = ["--mecefo", "--mecefo-rank", str(args.mecefo_rank)]
+        jobs.append((None, None, seed, ff_flags if args.virtual_replicas else []))
         for scenario in seeds_scenarios(args, seed):
             schedule = FailureSchedule.paper(
                 scenario,
