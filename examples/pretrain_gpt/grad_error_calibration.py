@@ -47,7 +47,9 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, An
         metavar="POLICY:R",
         help="one probe run per policy and low-rank r",
     )
-    p.add_argument("--start", type=int, default=120, help="first degraded iteration (after warm-up)")
+    p.add_argument(
+        "--start", type=int, default=120, help="first degraded iteration (after warm-up)"
+    )
     p.add_argument("--phase", type=int, default=8, help="iterations per failed-set size")
     p.add_argument("--failed", type=int, nargs="+", default=[1, 2, 4, 8], help="k per phase")
     p.add_argument("--seed", type=int, default=1234)
