@@ -139,6 +139,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "first; with --reuse, two invocations with different orders share the queue",
     )
     p.add_argument(
+        "--summarize-only",
+        action="store_true",
+        help="run nothing: write convergence.json from the finished runs (a seed counts for a "
+        "policy when its failure-free run and the policy's finished)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="a smoke run of the same study: 60 iterations (warm-up at most 20, evaluation "
@@ -338,12 +344,21 @@ def read_metrics(path: Path) -> Dict[str, Any]:
 
 def summarize(runs: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dict[str, Any]:
     """Per (policy, scenario): perplexity gaps to the same seed's failure-free run."""
-    ff = {s: runs[run_name(None, None, s)] for s in args.seeds}
-    ff_ppl = [ff[s]["final_valid_ppl"] for s in args.seeds]
+    # (--summarize-only: a seed counts for a policy when both of its runs finished)
+    ff = {s: runs[run_name(None, None, s)] for s in args.seeds if run_name(None, None, s) in runs}
+    ff_ppl = [r["final_valid_ppl"] for r in ff.values()]
     table: Dict[str, Dict[str, Any]] = {}
     for scenario in args.scenarios:
-        seeds = [s for s in args.seeds if scenario in seeds_scenarios(args, s)]
         for policy in args.policies:
+            seeds = [
+                s
+                for s in args.seeds
+                if scenario in seeds_scenarios(args, s)
+                and s in ff
+                and run_name(policy, scenario, s) in runs
+            ]
+            if not seeds:
+                continue
             per_seed = [runs[run_name(policy, scenario, s)] for s in seeds]
             gaps = [
                 100.0 * (r["final_valid_ppl"] / ff[s]["final_valid_ppl"] - 1.0)
@@ -364,11 +379,12 @@ def summarize(runs: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dict
                 "grad_rel_error_mean": statistics.fmean(errors) if errors else None,
                 "grad_rel_error_max": max(errors) if errors else None,
             }
-    last = [ff[s]["valid"] for s in args.seeds]
+    last = [r["valid"] for r in ff.values()]
     return {
         "failure_free": {
             "valid_ppl": ff_ppl,
-            "valid_loss": [ff[s]["final_valid_loss"] for s in args.seeds],
+            "seeds": list(ff),
+            "valid_loss": [r["final_valid_loss"] for r in ff.values()],
             # Seed-to-seed spread: the noise floor a gap must clear to mean anything.
             "seed_spread_ppl_pct": (
                 100.0 * (max(ff_ppl) - min(ff_ppl)) / min(ff_ppl) if len(ff_ppl) > 1 else None
@@ -470,6 +486,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     jobs.sort(key=lambda job: (job[0] == "auto") != (args.order == "auto-first"))
 
     def one(i: int, job: tuple) -> None:
+        if args.summarize_only:
+            return
         policy, scenario, seed, flags = job
         name = run_name(policy, scenario, seed)
         run_dir = out / name
@@ -497,6 +515,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             future.result()
     for policy, scenario, seed, _ in jobs:
         run_dir = out / run_name(policy, scenario, seed)
+        if args.summarize_only and not (run_dir / DONE).exists():
+            continue
         while not (run_dir / DONE).exists():  # claimed by another invocation: wait for it
             time.sleep(10)
         metrics = run_dir / "metrics.jsonl"
@@ -511,7 +531,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     result = {
         "benchmark": "convergence",
         "config": {
-            **{k: v for k, v in vars(args).items() if k not in ("reuse", "order", "jobs")},
+            **{
+                k: v
+                for k, v in vars(args).items()
+                if k not in ("reuse", "order", "jobs", "summarize_only")
+            },
             "model": "example trainer default: 4 layers, hidden 128, FFN 320 (SwiGLU), 4 heads, "
             "seq 128, RMSNorm, RoPE, byte vocab 384",
             "layout": (

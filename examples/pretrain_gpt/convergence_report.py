@@ -126,11 +126,13 @@ def loss_plot(conv: Dict[str, Any], policies: List[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    seeds = conv["config"]["seeds"]
+    runs = conv["runs"]
+    all_seeds = [s for s in conv["config"]["seeds"] if f"seed{s}_failure-free" in runs]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     names = [("failure-free", None)] + [(p, p) for p in policies]
     for label, policy in names:
         curves, valids = [], []
+        seeds = [s for s in all_seeds if policy is None or f"seed{s}_high_{policy}" in runs]
         for s in seeds:
             key = f"seed{s}_failure-free" if policy is None else f"seed{s}_high_{policy}"
             run = conv["runs"][key]
@@ -173,7 +175,7 @@ def loss_plot(conv: Dict[str, Any], policies: List[str], path: Path) -> None:
     cfg = conv["config"]
     fig.suptitle(
         f"n = {cfg['virtual_replicas']} simulated replicas, high failure rate; mean of "
-        f"{len(seeds)} seeds, band = min-max over seeds"
+        f"{len(all_seeds)} seeds, band = min-max over seeds"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,26 +221,47 @@ def main(argv: Optional[List[str]] = None) -> None:
     seeds, n = cfg["seeds"], cfg["virtual_replicas"]
     policies = [p for p in ("neighbor", "spread", "exact", "drop", "auto") if p in cfg["policies"]]
     runs = conv["runs"]
-    ff = [runs[f"seed{s}_failure-free"]["final_valid_ppl"] for s in seeds]
-    ppl = {p: [runs[f"seed{s}_high_{p}"]["final_valid_ppl"] for s in seeds] for p in policies}
-    gaps = {p: paired_gaps_pct(ppl[p], ff) for p in policies}
+    # A seed counts for a policy when its failure-free run and the policy's finished (a study
+    # cut short by the time: convergence.py --summarize-only).
+    seeds = [s for s in seeds if f"seed{s}_failure-free" in runs]
+    have = {p: [s for s in seeds if f"seed{s}_high_{p}" in runs] for p in policies}
+    policies = [p for p in policies if len(have[p]) >= 2]
+    ff = {s: runs[f"seed{s}_failure-free"]["final_valid_ppl"] for s in seeds}
+    gaps = {
+        p: dict(
+            zip(
+                have[p],
+                paired_gaps_pct(
+                    [runs[f"seed{s}_high_{p}"]["final_valid_ppl"] for s in have[p]],
+                    [ff[s] for s in have[p]],
+                ),
+                strict=True,
+            )
+        )
+        for p in policies
+    }
     profile = load_profile(args.profile)
     table: Dict[str, Any] = {}
     for p in policies:
         row: Dict[str, Any] = {
-            "valid_ppl": ppl[p],
-            "gap_pct": gaps[p],
-            "gap": interval(gaps[p]).to_json(),
+            "seeds": have[p],
+            "valid_ppl": [runs[f"seed{s}_high_{p}"]["final_valid_ppl"] for s in have[p]],
+            "gap_pct": list(gaps[p].values()),
+            "gap": interval(list(gaps[p].values())).to_json(),
             "throughput_rel": statistics.fmean(
-                throughput(runs[f"seed{s}_high_{p}"], profile, n) for s in seeds
+                throughput(runs[f"seed{s}_high_{p}"], profile, n) for s in have[p]
             ),
-            "samples_skipped": [runs[f"seed{s}_high_{p}"]["samples_skipped"] for s in seeds],
+            "samples_skipped": [runs[f"seed{s}_high_{p}"]["samples_skipped"] for s in have[p]],
         }
-        if p != "neighbor" and "neighbor" in gaps:
-            diff = [a - b for a, b in zip(gaps[p], gaps["neighbor"], strict=True)]
+        both = [s for s in have[p] if s in gaps.get("neighbor", {})]
+        if p != "neighbor" and len(both) >= 2:
+            diff = [gaps[p][s] - gaps["neighbor"][s] for s in both]
+            row["minus_neighbor_seeds"] = both
             row["minus_neighbor_pct"] = diff
             row["minus_neighbor"] = interval(diff).to_json()
-        probes = [e for s in seeds for e in runs[f"seed{s}_high_{p}"].get("grad_error_probes", [])]
+        probes = [
+            e for s in have[p] for e in runs[f"seed{s}_high_{p}"].get("grad_error_probes", [])
+        ]
         if probes:
             row["grad_error_mean"] = statistics.fmean(e["error"] for e in probes)
         table[p] = row
@@ -298,7 +321,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     result = {
         "config": {k: cfg[k] for k in cfg if k not in ("reuse",)},
         "seeds": seeds,
-        "failure_free": {"valid_ppl": ff, "spread_pct": spread_pct(ff)},
+        "failure_free": {
+            "seeds": seeds,
+            "valid_ppl": list(ff.values()),
+            "spread_pct": spread_pct(list(ff.values())),
+        },
         "failure_free_before": before_ff,
         "gaps": table,
         "paper_gap_pct": PAPER_GAP_PCT,
@@ -311,13 +338,15 @@ def main(argv: Optional[List[str]] = None) -> None:
         "grad_error_model": model_check,
         "wall_time_s": conv.get("wall_time_s"),
     }
-    if "auto" in table and "spread" in table:
+    both = [s for s in gaps.get("auto", {}) if s in gaps.get("spread", {})]
+    if len(both) >= 2:
         a, sp = table["auto"], table["spread"]
         result["goal"] = {
+            "seeds": both,
             "auto_gap_pct": a["gap"]["mean"],
             "spread_gap_pct": sp["gap"]["mean"],
             "auto_minus_spread": interval(
-                [x - y for x, y in zip(a["gap_pct"], sp["gap_pct"], strict=True)]
+                [gaps["auto"][s] - gaps["spread"][s] for s in both]
             ).to_json(),
             "auto_throughput_vs_fastest_lossless": a["throughput_rel"]
             / table[fastest]["throughput_rel"],
