@@ -133,10 +133,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--order",
-        choices=("auto-last", "auto-first"),
+        choices=ORDERS,
         default="auto-last",
-        help="queue order: every seed's fixed policies, then auto's runs (auto-last), or auto's "
-        "first; with --reuse, two invocations with different orders share the queue",
+        help="queue order (see ORDERS); with --reuse, invocations with different orders share "
+        "the queue",
     )
     p.add_argument(
         "--summarize-only",
@@ -167,6 +167,24 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if not Path(args.data_path + ".bin").exists():
         p.error(f"--data-path={args.data_path}: no {args.data_path}.bin; run `make data` first")
     return args
+
+
+ORDERS = ("auto-last", "auto-first", "priority", "priority-auto-first")
+"""Queue orders (a stable sort of the seed-major job list): ``auto-last``: auto's runs after
+every fixed policy's; ``priority``: failure-free, ``neighbor`` and ``spread`` of every seed,
+then ``auto``, then the rest (``exact``, ``drop``), so that a study cut short by the time has
+the pairs the planner's goal needs; the ``-auto-first`` variants put auto's runs first (a
+second worker started once the planner is ready)."""
+
+
+def queue_rank(policy: Optional[str], order: str) -> int:
+    """The sort key of a run of ``policy`` (None: failure-free) in ``order``."""
+    auto_first = order.endswith("auto-first")
+    if policy == "auto":
+        return -1 if auto_first else (1 if order.startswith("priority") else 2)
+    if order.startswith("priority"):
+        return 0 if policy in (None, "neighbor", "spread") else 2
+    return 0
 
 
 def seeds_scenarios(args: argparse.Namespace, seed: int) -> List[str]:
@@ -482,8 +500,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     for k in range(args.jobs):
         ports.put(args.master_port + k)
 
-    # auto's runs last by default; a second worker started later may take them first.
-    jobs.sort(key=lambda job: (job[0] == "auto") != (args.order == "auto-first"))
+    jobs.sort(key=lambda job: queue_rank(job[0], args.order))
 
     def one(i: int, job: tuple) -> None:
         if args.summarize_only:
