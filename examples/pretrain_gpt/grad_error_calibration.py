@@ -1,6 +1,6 @@
 """Calibrate the planner's gradient-error model on probe runs at n = 32 simulated replicas.
 
-Each probe run trains the study's recipe failure-free to ``--start`` (after warm-up), then
+Each probe run trains the study's recipe failure-free to ``--start`` (mid-run), then
 holds k = 1, 2, 4, 8 replicas down for ``--phase`` iterations each (replicas 1, 5, 9, ...: no
 two share a ring neighbour, so ``neighbor`` never falls back) and logs the gradient relative
 error on every degraded iteration (``--mecefo-grad-error-interval 1``). One run per
@@ -48,7 +48,7 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, An
         help="one probe run per policy and low-rank r",
     )
     p.add_argument(
-        "--start", type=int, default=120, help="first degraded iteration (after warm-up)"
+        "--start", type=int, default=200, help="first degraded iteration (mid-run)"
     )
     p.add_argument("--phase", type=int, default=8, help="iterations per failed-set size")
     p.add_argument("--failed", type=int, nargs="+", default=[1, 2, 4, 8], help="k per phase")
