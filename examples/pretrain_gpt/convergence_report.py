@@ -372,16 +372,16 @@ def markdown(r: Dict[str, Any]) -> str:
         + " / ".join(f"{p:.3f}" for p in ff["valid_ppl"])
         + f" (spread {ff['spread_pct']:.2f}%)",
         "",
-        "| policy | valid ppl gap % per seed | mean gap % [95% t interval] | bootstrap 95% "
+        "| policy | seeds | valid ppl gap % per seed | mean gap % [95% t interval] | bootstrap 95% "
         "| differs from 0 | minus neighbor % [95% t] | differs from neighbor "
         "| predicted throughput (rel. failure-free) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p, row in r["gaps"].items():
         g = row["gap"]
         mn = row.get("minus_neighbor")
         lines.append(
-            f"| {p} | "
+            f"| {p} | {len(row['gap_pct'])} | "
             + " / ".join(f"{x:+.2f}" for x in row["gap_pct"])
             + f" | {fmt_interval(g)} | [{g['boot_low']:+.2f}, {g['boot_high']:+.2f}] "
             f"| {'yes' if g['excludes_zero'] else 'no'} (p = {g['p_value']:.3f}) | "
