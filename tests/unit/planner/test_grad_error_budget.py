@@ -194,3 +194,22 @@ class _Techniques:
     recompute_ffn = True
     basis_interval = 200
     skip_attention = True
+
+
+def test_default_budget_at_n32_moves_auto_from_neighbor_to_spread() -> None:
+    """With the calibrated model and the flag's default budget, at 32 replicas of one
+    micro-batch: neighbor (fastest) while at most 2 are down, spread from 3 (neighbor's
+    predicted error 0.25 -> 0.33), exact once spread's error is over the budget too."""
+    from megatron_mecefo.planner.calibration import load_profile
+
+    profile = load_profile(str(REPO / "results" / "planner_profile.json"))
+    cfg = PlannerConfig(grad_error_budget=DEFAULT_GRAD_ERROR_BUDGET)
+    speed_only = PlannerConfig()
+    choices = []
+    for k in range(1, 9):
+        state = FailureState(32, frozenset(1 + 4 * i for i in range(k)), 1)
+        d = plan_recovery(state, profile, cfg)
+        assert d.grad_error <= DEFAULT_GRAD_ERROR_BUDGET
+        assert plan_recovery(state, profile, speed_only).policy == "neighbor"
+        choices.append(d.policy)
+    assert choices == ["neighbor"] * 2 + ["spread"] * 3 + ["exact"] * 3
