@@ -305,7 +305,7 @@ def main(argv: Optional[List[str]] = None) -> None:
              "predicted": o["predicted"], "iteration": o["iteration"]}
             for o in calib["observations"] if o["rank"] == cfg["mecefo_rank"]
         ]  # fmt: skip
-    budgets = [0.05, 0.1, 0.15, DEFAULT_GRAD_ERROR_BUDGET, 0.3, 0.5, math.inf]
+    budgets = sorted({0.1, 0.2, 0.25, DEFAULT_GRAD_ERROR_BUDGET, 0.4, 0.5, math.inf})
     before = Path(args.before)
     before_ff = None
     if before.exists():
