@@ -77,6 +77,12 @@ def spread_pct(ppl: List[float]) -> float:
     return 100.0 * (max(ppl) - min(ppl)) / min(ppl)
 
 
+def cv_pct(ppl: List[float]) -> float:
+    """Standard deviation / mean of the failure-free perplexities, in percent (unlike the
+    range, it does not grow with the number of seeds)."""
+    return 100.0 * statistics.stdev(ppl) / statistics.fmean(ppl)
+
+
 def throughput(run: Dict[str, Any], profile: Any, n: int) -> float:
     """Predicted samples/s of a run relative to failure-free (see the module docstring)."""
     cfg = PlannerConfig()
@@ -314,6 +320,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         before_ff = {
             "valid_ppl": bppl,
             "spread_pct": spread_pct(bppl),
+            "cv_pct": cv_pct(bppl),
             "train_iters": b["config"]["train_iters"],
             "seeds": b["config"]["seeds"],
             "recipe": {k: b["config"].get(k) for k in ("lr", "min_lr", "lr_warmup_iters")},
@@ -325,6 +332,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "seeds": seeds,
             "valid_ppl": list(ff.values()),
             "spread_pct": spread_pct(list(ff.values())),
+            "cv_pct": cv_pct(list(ff.values())),
         },
         "failure_free_before": before_ff,
         "gaps": table,
@@ -370,7 +378,7 @@ def markdown(r: Dict[str, Any]) -> str:
     lines = [
         "Failure-free validation perplexity per seed: "
         + " / ".join(f"{p:.3f}" for p in ff["valid_ppl"])
-        + f" (spread {ff['spread_pct']:.2f}%)",
+        + f" (range {ff['spread_pct']:.2f}% of the lowest, sd {ff['cv_pct']:.2f}% of the mean)",
         "",
         "| policy | seeds | valid ppl gap % per seed | mean gap % [95% t interval] | bootstrap 95% "
         "| differs from 0 | minus neighbor % [95% t] | differs from neighbor "
