@@ -43,13 +43,12 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, An
     p.add_argument(
         "--configs",
         nargs="+",
-        default=["neighbor:32", "spread:32", "drop:32", "neighbor:8", "spread:8"],
+        default=["neighbor:32", "spread:32", "drop:32"],
         metavar="POLICY:R",
-        help="one probe run per policy and low-rank r",
+        help="one probe run per policy and low-rank r (two or more r of a policy fit its rank "
+        "exponent; the committed fit ran these three, at one r)",
     )
-    p.add_argument(
-        "--start", type=int, default=200, help="first degraded iteration (mid-run)"
-    )
+    p.add_argument("--start", type=int, default=200, help="first degraded iteration (mid-run)")
     p.add_argument("--phase", type=int, default=8, help="iterations per failed-set size")
     p.add_argument("--failed", type=int, nargs="+", default=[1, 2, 4, 8], help="k per phase")
     p.add_argument("--seed", type=int, default=1234)
