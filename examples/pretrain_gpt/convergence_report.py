@@ -202,11 +202,16 @@ def error_plot(rows: List[Dict[str, Any]], path: Path) -> None:
             pts = [(r["predicted"], r["error"]) for r in rows
                    if r["source"] == source and r["policy"] == policy]  # fmt: skip
             if pts:
-                ax.scatter(*zip(*pts, strict=True), s=12, marker=marker, alpha=0.6,
+                color = {"neighbor": "C1", "spread": "C2", "drop": "C4"}[policy]
+                ax.scatter(*zip(*pts, strict=True), s=12, marker=marker, alpha=0.6, color=color,
                            label=f"{policy} ({source})")  # fmt: skip
     top = max(max(r["predicted"], r["error"]) for r in rows) * 1.05
     ax.plot([0, top], [0, top], "k--", lw=0.8)
-    ax.set(xlabel="predicted", ylabel="measured", title="gradient relative error, n = 32")
+    ax.set(
+        xlabel="predicted",
+        ylabel="measured",
+        title="gradient relative error, n = 32\n(x: probes, iterations 200-231; dots: study runs)",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
