@@ -353,7 +353,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     }
     both = [s for s in gaps.get("auto", {}) if s in gaps.get("spread", {})]
     if len(both) >= 2:
-        a, sp = table["auto"], table["spread"]
+        a = table["auto"]
         result["goal"] = {
             "seeds": both,
             # on the seeds both have (the table's means may cover different seeds)
