@@ -135,12 +135,12 @@ CONVERGENCE_N32_RECIPE = --virtual-replicas 32 --micro-batch-size 1 --global-bat
 	--hidden-size 96 --seq-length 64 --train-iters 400 --lr 1e-3 --min-lr 1e-4 \
 	--lr-warmup-iters 80 --adam-beta2 0.95 --clip-grad 1.0 --eval-interval 25 \
 	--grad-error-interval 10
-# The study (make bench-convergence, about 75 minutes on 2 free cores): 5 seeds x (failure-free
-# + 5 policies) x 400 iterations, 2 runs at once.
+# The study (make bench-convergence): 5 seeds x (failure-free + 5 policies) x 400 iterations,
+# 2 runs at once; one run took 167 s on the quiet machine and up to 876 s under load.
 CONVERGENCE_N32 = $(CONVERGENCE_N32_RECIPE) --scenarios high \
 	--policies neighbor spread exact drop auto --seeds 1234 1235 1236 1237 1238 --jobs 2 \
 	--master-port 29571 --output-dir results/convergence_n32
-# make bench's short version (about 6 minutes): the same recipe, 2 seeds, 60 iterations,
+# make bench's short version (not timed here): the same recipe, 2 seeds, 60 iterations,
 # neighbor / spread / auto only; not a result (too short to resolve a gap), a check that the
 # study runs. Written to results/convergence_n32_quick/ (not committed).
 CONVERGENCE_N32_QUICK = $(CONVERGENCE_N32_RECIPE) --quick --scenarios high \
@@ -164,8 +164,8 @@ bench: data
 	@echo "make bench: done; summaries in $(BENCH_LOG)/, plots in results/plots/." \
 	    "Not run on CPU: the llama-1b / llama-7b GPU shapes (benchmarks/README.md)."
 
-# The n = 32 convergence study (issue 31; not in make bench, about 75 minutes on 2 free cores
-# plus 15 for the gradient-error probes): CONVERGENCE_N32, then the probes that calibrate the
+# The n = 32 convergence study (issue 31; not in make bench; see CONVERGENCE_N32 for the run
+# times): CONVERGENCE_N32, then the probes (3 runs) that calibrate the
 # planner's gradient-error model, then the report: results/convergence_n32/ (convergence.json,
 # grad_error_calibration.json, gaps.json, gaps.md) and results/plots/convergence_n32*.png.
 # A rerun keeps finished runs (--reuse); make clean removes them.
