@@ -1,5 +1,5 @@
-"""The n = 32 convergence study end to end at toy size (slow: 8 training runs, about 2
-minutes on 2 cores): convergence.py --quick with --reuse, then the report's gap table."""
+"""The n = 32 convergence study end to end at toy size (slow: 6 training runs, 209 s
+on the shared 2 cores): convergence.py --quick with --reuse, then the report's gap table."""
 
 from __future__ import annotations
 
