@@ -1,4 +1,4 @@
-"""The n = 32 convergence study end to end at toy size (slow: 6 training runs, 209 s
+"""The n = 32 convergence study end to end at toy size (slow: 8 training runs, 209 s
 on the shared 2 cores): convergence.py --quick with --reuse, then the report's gap table."""
 
 from __future__ import annotations
