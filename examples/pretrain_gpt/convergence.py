@@ -75,6 +75,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr", type=float, default=3e-4)
     p.add_argument("--lr-warmup-iters", type=int, default=10)
+    p.add_argument(
+        "--seq-length", type=int, default=None, help="the trainer's (default: its own, 128)"
+    )
+    p.add_argument(
+        "--hidden-size", type=int, default=None, help="the trainer's (default: its own, 128)"
+    )
+    p.add_argument(
+        "--ffn-hidden-size", type=int, default=None, help="the trainer's (default: its own)"
+    )
+    p.add_argument("--adam-beta2", type=float, default=0.999)
+    p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--eval-interval", type=int, default=25)
     p.add_argument("--eval-iters", type=int, default=4)
     p.add_argument("--mecefo-rank", type=int, default=32)
@@ -114,8 +125,36 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--data-path", default="data/stdlib_text_document")
     p.add_argument("--output-dir", default="results/convergence")
     p.add_argument("--master-port", type=int, default=29561)
-    p.add_argument("--reuse", action="store_true", help="keep runs whose metrics file exists")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep finished runs; share the queue with other --reuse invocations on the same "
+        "--output-dir (each run is claimed by one)",
+    )
+    p.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="auto-last",
+        help="queue order (see ORDERS); with --reuse, invocations with different orders share "
+        "the queue",
+    )
+    p.add_argument(
+        "--summarize-only",
+        action="store_true",
+        help="run nothing: write convergence.json from the finished runs (a seed counts for a "
+        "policy when its failure-free run and the policy's finished)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run of the same study: 60 iterations (warm-up at most 20, evaluation "
+        "every 20), the first two seeds; too short to resolve a gap",
+    )
     args = p.parse_args(argv)
+    if args.quick:
+        args.train_iters, args.eval_interval = 60, 20
+        args.lr_warmup_iters = min(args.lr_warmup_iters, 20)
+        args.seeds = args.seeds[:2]
     replicas = args.virtual_replicas or args.nproc
     which = "--virtual-replicas" if args.virtual_replicas else "--nproc"
     if args.global_batch_size % (args.micro_batch_size * replicas):
@@ -128,6 +167,24 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if not Path(args.data_path + ".bin").exists():
         p.error(f"--data-path={args.data_path}: no {args.data_path}.bin; run `make data` first")
     return args
+
+
+ORDERS = ("auto-last", "auto-first", "priority", "priority-auto-first")
+"""Queue orders (a stable sort of the seed-major job list): ``auto-last``: auto's runs after
+every fixed policy's; ``priority``: failure-free, ``neighbor`` and ``spread`` of every seed,
+then ``auto``, then the rest (``exact``, ``drop``), so that a study cut short by the time has
+the pairs the planner's goal needs; the ``-auto-first`` variants put auto's runs first (a
+second worker started once the planner is ready)."""
+
+
+def queue_rank(policy: Optional[str], order: str) -> int:
+    """The sort key of a run of ``policy`` (None: failure-free) in ``order``."""
+    auto_first = order.endswith("auto-first")
+    if policy == "auto":
+        return -1 if auto_first else (1 if order.startswith("priority") else 2)
+    if order.startswith("priority"):
+        return 0 if policy in (None, "neighbor", "spread") else 2
+    return 0
 
 
 def seeds_scenarios(args: argparse.Namespace, seed: int) -> List[str]:
@@ -183,6 +240,13 @@ def trainer_command(args: argparse.Namespace, seed: int, metrics: Path, port: in
             str(args.min_lr),
             "--lr-warmup-iters",
             str(args.lr_warmup_iters),
+            *(["--seq-length", str(args.seq_length)] if args.seq_length else []),
+            *(["--hidden-size", str(args.hidden_size)] if args.hidden_size else []),
+            *(["--ffn-hidden-size", str(args.ffn_hidden_size)] if args.ffn_hidden_size else []),
+            "--adam-beta2",
+            str(args.adam_beta2),
+            "--clip-grad",
+            str(args.clip_grad),
             "--log-interval",
             str(args.eval_interval),
             "--eval-interval",
@@ -195,6 +259,26 @@ def trainer_command(args: argparse.Namespace, seed: int, metrics: Path, port: in
             str(metrics),
         ],
     )
+
+
+DONE = "done"
+"""A run's marker file, written when its trainer exited cleanly (its wall seconds)."""
+
+CLAIM = "claim"
+
+
+def claim(run_dir: Path) -> bool:
+    """Take ``run_dir`` for this process (False: another invocation took it first).
+
+    Lets a second ``--reuse`` invocation on the same output directory share the queue, e.g. to
+    add a worker while the first runs.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(run_dir / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def run_trainer(cmd: List[str], run_dir: Path) -> float:
@@ -229,6 +313,36 @@ def read_metrics(path: Path) -> Dict[str, Any]:
         for r in train
         if "grad_rel_error" in r.get("mecefo", {})
     ]
+    probes = []  # each logged error with the shares of its plan (the error model's inputs)
+    for r in train:
+        m = r.get("mecefo", {})
+        if "grad_rel_error" not in m:
+            continue
+        total = sum(m["microbatches_per_replica"]) + m.get("microbatches_skipped", 0)
+        planner = m.get("planner", {})
+        probes.append(
+            {
+                "iteration": r["iteration"],
+                "error": m["grad_rel_error"],
+                "failed": len(m["failed_replicas"]),
+                "takeover_share": m["takeover_microbatches"] / total,
+                "samples_lost_share": m.get("microbatches_skipped", 0) / total,
+                "policy": planner.get("policy", m.get("policy")),
+                "rank": planner.get("rank"),
+                "predicted": planner.get("predicted_grad_error"),
+            }
+        )
+    # auto: its decision per iteration (the policy run, predicted throughput and error)
+    planner = [
+        {
+            "policy": r["mecefo"]["planner"].get("policy"),
+            "rank": r["mecefo"]["planner"].get("rank"),
+            "throughput_rel": r["mecefo"]["planner"].get("predicted_throughput_rel"),
+            "grad_error": r["mecefo"]["planner"].get("predicted_grad_error"),
+        }
+        for r in train
+        if "planner" in r.get("mecefo", {})
+    ]
     return {
         "loss": [r["loss"] for r in train],
         "failed_replicas": [m.get("failed_replicas", []) for m in mecefo],
@@ -241,17 +355,28 @@ def read_metrics(path: Path) -> Dict[str, Any]:
         "takeover_microbatches": sum(m.get("takeover_microbatches", 0) for m in mecefo),
         "fallback_iterations": sum(bool(m.get("fallback")) for m in mecefo),
         "grad_rel_error": errors,
+        "grad_error_probes": probes,
+        **({"planner": planner} if planner else {}),
     }
 
 
 def summarize(runs: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dict[str, Any]:
     """Per (policy, scenario): perplexity gaps to the same seed's failure-free run."""
-    ff = {s: runs[run_name(None, None, s)] for s in args.seeds}
-    ff_ppl = [ff[s]["final_valid_ppl"] for s in args.seeds]
+    # (--summarize-only: a seed counts for a policy when both of its runs finished)
+    ff = {s: runs[run_name(None, None, s)] for s in args.seeds if run_name(None, None, s) in runs}
+    ff_ppl = [r["final_valid_ppl"] for r in ff.values()]
     table: Dict[str, Dict[str, Any]] = {}
     for scenario in args.scenarios:
-        seeds = [s for s in args.seeds if scenario in seeds_scenarios(args, s)]
         for policy in args.policies:
+            seeds = [
+                s
+                for s in args.seeds
+                if scenario in seeds_scenarios(args, s)
+                and s in ff
+                and run_name(policy, scenario, s) in runs
+            ]
+            if not seeds:
+                continue
             per_seed = [runs[run_name(policy, scenario, s)] for s in seeds]
             gaps = [
                 100.0 * (r["final_valid_ppl"] / ff[s]["final_valid_ppl"] - 1.0)
@@ -272,11 +397,12 @@ def summarize(runs: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dict
                 "grad_rel_error_mean": statistics.fmean(errors) if errors else None,
                 "grad_rel_error_max": max(errors) if errors else None,
             }
-    last = [ff[s]["valid"] for s in args.seeds]
+    last = [r["valid"] for r in ff.values()]
     return {
         "failure_free": {
             "valid_ppl": ff_ppl,
-            "valid_loss": [ff[s]["final_valid_loss"] for s in args.seeds],
+            "seeds": list(ff),
+            "valid_loss": [r["final_valid_loss"] for r in ff.values()],
             # Seed-to-seed spread: the noise floor a gap must clear to mean anything.
             "seed_spread_ppl_pct": (
                 100.0 * (max(ff_ppl) - min(ff_ppl)) / min(ff_ppl) if len(ff_ppl) > 1 else None
@@ -333,7 +459,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     n = num_replicas(args)
     for seed in args.seeds:
         # A simulated failure-free run goes through the controller too (every factor 1).
-        jobs.append((None, None, seed, ["--mecefo"] if args.virtual_replicas else []))
+        # (its r is the policies': an r above --hidden-size is refused even with no failure)
+        ff_flags = ["--mecefo", "--mecefo-rank", str(args.mecefo_rank)]
+        jobs.append((None, None, seed, ff_flags if args.virtual_replicas else []))
         for scenario in seeds_scenarios(args, seed):
             schedule = FailureSchedule.paper(
                 scenario,
@@ -372,27 +500,43 @@ def main(argv: Optional[List[str]] = None) -> None:
     for k in range(args.jobs):
         ports.put(args.master_port + k)
 
+    jobs.sort(key=lambda job: queue_rank(job[0], args.order))
+
     def one(i: int, job: tuple) -> None:
+        if args.summarize_only:
+            return
         policy, scenario, seed, flags = job
         name = run_name(policy, scenario, seed)
         run_dir = out / name
         metrics = run_dir / "metrics.jsonl"
-        if not (args.reuse and metrics.exists()):
-            if metrics.exists():
-                metrics.unlink()  # the trainer appends
-            port = ports.get()  # one port per concurrent run
-            try:
-                wall = run_trainer(trainer_command(args, seed, metrics, port) + flags, run_dir)
-            finally:
-                ports.put(port)
-            print(f"[{i}/{len(jobs)}] {name}: {wall:.0f} s", flush=True)
+        if args.reuse and (run_dir / DONE).exists():
+            return
+        if args.reuse and not claim(run_dir):
+            return  # another --reuse invocation on the same --output-dir runs it
+        if metrics.exists():
+            metrics.unlink()  # the trainer appends
+        port = ports.get()  # one port per concurrent run
+        try:
+            wall = run_trainer(trainer_command(args, seed, metrics, port) + flags, run_dir)
+        except BaseException:
+            (run_dir / CLAIM).unlink(missing_ok=True)  # a later --reuse runs it again
+            raise
+        finally:
+            ports.put(port)
+        (run_dir / DONE).write_text(f"{wall:.1f}\n")
+        print(f"[{i}/{len(jobs)}] {name}: {wall:.0f} s", flush=True)
 
     # A thread per concurrent run: each waits on its trainer's processes.
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for future in [pool.submit(one, i, job) for i, job in enumerate(jobs, 1)]:
             future.result()
     for policy, scenario, seed, _ in jobs:
-        metrics = out / run_name(policy, scenario, seed) / "metrics.jsonl"
+        run_dir = out / run_name(policy, scenario, seed)
+        if args.summarize_only and not (run_dir / DONE).exists():
+            continue
+        while not (run_dir / DONE).exists():  # claimed by another invocation: wait for it
+            time.sleep(10)
+        metrics = run_dir / "metrics.jsonl"
         runs[run_name(policy, scenario, seed)] = {
             "policy": policy,
             "scenario": scenario,
@@ -404,7 +548,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     result = {
         "benchmark": "convergence",
         "config": {
-            **{k: v for k, v in vars(args).items() if k not in ("reuse",)},
+            **{
+                k: v
+                for k, v in vars(args).items()
+                if k not in ("reuse", "order", "jobs", "summarize_only")
+            },
             "model": "example trainer default: 4 layers, hidden 128, FFN 320 (SwiGLU), 4 heads, "
             "seq 128, RMSNorm, RoPE, byte vocab 384",
             "layout": (

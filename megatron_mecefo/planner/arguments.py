@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_mecefo.planner.config import DEFAULT_GRAD_ERROR_BUDGET
+
 
 def add_planner_arguments(group: Any) -> None:
     """Add the planner's ``--mecefo-*`` flags to ``group`` (the MeCeFO argument group, so they
@@ -58,6 +60,15 @@ def add_planner_arguments(group: Any) -> None:
         metavar="N",
         help="auto, example trainer: rescale the profile to this machine by the measured / "
         "predicted critical path of the first N failure-free steps after the first (0: off).",
+    )
+    g.add_argument(
+        "--mecefo-grad-error-budget",
+        type=float,
+        default=DEFAULT_GRAD_ERROR_BUDGET,
+        metavar="ERROR",
+        help="auto: largest predicted gradient relative error |g~ - g| / |g| of a choice; the "
+        "fastest choice within it is taken (none within it: the least error). Default "
+        f"{DEFAULT_GRAD_ERROR_BUDGET}; inf: no bound, 0: exact choices only.",
     )
     g.add_argument(
         "--mecefo-allow-shrink",

@@ -183,6 +183,8 @@ class AutoPolicy(TakeoverPolicy):
             "approx_budget": self.config.approx_budget,
             "samples_lost_share": d.samples_lost_share,
             "sample_loss_budget": self.config.sample_loss_budget,
+            "predicted_grad_error": d.grad_error,
+            "grad_error_budget": self.config.grad_error_budget,
             "calibration_factor": self.rescaled,
             "notes": list(d.notes),
         }
@@ -198,7 +200,8 @@ class AutoPolicy(TakeoverPolicy):
             f"step {d.step_time_ms:.1f} ms, transition {d.transition_ms:.1f} ms, peak "
             f"activations {d.peak_memory_bytes / 2**20:.2f} MiB (failure-free "
             f"{d.failure_free_peak_bytes / 2**20:.2f}), amortised throughput "
-            f"{d.throughput_rel:.3f} of failure-free over a {d.horizon_s / 3600:.2f} h horizon"
+            f"{d.throughput_rel:.3f} of failure-free over a {d.horizon_s / 3600:.2f} h horizon, "
+            f"gradient error {d.grad_error:.3f} (budget {self.config.grad_error_budget:g})"
             + (f"; {'; '.join(d.notes)}" if d.notes else "")
         )
 

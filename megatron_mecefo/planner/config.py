@@ -12,6 +12,12 @@ from typing import Any, Optional
 
 from megatron_mecefo.takeover.config_error import MecefoConfigError
 
+DEFAULT_GRAD_ERROR_BUDGET = 0.3
+"""``--mecefo-grad-error-budget``'s default: half the relative error (0.6) that MeCeFO's paper
+measured as its bound through LLaMA pretraining. At 32 simulated replicas (one micro-batch
+each, ``results/convergence_n32/``) it keeps ``neighbor`` while at most 2 replicas are down
+and moves to ``spread`` from 3 on (predicted errors 0.25 and 0.33 for ``neighbor``)."""
+
 
 @dataclass
 class AutoPolicyConfig:
@@ -41,6 +47,12 @@ class AutoPolicyConfig:
     calibrate_steps: int = 3
     """(Example trainer) failure-free steps that rescale the profile to this machine."""
 
+    grad_error_budget: float = DEFAULT_GRAD_ERROR_BUDGET
+    """Largest predicted gradient relative error ``||g_hat - g|| / ||g||`` of a choice
+    (``--mecefo-grad-error-budget``). ``auto`` takes the fastest candidate within it; when no
+    candidate is within it, the one of least predicted error (``exact`` has none, so this
+    happens only when ``exact`` is not allowed, e.g. over the memory headroom)."""
+
     @classmethod
     def from_args(cls, args: Any) -> AutoPolicyConfig:
         """The config of parsed flags."""
@@ -53,6 +65,7 @@ class AutoPolicyConfig:
             profile=args.mecefo_planner_profile,
             allow_shrink=args.mecefo_allow_shrink,
             calibrate_steps=args.mecefo_planner_calibrate_steps,
+            grad_error_budget=args.mecefo_grad_error_budget,
         )
 
     def validate(self, policy: str, techniques: Any, dp: int, hidden_size: int) -> None:
@@ -73,6 +86,8 @@ class AutoPolicyConfig:
             given.append("--mecefo-allow-shrink")
         if self.calibrate_steps != 3:
             given.append(f"--mecefo-planner-calibrate-steps={self.calibrate_steps}")
+        if self.grad_error_budget != DEFAULT_GRAD_ERROR_BUDGET:
+            given.append(f"--mecefo-grad-error-budget={self.grad_error_budget}")
         if policy != "auto":
             if given:
                 raise MecefoConfigError(
@@ -88,6 +103,12 @@ class AutoPolicyConfig:
                 raise MecefoConfigError(
                     f"{flag}={value}: a share of the global batch, between 0 and 1"
                 )
+        if not self.grad_error_budget >= 0:  # NaN too
+            raise MecefoConfigError(
+                f"--mecefo-grad-error-budget={self.grad_error_budget}: a gradient relative "
+                f"error, >= 0; use e.g. {DEFAULT_GRAD_ERROR_BUDGET} (the default), or inf for "
+                "no bound"
+            )
         lo = self.rank_min or techniques.rank
         hi = self.rank_max or techniques.rank
         if not 1 <= lo <= hi:
@@ -156,6 +177,7 @@ class AutoPolicyConfig:
             skip_attention=t.skip_attention,
             mtbf_hours=mtbf or PlannerConfig.mtbf_hours,
             mttr_hours=mttr or PlannerConfig.mttr_hours,
+            grad_error_budget=self.grad_error_budget,
         )
 
     def build_policy(

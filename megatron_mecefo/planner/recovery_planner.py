@@ -24,7 +24,12 @@ Each candidate is costed on the real plan of the real policy (:mod:`megatron_mec
 
 Budgets: ``drop`` only when the share of samples it skips is within ``sample_loss_budget``;
 takeover micro-batches at most ``approx_budget`` of the global batch; r within
-``[rank_min, rank_max]``. FFN recomputation is switched on only when the plan's predicted
+``[rank_min, rank_max]``. Gradient quality: each candidate's gradient relative error is
+predicted (:mod:`.gradient_error_model`, from its takeover or skipped share, its policy and r),
+and the fastest candidate whose prediction is within ``grad_error_budget`` wins; when none is
+within it, the candidate of least predicted error is taken, with a note.
+
+FFN recomputation is switched on only when the plan's predicted
 peak activation memory (saved activations of the micro-batches in flight) without it exceeds
 the failure-free peak plus ``memory_headroom_bytes``; a candidate that exceeds it even with
 recomputation is not allowed. ``exact`` keeps every gradient exact and every sample; when no
@@ -41,6 +46,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
+from megatron_mecefo.planner.gradient_error_model import GradErrorModel
 from megatron_mecefo.takeover.plan import TAKEOVER
 from megatron_mecefo.takeover.policies import TakeoverPolicy, build_policy
 from megatron_mecefo.takeover.policies.shrink import ShrinkPolicy
@@ -190,6 +196,22 @@ class PlannerConfig:
     mttr_hours: float = 2.0
     """Mean time to repair used for the horizon until repairs are observed."""
 
+    grad_error_budget: float = math.inf
+    """Largest predicted gradient relative error ``||g_hat - g|| / ||g||`` of a choice: the
+    fastest candidate within it wins; when none is within it, the one of least predicted error
+    is taken. ``inf`` (here): no bound; the flag ``--mecefo-grad-error-budget`` has a finite
+    default (:data:`megatron_mecefo.planner.config.DEFAULT_GRAD_ERROR_BUDGET`)."""
+
+    grad_error_model: Optional[GradErrorModel] = field(default=None, compare=False)
+    """The error predictor; None: the calibrated default
+    (:data:`megatron_mecefo.planner.gradient_error_model.DEFAULT_MODEL`)."""
+
+    def error_model(self) -> GradErrorModel:
+        """The gradient-error predictor in use."""
+        from megatron_mecefo.planner.gradient_error_model import DEFAULT_MODEL
+
+        return self.grad_error_model or DEFAULT_MODEL
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field, the value and the fix."""
         if not 0.0 <= self.sample_loss_budget <= 1.0:
@@ -209,6 +231,10 @@ class PlannerConfig:
             raise ValueError(f"memory_headroom_bytes={self.memory_headroom_bytes}: must be >= 0")
         if self.mtbf_hours <= 0 or self.mttr_hours <= 0:
             raise ValueError("mtbf_hours and mttr_hours must be positive")
+        if not self.grad_error_budget >= 0:  # also refuses NaN
+            raise ValueError(
+                f"grad_error_budget={self.grad_error_budget}: must be >= 0 (inf: no bound)"
+            )
 
 
 @dataclass(frozen=True)
@@ -261,6 +287,8 @@ class Decision:
     """Share of the global batch skipped per step."""
     notes: Tuple[str, ...] = ()
     """Why, in a few words (fallbacks, budget or memory limits)."""
+    grad_error: float = 0.0
+    """Predicted gradient relative error ``||g_hat - g|| / ||g||`` of the choice."""
 
     def summary(self) -> Dict[str, Any]:
         """The metrics-record fields of the decision."""
@@ -380,6 +408,8 @@ class Evaluation:
     takeover_share: float
     samples_lost_share: float
     notes: Tuple[str, ...]
+    grad_error: float = 0.0
+    """Predicted gradient relative error (:mod:`.gradient_error_model`)."""
 
 
 def evaluate(
@@ -422,6 +452,10 @@ def evaluate(
     for e, t in shape.pairs:
         biggest = max(profile.activation_exact_bytes if e else 0.0, act_t if t else 0.0)
         peak = max(peak, biggest * min(in_flight, e + t))
+    takeover_share = shape.takeover / (n * m)
+    grad_error = cfg.error_model().predict(
+        policy, takeover_share, 1.0 - frac, rank if has_takeover else None
+    )
     return Evaluation(
         policy,
         recompute,
@@ -430,9 +464,10 @@ def evaluate(
         transition,
         objective,
         peak,
-        shape.takeover / (n * m),
+        takeover_share,
         1.0 - frac,
         shape.notes,
+        grad_error,
     )
 
 
@@ -483,6 +518,10 @@ def ff_peak(state: FailureState, profile: CostProfile) -> float:
 def plan_recovery(state: FailureState, profile: CostProfile, cfg: PlannerConfig) -> Decision:
     """The decision for ``state``: the allowed candidate of smallest amortised time per sample.
 
+    Among the candidates allowed by the budgets and the memory headroom, those whose predicted
+    gradient error is within ``cfg.grad_error_budget`` compete on time; when none is within it,
+    the one of least predicted error is taken (ties: time), with a note.
+
     With every replica up the answer is ``"none"`` at the failure-free step time; with every
     replica down it is ``"none"`` with no update. ``exact`` is always allowed otherwise (no
     skipped sample, no approximation); when no candidate fits the memory headroom (several
@@ -504,6 +543,7 @@ def plan_recovery(state: FailureState, profile: CostProfile, cfg: PlannerConfig)
             () if k == 0 else ("every replica is down: no update",),
         )  # fmt: skip
     best: Optional[Tuple[tuple, Evaluation]] = None
+    least_error: Optional[Tuple[tuple, Evaluation]] = None  # when none is within the budget
     rejected: List[str] = []
     for i, (policy, recompute, rank) in enumerate(candidates(state, cfg)):
         ev = evaluate(policy, recompute, rank, state, profile, cfg)
@@ -512,9 +552,18 @@ def plan_recovery(state: FailureState, profile: CostProfile, cfg: PlannerConfig)
             rejected.append(f"{policy}/rc={int(recompute)}/r={rank}: {why[0]}")
             continue
         key = (ev.objective, -(rank or 0), CHOICES.index(policy), i)
-        if best is None or key < best[0]:
-            best = (key, ev)
+        if ev.grad_error <= cfg.grad_error_budget + 1e-12:
+            if best is None or key < best[0]:
+                best = (key, ev)
+        elif least_error is None or (ev.grad_error, *key) < least_error[0]:
+            least_error = ((ev.grad_error, *key), ev)
     notes: Tuple[str, ...] = ()
+    if best is None and least_error is not None:
+        best = least_error
+        notes = (
+            f"no choice within the gradient-error budget {cfg.grad_error_budget:g}; least "
+            f"predicted error taken ({least_error[1].grad_error:.3f})",
+        )
     if best is None and "exact" in cfg.policies:
         # Nothing fits (memory: with several micro-batches in flight a neighbour running
         # twice the micro-batches holds more activations): exact, lossless, over the headroom.
@@ -542,6 +591,7 @@ def plan_recovery(state: FailureState, profile: CostProfile, cfg: PlannerConfig)
         takeover_share=ev.takeover_share,
         samples_lost_share=ev.samples_lost_share,
         notes=ev.notes + notes,
+        grad_error=ev.grad_error,
     )
 
 
@@ -565,6 +615,7 @@ def fixed_decision(
         policy, ev.recompute_ffn, ev.rank, ev.step_time_ms, ev.transition_ms, horizon,
         ev.objective, ff / ev.objective if ev.objective else 0.0, ev.peak_memory_bytes,
         ff_peak(state, profile), ev.takeover_share, ev.samples_lost_share, ev.notes,
+        ev.grad_error,
     )  # fmt: skip
 
 
