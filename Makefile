@@ -124,7 +124,7 @@ test-slurm: venv
 test-goodput: venv data $(TFT)/.installed
 	$(PY) -m pytest -q -m slow --timeout=900 tests/integration/benchmarks/test_goodput_quick.py
 
-# The CPU evidence suite (README "Results"), about 70 minutes on 2 cores (25 before the n = 32 convergence runs, about 45 of their own): costs, ABFT overhead, degraded
+# The CPU evidence suite (README "Results"), about 90 minutes on 2 cores (about 60 of them the goodput comparison; the n = 32 study is make bench-convergence): costs, ABFT overhead, degraded
 # throughput (model + real DP4 runs), failure traces, the planner's profile and the cluster
 # simulator, convergence runs, plots. JSON, logs and
 # PNGs go to results/. Not run here: the GPU shapes (llama-1b / llama-7b), see benchmarks/README.
