@@ -21,6 +21,8 @@
 #      resumes from that checkpoint: every iteration is logged exactly once across the two.
 # Every daemon and job it started is stopped by PID / job id, and the folder removed, on exit.
 set -euo pipefail
+# No `cmd | grep -q`: grep exits at the first match, cmd then dies of SIGPIPE, and pipefail
+# turns a found line into a failure (seen once: "no heal line in the log" with the line there).
 
 REPO=$(cd "$(dirname "$0")/../../.." && pwd)
 PY=${PYTHON:-$REPO/.venv/bin/python}
@@ -66,7 +68,7 @@ cleanup() {
     done
     for job in "${JOBS[@]}"; do  # its processes end before slurmd does
         for _ in $(seq 100); do
-            squeue -h -j "$job" 2> /dev/null | grep -q . || break
+            grep -q . <<< "$(squeue -h -j "$job" 2> /dev/null)" || break
             sleep 0.2
         done
     done
@@ -174,7 +176,7 @@ submit() {  # OUT SCRIPT  (env passed through; each job gets a free port for its
 standby_warm() {  # node 3's rejoin standby (in $RUN/pids.node3) connected to the store: imported
     local pid
     pid=$(awk '$1 == -1 {print $3}' "$RUN/pids.node3" 2> /dev/null | tail -n 1)
-    [ -n "$pid" ] && find "/proc/$pid/fd" -lname 'socket:*' 2> /dev/null | grep -q .
+    [ -n "$pid" ] && grep -q . <<< "$(find "/proc/$pid/fd" -lname 'socket:*' 2> /dev/null)"
 }
 
 # The tiny CPU run both scripts train (8 ranks, PP2 x DP4).
@@ -311,13 +313,13 @@ else
     grep -E "MeCeFO|supervisor|mecefo_node" "$TMP/runs/mlm-rejoin.out" | cut -c1-220 || true
     [ "$state" = COMPLETED ] || { tail -n 40 "$OUT"; fail "job $JOB ended $state"; }
     [ "$rejoin_rc" -eq 0 ] || fail "the rejoin step exited $rejoin_rc"
-    scontrol show job "$JOB" | grep -q "Restarts=0" || fail "job $JOB was requeued: the loss was not survived in-process"
+    grep -q "Restarts=0" <<< "$(scontrol show job "$JOB")" || fail "job $JOB was requeued: the loss was not survived in-process"
     grep -q "iteration *$MLM_ITERS/ *$MLM_ITERS" "$OUT" || fail "Megatron-LM did not reach iteration $MLM_ITERS"
     grep -Eq "pretrain\(\) re-entered in generation [0-9]+; no checkpoint read" "$OUT" \
         || fail "no in-process re-entry of pretrain() after the loss"
     grep -q "successfully loaded checkpoint" "$OUT" "$TMP/runs/mlm-rejoin.out" \
         && fail "a checkpoint was read"
-    cat "$OUT" "$TMP/runs/mlm-rejoin.out" | grep -q "healed; parameters and optimizer state identical" \
+    grep -q "healed; parameters and optimizer state identical" "$OUT" "$TMP/runs/mlm-rejoin.out" \
         || fail "no heal line in the log"
     grep -q "Weight hashes match after $MLM_ITERS iterations" "$OUT" \
         || fail "no passing weight-hash check at iteration $MLM_ITERS"
@@ -362,10 +364,10 @@ scontrol update JobId="$JOB" TimeLimit="$limit"
 say "job $JOB: time limit lowered to $limit min after $elapsed s (SIGTERM due now, the end in $((limit * 60 - elapsed)) s)"
 # Requeued: raise the limit again before the new run can be signalled, so that it finishes.
 for _ in $(seq 600); do
-    scontrol show job "$JOB" 2> /dev/null | grep -q "Restarts=1" && break
+    grep -q "Restarts=1" <<< "$(scontrol show job "$JOB" 2> /dev/null)" && break
     sleep 0.5
 done
-scontrol show job "$JOB" | grep -q "Restarts=1" || { tail -n 40 "$OUT"; fail "job $JOB was not requeued after its time-limit signal"; }
+grep -q "Restarts=1" <<< "$(scontrol show job "$JOB")" || { tail -n 40 "$OUT"; fail "job $JOB was not requeued after its time-limit signal"; }
 # (Slurm holds a requeued job back until the old job's credential expires, cred_expire in
 # AuthInfo above, 120 s by default; releasing it sooner gets it killed as "credential revoked".)
 scontrol update JobId="$JOB" TimeLimit=30
