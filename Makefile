@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCHRUN := $(VENV)/bin/torchrun
 DATA := data/stdlib_text_document
+TFT := .venv-tft
 NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
@@ -185,7 +186,6 @@ bench-convergence: data
 # The goodput comparison alone (benchmarks/goodput.py, about 60 minutes here; GOODPUT_ARGS=--quick
 # for the 4-minute smoke run), with torchft 0.2.0 in .venv-tft: a venv of its own that sees
 # this venv's packages through a .pth file, so torchft never touches the CPU torch here.
-TFT := .venv-tft
 $(TFT)/.installed: constraints.txt
 	test -x $(TFT)/bin/python || $(PYTHON) -m venv $(TFT)
 	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
