@@ -152,10 +152,9 @@ def etcd_part(
 ) -> Dict[str, Any]:
     import etcd  # python-etcd
 
-    free_port = _free_port
     names = ["node0", "node1", "node2"]
-    peer = {m: free_port() for m in names}
-    client = {m: free_port() for m in names}
+    peer = {m: _free_port() for m in names}
+    client = {m: _free_port() for m in names}
     cluster = ",".join(f"{m}=http://127.0.0.1:{peer[m]}" for m in names)
     procs: Dict[str, subprocess.Popen] = {}
     try:
