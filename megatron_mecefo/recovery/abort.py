@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megatron_mecefo.recovery import abortable_waits
 
@@ -105,15 +105,16 @@ class GlooRelease(WorldAborter):
     groups, kept until the backstop has released gloo's threads.
 
     Args:
-        store_port: Port of the membership store, whose connections stay up.
+        store_ports: Ports of the membership store (and of its standby), whose connections
+            stay up.
         hold_s: How long an aborted world's groups are kept (the collective timeout and a
             margin).
     """
 
     name = "gloo"
 
-    def __init__(self, store_port: int = -1, hold_s: float = 60.0) -> None:
-        self.store_port = store_port
+    def __init__(self, store_ports: Sequence[int] = (), hold_s: float = 60.0) -> None:
+        self.store_ports = set(store_ports)
         self.hold_s = hold_s
 
     def arm(self) -> None:
@@ -146,7 +147,7 @@ class GlooRelease(WorldAborter):
             try:
                 if sock.family in (socket.AF_INET, socket.AF_INET6):
                     peer = sock.getpeername()
-                    if peer[1] != self.store_port:
+                    if peer[1] not in self.store_ports:
                         sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
@@ -177,8 +178,10 @@ class NcclAbort(WorldAborter):
                 pass
 
 
-def build_aborter(backend: str, store_port: int = -1, hold_s: float = 60.0) -> WorldAborter:
-    return NcclAbort() if backend == "nccl" else GlooRelease(store_port, hold_s)
+def build_aborter(
+    backend: str, store_ports: Sequence[int] = (), hold_s: float = 60.0
+) -> WorldAborter:
+    return NcclAbort() if backend == "nccl" else GlooRelease(store_ports, hold_s)
 
 
 class GenerationWatchdog:

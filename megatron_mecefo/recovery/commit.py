@@ -27,20 +27,26 @@ two per iteration of the run.
 :class:`AsyncVoter` runs the vote on a worker thread with its own store client, so that its
 round trips overlap the optimizer's gradient preparation (copy to main grads, norm, clipping),
 which changes nothing a redo would need: only the parameter update waits for the decision.
+
+With a standby store (node 0's loss survived, :mod:`.store_failover`), the commit also claims
+``outcome/<g>/<iteration>`` on the standby before the commit key is written, and a vote cut
+off by the primary's loss is resolved there (:func:`resolve_after_failover`).
 """
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch.distributed import DistStoreError
 
 from megatron_mecefo.recovery.membership import MembershipStore
+from megatron_mecefo.recovery.store_failover import PRIMARY_KEY, StoreFailedOver
 
 COMMIT, ABORT = "commit", "abort"
 
@@ -121,9 +127,25 @@ def abort(
 
 
 def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
-    """COMMIT, made durable before the caller applies the step (a plain ``set``)."""
+    """COMMIT, made durable before the caller applies the step (a plain ``set``). In the
+    replicated mode the standby's outcome key is claimed first: a member that finds the
+    primary lost claims it for an abort (:func:`resolve_after_failover`), and whichever claim
+    came first stands for every member, so no step is applied by some and not others."""
+    standby = ms._standby()
+    if standby is not None:
+        won = standby.compare_set(_outcome_key(generation, iteration), "", COMMIT).decode()
+        if won != COMMIT:
+            return False  # the primary was lost and a member resolved the vote as aborted
     ms.store.set(_commit_key(generation, iteration), "")
     return True
+
+
+def resolve_after_failover(ms: MembershipStore, generation: int, iteration: int) -> bool:
+    """The outcome of a vote that was in flight when the primary store was lost, read from
+    the standby (now the store of ``ms``): a commit whose claim reached it stands; otherwise
+    this claims an abort, which every later reader and a slow committer then find."""
+    key = _outcome_key(generation, iteration)
+    return ms.store.compare_set(key, "", ABORT).decode() == COMMIT
 
 
 def _outcome(
@@ -153,6 +175,9 @@ def forget(ms: MembershipStore, generation: int, iteration: int) -> None:
     """Delete the vote keys of ``iteration`` (its outcome is known to every member)."""
     for key in (_votes_key(generation, iteration), _commit_key(generation, iteration)):
         ms.store.delete_key(key)
+    standby = ms._standby()
+    if standby is not None:
+        standby.delete_key(_outcome_key(generation, iteration))
 
 
 def _votes_key(generation: int, iteration: int) -> str:
@@ -165,6 +190,10 @@ def _commit_key(generation: int, iteration: int) -> str:
 
 def _decision_key(generation: int, iteration: int) -> str:
     return f"decision/{generation}/{iteration}"
+
+
+def _outcome_key(generation: int, iteration: int) -> str:
+    return f"outcome/{generation}/{iteration}"
 
 
 def _superseded(ms: MembershipStore, generation: int, iteration: int) -> bool:
@@ -212,23 +241,41 @@ class AsyncVoter:
         self._jobs.put((future, (generation, iteration, slot, list(members), report_progress)))
         return future
 
+    def _after_failover(
+        self, generation: int, iteration: int, slot: int, members: List[int], outcome: Dict
+    ) -> bool:
+        """The primary store was lost during this vote: a vote of a generation made before
+        the takeover was in flight there (its outcome is resolved on the standby); one of a
+        later generation has only met the stale client, and is held on the standby."""
+        taken = json.loads(self._ms.store.get(PRIMARY_KEY))["generation"]
+        if generation <= taken:
+            return resolve_after_failover(self._ms, generation, iteration)
+        return vote(
+            self._ms, generation, iteration, slot, members, self.poll_interval_s, outcome,
+            self.decision_wait_s,
+        )  # fmt: skip
+
     def _run(self) -> None:
         while True:
             future, (generation, iteration, slot, members, progress) = self._jobs.get()
             try:
                 if self._ms is None:
-                    self._ms = MembershipStore.connect(self.address)
-                outcome: Dict[str, bool] = {}
+                    self._ms = MembershipStore.connect(self.address, raise_on_failover=True)
+                outcome: Dict[str, bool] = {"last": False}
                 t0 = time.perf_counter()
-                ok = vote(
-                    self._ms, generation, iteration, slot, members, self.poll_interval_s,
-                    outcome, self.decision_wait_s,
-                )  # fmt: skip
+                try:
+                    ok = vote(
+                        self._ms, generation, iteration, slot, members, self.poll_interval_s,
+                        outcome, self.decision_wait_s,
+                    )  # fmt: skip
+                except StoreFailedOver:
+                    ok = self._after_failover(generation, iteration, slot, members, outcome)
                 future.set_result((ok, outcome["last"], time.perf_counter() - t0))
                 if ok and progress:
-                    self._ms.store.set("progress", str(iteration))
+                    self._ms.set_durable("progress", str(iteration))
                 if ok and outcome["last"]:  # off the training thread, after its result
                     forget(self._ms, generation, iteration - 1)
             except BaseException as err:  # noqa: BLE001 (the training thread re-raises it)
-                future.set_exception(err)
+                if not future.done():  # else: the bookkeeping after the result failed
+                    future.set_exception(err)
             self.cpu_s = time.thread_time()

@@ -27,6 +27,10 @@ from megatron_mecefo.recovery.membership import (
 )
 
 
+BEAT_KEY = "coordinator/beat"
+"""A counter the coordinator adds 1 to every heartbeat interval."""
+
+
 class Coordinator:
     """Publishes generations (see the module docstring).
 
@@ -69,15 +73,22 @@ class Coordinator:
         self.thread: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------ life cycle
-    def start(self) -> None:
-        first = Generation(
-            number=0,
-            replicas=(),
-            members={s: 0 for s in range(self.world_size)},
-            reason="start",
-        )
-        self.ms.publish(first)
-        self.gen = first
+    def start(self, resume: bool = False) -> None:
+        """Publish generation 0 and watch; with ``resume`` (a standby store that took over),
+        go on from the current generation and the deaths, incarnations and ready processes
+        the store holds."""
+        if resume:
+            self.gen = self.ms.generation(self.ms.generation_number())
+            self._rescan()
+        else:
+            first = Generation(
+                number=0,
+                replicas=(),
+                members={s: 0 for s in range(self.world_size)},
+                reason="start",
+            )
+            self.ms.publish(first)
+            self.gen = first
         self.thread = threading.Thread(target=self._run, name="mecefo-coordinator", daemon=True)
         self.thread.start()
 
@@ -107,6 +118,9 @@ class Coordinator:
                     last_hb = now
                     if self.ms.get_str("done") is not None:
                         return
+                    # The standby (store_mirror) takes over if this stops moving: node 0 is
+                    # gone without closing its sockets (a power or network loss).
+                    self.ms.store.add(BEAT_KEY, 1)
                     self._check_heartbeats(now)
                     changed = True
                 if changed or self._pending:

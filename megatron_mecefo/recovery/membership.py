@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from megatron_mecefo.recovery.store_failover import FailoverStore, store_addresses, tcp_client
+
 
 @dataclass(frozen=True)
 class JobLayout:
@@ -138,21 +140,38 @@ class MembershipStore:
         self._counters: set = set()  # heartbeat keys known to exist (read in one multi_get)
 
     @staticmethod
-    def connect(address: str, timeout_s: float = 60.0) -> MembershipStore:
-        """A new client of the store at ``HOST:PORT``."""
-        import torch.distributed as dist
+    def connect(
+        address: str, timeout_s: float = 60.0, raise_on_failover: bool = False
+    ) -> MembershipStore:
+        """A new client of the store at ``HOST:PORT``, or of a primary and its standby at
+        ``HOST:PORT,HOST:PORT`` (:class:`~.store_failover.FailoverStore`)."""
+        addresses = store_addresses(address)
+        if len(addresses) > 1:
+            return MembershipStore(FailoverStore(addresses, timeout_s, raise_on_failover))
+        return MembershipStore(tcp_client(addresses[0], timeout_s))
 
-        host, port = address.rsplit(":", 1)
-        store = dist.TCPStore(
-            host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)
-        )
-        return MembershipStore(store)
+    def address(self, configured: str) -> str:
+        """The ``HOST:PORT`` this client talks to now (``configured``: its address list)."""
+        return getattr(self.store, "address", None) or store_addresses(configured)[0]
+
+    def _standby(self) -> Any:
+        """The standby's client while the primary serves, else ``None``."""
+        standby = getattr(self.store, "standby", None)
+        return standby() if standby is not None else None
 
     # -------------------------------------------------------------- raw helpers
     def get_str(self, key: str) -> Optional[str]:
         if not self.store.check([key]):
             return None
         return self.store.get(key).decode()
+
+    def set_durable(self, key: str, value: str) -> None:
+        """Set ``key`` on the standby (while the primary serves) and then here: a value that
+        must not be lost with node 0 and changes too often for the standby's copy to be
+        recent (the committed and the logged iteration)."""
+        for store in (self._standby(), self.store):
+            if store is not None:
+                store.set(key, value)
 
     def set_json(self, key: str, value: Any) -> None:
         self.store.set(key, json.dumps(value))
@@ -188,13 +207,15 @@ class MembershipStore:
     def publish(self, gen: Generation) -> None:
         """Write ``gen`` and make it current (the coordinator only); an event, so that the
         supervisors, which look at the store only when the event count moves, see it."""
-        self.store.set(f"gen/{gen.number}", gen.to_json())
-        self.store.set("gen", str(gen.number))
+        # The standby first: it then never lags a generation that a rank may have seen, so a
+        # coordinator that takes over there numbers the next one above every number in use.
+        self.set_durable(f"gen/{gen.number}", gen.to_json())
+        self.set_durable("gen", str(gen.number))
         self.notify()
 
     def set_fatal(self, message: str) -> None:
         """Stop the job with ``message`` (every rank and supervisor exits); an event."""
-        self.store.set("fatal", message)
+        self.set_durable("fatal", message)
         self.notify()
 
     def unformed_failures(self, number: int) -> List[Generation]:

@@ -41,6 +41,7 @@ from megatron_mecefo.recovery.heartbeat import Heartbeat
 from megatron_mecefo.recovery.membership import Generation, JobLayout, MembershipStore
 from megatron_mecefo.recovery.membership_schedule import MembershipSchedule
 from megatron_mecefo.recovery.restore import take_over_from_snapshot
+from megatron_mecefo.recovery.store_failover import store_ports
 from megatron_mecefo.recovery.state_transfer import (
     boundary_snapshot,
     export_state,
@@ -151,7 +152,7 @@ class RecoverySession:
         """CPU seconds of the finished generations' watchdog threads."""
         self.backend = "gloo" if args.device == "cpu" else "nccl"
         self.aborter = build_aborter(
-            self.backend, int(config.store.rsplit(":", 1)[1]), config.collective_timeout_s + 30.0
+            self.backend, store_ports(config.store), config.collective_timeout_s + 30.0
         )
         self.watchdog: Optional[GenerationWatchdog] = None
         self.rank = -1
@@ -253,7 +254,8 @@ class RecoverySession:
             import torch
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        host, port = self.cfg.store.rsplit(":", 1)
+        # The store that serves now: the standby's, once node 0's was lost.
+        host, port = self.ms.address(self.cfg.store).rsplit(":", 1)
         store = dist.TCPStore(
             host,
             int(port),
@@ -440,7 +442,7 @@ class RecoverySession:
         """The logging rank wrote ``iteration``'s line and record: noted in the store (a plain
         ``set``), so that after its death the next logging rank writes the committed
         iterations it did not (:meth:`unlogged`)."""
-        self.ms.store.set("logged", str(iteration))
+        self.ms.set_durable("logged", str(iteration))
 
     def unlogged(self, history: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         """The records of committed iterations that no logging rank wrote: it died after the

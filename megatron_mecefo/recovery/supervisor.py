@@ -49,6 +49,7 @@ from megatron_mecefo.errors import (
 from megatron_mecefo.recovery.config import ENV, RecoveryConfig, RecoveryConfigError
 from megatron_mecefo.recovery.records import append_jsonl
 from megatron_mecefo.recovery.replacement import build_replacement
+from megatron_mecefo.recovery.store_failover import store_addresses
 
 _QUIET_CPP_LOG = False
 """Whether :func:`main` set ``TORCH_CPP_LOG_LEVEL`` for this process (not for its ranks)."""
@@ -173,10 +174,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--store", default=None, metavar="HOST:PORT", help="store of node 0")
-    p.add_argument("--store-host", default="127.0.0.1", help="node 0: address to serve on")
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="HOST:PORT",
+        help="store of node 0; a rejoining node after node 0's loss: HOST:PORT,HOST:PORT (the "
+        "primary and the standby, as node 1's --store-file holds them)",
+    )
+    p.add_argument(
+        "--store-host", default="127.0.0.1", help="node 0 (and node 1's standby): address to serve on"
+    )
     p.add_argument("--store-port", type=int, default=0, help="node 0: 0 = any free port")
-    p.add_argument("--store-file", default=None, help="node 0: write HOST:PORT here")
+    p.add_argument(
+        "--store-file",
+        default=None,
+        help="node 0: write HOST:PORT here; node 1 with --store-mode replicated: the primary's "
+        "and the standby's, HOST:PORT,HOST:PORT",
+    )
+    p.add_argument(
+        "--store-mode",
+        default="single",
+        choices=("single", "replicated"),
+        help="single: node 0 alone serves the membership store (its loss ends the job); "
+        "replicated: node 1 serves a standby that takes over when node 0 is lost (every node "
+        "passes the same mode; needs --nnodes >= 2)",
+    )
     d = RecoveryConfig()
     p.add_argument("--replace", default=d.replace, help="never | immediately | after:SECONDS")
     p.add_argument("--orphan", default=d.orphan, choices=("wait", "exit"))
@@ -228,6 +250,10 @@ class Supervisor:
         self.replacements: Dict[int, int] = {s: 0 for s in self.slots}
         self.server = None
         self.coordinator = None
+        self.standby_store = None  # node 1 in the replicated mode: a StandbyStore
+        self.hosts_store = self.node == 0 and not args.rejoin
+        """Whether this node's supervisor serves the store the job uses now (and so waits for
+        the other nodes before it exits): node 0, or node 1 once its standby took over."""
         self.killed: Dict[tuple, float] = {}
         self.standby: List[Child] = []
         self._standby_count = 0
@@ -246,14 +272,14 @@ class Supervisor:
     # ------------------------------------------------------------------ store
     def open_store(self) -> None:
         a = self.args
-        if self.node != 0:  # before importing torch: a wrong address is said in a second
+        if not self.hosts_store:  # before importing torch: a wrong address is said in a second
             self.cfg.store = a.store
             self._wait_for_store()
         import torch.distributed as dist
 
         from megatron_mecefo.recovery.membership import MembershipStore
 
-        if self.node == 0:
+        if self.hosts_store:
             try:
                 self.server = dist.TCPStore(
                     a.store_host,
@@ -277,10 +303,7 @@ class Supervisor:
                 ) from None
             self.cfg.store = f"{a.store_host}:{self.server.port}"
             if a.store_file:
-                tmp = a.store_file + ".tmp"
-                with open(tmp, "w") as f:
-                    f.write(self.cfg.store)
-                os.replace(tmp, a.store_file)
+                _write_atomically(a.store_file, self.cfg.store)
             self.log(f"membership store at {self.cfg.store} (outside every training rank)")
         try:
             self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
@@ -290,9 +313,11 @@ class Supervisor:
                 f"({_first_line(err)}); check the address node 0's supervisor printed"
             ) from None
         self.ms.store.set(f"node/{self.node}", socket.gethostname())
+        if a.store_mode == "replicated" and len(store_addresses(self.cfg.store)) == 1:
+            self._open_standby()
         # For trainers without MeCeFO's session (e.g. Megatron-LM's pretrain_gpt.py): a
         # torchrun-style env:// rendezvous on a second store of node 0 (agent-store mode).
-        if self.node == 0:
+        if self.hosts_store:
             self.rdzv = dist.TCPStore(a.store_host, 0, None, is_master=True,
                                       wait_for_workers=False)  # fmt: skip
             self.ms.store.set("rdzv", f"{a.store_host}:{self.rdzv.port}")
@@ -300,26 +325,71 @@ class Supervisor:
         while (rdzv := self.ms.get_str("rdzv")) is None and time.monotonic() < deadline:
             time.sleep(0.05)
         self.rdzv_address = rdzv or "127.0.0.1:0"
-        if self.node == 0:
-            from megatron_mecefo.recovery.coordinator import Coordinator
-
+        if self.hosts_store:
             self.ms.set_json("world_size", self.world_size)
-            if not self.args.rejoin:
-                self._wait_for_nodes()
-            self.coordinator = Coordinator(
-                MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s),
-                self.world_size,
-                self.cfg,
-                log=lambda line: print(line, flush=True),
-                join_at_boundary_only="--use-distributed-optimizer" in self.args.command,
+            self._wait_for_nodes()
+            self._start_coordinator(self.cfg.store, resume=False)
+
+    def _start_coordinator(self, address: str, resume: bool) -> None:
+        from megatron_mecefo.recovery.coordinator import Coordinator
+        from megatron_mecefo.recovery.membership import MembershipStore
+
+        self.coordinator = Coordinator(
+            MembershipStore.connect(address, self.cfg.init_timeout_s),
+            self.world_size,
+            self.cfg,
+            log=lambda line: print(line, flush=True),
+            join_at_boundary_only="--use-distributed-optimizer" in self.args.command,
+        )
+        self.coordinator.start(resume=resume)
+
+    def _open_standby(self) -> None:
+        """The replicated mode: node 1 serves the standby store and mirrors node 0's into it;
+        every node then hands its ranks both addresses (they fail over on node 0's loss)."""
+        from megatron_mecefo.recovery.membership import MembershipStore
+        from megatron_mecefo.recovery.store_mirror import StandbyStore, wait_for_standby
+
+        a = self.args
+        primary = self.cfg.store
+        if self.node == 1 and not a.rejoin:
+            try:
+                self.standby_store = StandbyStore(
+                    a.store_host, 0, primary, a.nnodes, a.nproc_per_node, self.cfg, self.log,
+                    on_takeover=self._take_over,
+                )  # fmt: skip
+            except Exception as err:  # noqa: BLE001 (torch's DistNetworkError and kin)
+                raise SupervisorError(
+                    f"--store-mode replicated: cannot serve the standby store on "
+                    f"{a.store_host} ({_first_line(err)}); pass --store-host with this node's "
+                    "hostname or address"
+                ) from None
+            self.ms.store.set("standby", self.standby_store.address)
+            self.standby_store.start()
+            self.log(f"standby membership store at {self.standby_store.address}")
+        standby = wait_for_standby(self.ms, self.cfg.init_timeout_s)
+        if standby is None:
+            raise SupervisorError(
+                f"--store-mode replicated: node 1 published no standby store within "
+                f"--init-timeout={self.cfg.init_timeout_s:g}s; start node 1's supervisor with "
+                "--store-mode replicated too"
             )
-            self.coordinator.start()
+        self.cfg.store = f"{primary},{standby}"
+        self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+        if self.node == 1 and a.store_file:
+            _write_atomically(a.store_file, self.cfg.store)
+
+    def _take_over(self) -> None:
+        """Node 1, on the standby's thread: node 0 is lost; coordinate from the standby."""
+        self.hosts_store = True
+        assert self.standby_store is not None
+        self._start_coordinator(self.standby_store.address, resume=True)
 
     def _wait_for_store(self) -> None:
         """Until node 0's store accepts a connection: a line every few seconds, and one error
         line naming the address at --init-timeout (a wrong --store used to end in a
         traceback)."""
-        host, port = self.cfg.store.rsplit(":", 1)
+        # A list (a node rejoining after node 0's loss): the standby, which serves now.
+        host, port = store_addresses(self.cfg.store)[-1].rsplit(":", 1)
         try:
             socket.getaddrinfo(host, int(port))
         except OSError as err:
@@ -759,15 +829,25 @@ class Supervisor:
         append_jsonl(self.cfg.records_file, record)
 
     def _finish_node(self) -> int:
-        """Every rank of this node finished; node 0 keeps the store up for the others."""
+        """Every rank of this node finished; the store's host keeps it up for the others (a
+        lost node 0 counts as done)."""
+        if self.standby_store is not None and not self.hosts_store:
+            self.standby_store.stop()  # node 0 closes its store once every node is done
         self.ms.store.add("nodes_done", 1)
-        if self.node == 0:
+        if self.hosts_store:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                if int(self.ms.store.add("nodes_done", 0)) >= self.args.nnodes:
+                done = int(self.ms.store.add("nodes_done", 0))
+                if done + int(self.ms.store.add("nodes_lost", 0)) >= self.args.nnodes:
                     break
                 time.sleep(0.05)
         return 0
+
+
+def _write_atomically(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -897,23 +977,40 @@ def validate(args: argparse.Namespace) -> RecoveryConfig:
     if args.node_rank == 0 and args.store_port:
         _check_port_free(args.store_host, args.store_port)
     if args.store is not None:
-        host, _, port = args.store.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        addresses = store_addresses(args.store)
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise RecoveryConfigError(
+                    f"--store {args.store}: expected HOST:PORT of node 0's membership store (as "
+                    "its supervisor prints it, or its --store-file holds)"
+                )
+        if len(addresses) > 2 or (len(addresses) == 2 and not args.rejoin):
             raise RecoveryConfigError(
-                f"--store {args.store}: expected HOST:PORT of node 0's membership store (as its "
-                "supervisor prints it, or its --store-file holds)"
+                f"--store {args.store}: two addresses (primary,standby) are for a node that "
+                "rejoins after node 0's loss (--rejoin); pass node 0's HOST:PORT otherwise"
             )
-    if args.rejoin and (args.node_rank == 0 or not args.store):
+    if args.store_mode == "replicated" and args.nnodes < 2:
         raise RecoveryConfigError(
-            f"--rejoin --node-rank={args.node_rank}: a rejoining node needs --store "
-            "HOST:PORT of node 0 and a node rank > 0 (node 0 hosts the store, so it cannot "
-            "be lost and come back)"
+            f"--store-mode replicated --nnodes={args.nnodes}: the standby store lives on node "
+            "1; use --store-mode single on one node"
+        )
+    if args.rejoin and not args.store:
+        raise RecoveryConfigError(
+            f"--rejoin --node-rank={args.node_rank}: a rejoining node needs --store: node 0's "
+            "HOST:PORT, or after node 0's loss (--store-mode replicated) the primary's and the "
+            "standby's HOST:PORT,HOST:PORT that node 1's --store-file holds"
+        )
+    if args.rejoin and args.node_rank == 0 and args.store_mode != "replicated":
+        raise RecoveryConfigError(
+            "--rejoin --node-rank=0: node 0 hosts the store in --store-mode single, so it "
+            "cannot be lost and come back; run every node with --store-mode replicated"
         )
     if args.node_rank > 0 and not args.store:
         raise RecoveryConfigError(
             f"--node-rank={args.node_rank} needs --store HOST:PORT (node 0's store)"
         )
-    if args.node_rank == 0 and args.store:
+    if args.node_rank == 0 and args.store and not args.rejoin:
         raise RecoveryConfigError(
             f"--store {args.store} with --node-rank 0: node 0 hosts the store (--store-host, "
             "--store-port); drop --store, or pass the node rank of this node"

@@ -57,33 +57,45 @@ class Job:
         self.logs: List[Path] = []
         self.extra_env = extra_env
 
+    def store_file(self, node: int) -> Path:
+        """Where node ``node``'s supervisor writes its store address (node 0: its own; node 1
+        with ``--store-mode replicated``: the primary's and the standby's)."""
+        return self.workdir / f"store{node}.txt"
+
     def start(self) -> Job:
-        store_file = self.workdir / "store.txt"
         for node in range(self.nnodes):
-            cmd = [
-                sys.executable, "-m", "megatron_mecefo.recovery.supervisor",
-                "--nproc-per-node", str(self.nproc), "--nnodes", str(self.nnodes),
-                "--node-rank", str(node), "--pid-file", str(self.pid_file),
-                "--records", str(self.records), *TIMEOUTS, *self.supervisor_args,
-            ]  # fmt: skip
-            if node == 0:
-                cmd += ["--store-file", str(store_file)]
-            else:
-                deadline = time.time() + 60
-                while not store_file.exists() and time.time() < deadline:
-                    time.sleep(0.1)
-                cmd += ["--store", store_file.read_text()]
-            cmd += ["--", str(DUMP_TRAINER), *self.trainer_args, "--metrics-file",
-                    str(self.metrics)]  # fmt: skip
-            log = self.workdir / f"node{node}.log"
-            self.logs.append(log)
-            self.procs.append(
-                subprocess.Popen(
-                    cmd, cwd=REPO, env=env(MECEFO_TEST_DUMP=str(self.dump), **self.extra_env),
-                    stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                )  # fmt: skip
-            )
+            self.start_node(node)
         return self
+
+    def start_node(self, node: int, rejoin: bool = False) -> subprocess.Popen:
+        """Start node ``node``'s supervisor; ``rejoin``: a node that replaces a lost one (after
+        node 0's loss, it finds the store through node 1's store file)."""
+        cmd = [
+            sys.executable, "-m", "megatron_mecefo.recovery.supervisor",
+            "--nproc-per-node", str(self.nproc), "--nnodes", str(self.nnodes),
+            "--node-rank", str(node), "--pid-file", str(self.pid_file),
+            "--records", str(self.records), *TIMEOUTS, *self.supervisor_args,
+        ]  # fmt: skip
+        source = 1 if rejoin and node == 0 else 0
+        if node in (0, 1) and not rejoin:
+            cmd += ["--store-file", str(self.store_file(node))]
+        if node > 0 or rejoin:
+            deadline = time.time() + 60
+            while not self.store_file(source).exists() and time.time() < deadline:
+                time.sleep(0.1)
+            cmd += ["--store", self.store_file(source).read_text()]
+        if rejoin:
+            cmd += ["--rejoin"]
+        cmd += ["--", str(DUMP_TRAINER), *self.trainer_args, "--metrics-file",
+                str(self.metrics)]  # fmt: skip
+        log = self.workdir / (f"node{node}.log" if not rejoin else f"node{node}-rejoin.log")
+        self.logs.append(log)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env(MECEFO_TEST_DUMP=str(self.dump), **self.extra_env),
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        self.procs.append(proc)
+        return proc
 
     def wait(self, timeout: float = 400) -> List[int]:
         deadline = time.time() + timeout

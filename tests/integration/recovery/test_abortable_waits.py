@@ -35,7 +35,7 @@ def _rank(rank: int, port: int, mode: str, out: str) -> None:
     dist.init_process_group(
         "gloo", store=dist.PrefixStore("w0/", store), rank=rank, world_size=2, timeout=timeout
     )
-    aborter = GlooRelease(store_port=port, hold_s=60.0)
+    aborter = GlooRelease(store_ports=[port], hold_s=60.0)
     aborter.arm()
     result: dict = {}
     # Through the patched wait, before any abort: the values are exact.

@@ -311,10 +311,10 @@ def test_dp4_rank_killed_before_the_first_iteration(tmp_path: Path) -> None:
         # The moment the first session registers the job's layout (the ranks are importing and
         # building their models, nothing is trained yet), rank 2 dies.
         deadline = time.time() + 120
-        while not (job.workdir / "store.txt").exists():
+        while not job.store_file(0).exists():
             assert time.time() < deadline, "no store"
             time.sleep(0.05)
-        ms = MembershipStore.connect((job.workdir / "store.txt").read_text().strip(), 60)
+        ms = MembershipStore.connect(job.store_file(0).read_text().strip(), 60)
         while ms.get_str("layout") is None:
             assert time.time() < deadline, "no session registered"
             time.sleep(0.01)

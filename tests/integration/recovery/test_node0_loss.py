@@ -1,0 +1,112 @@
+"""Losing node 0 (its supervisor, its membership store, its coordinator and its ranks) under
+``--store-mode replicated``: node 1's standby store takes over and training goes on in-process.
+
+Each supervisor stands in for a node; node 0 is killed with SIGKILL (its ranks die with it,
+as on a lost machine). Every test ends its processes by PID in ``finally`` (``Job.stop``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from harness import (
+    SMALL_MODEL,
+    Job,
+    check_every_sample_once,
+    max_param_diff,
+    run_torchrun,
+    train_records,
+)
+
+REPLICATED = ["--store-mode", "replicated"]
+PARAM_ATOL = 2e-5  # as test_real_failures: fp32 reassociation over the survivors' all-reduce
+
+
+def _layout(dp: int, iters: int, gbs: int) -> list[str]:
+    return SMALL_MODEL + [
+        "--global-batch-size", str(gbs), "--train-iters", str(iters), "--mecefo",
+        "--data-path", os.environ["MECEFO_TEST_DATA"],
+        "--check-weight-hash-across-dp-replicas-interval", "1",
+    ]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _data(text_data: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MECEFO_TEST_DATA", text_data)
+
+
+def _kill_node0(job: Job) -> None:
+    """SIGKILL node 0's supervisor (and so its store and coordinator) and its ranks."""
+    os.killpg(job.procs[0].pid, signal.SIGKILL)
+    for (slot, _), pid in job.rank_pids().items():
+        if slot < job.nproc:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_two_nodes_node0_lost_matches_simulated(tmp_path: Path) -> None:
+    """DP4 on two nodes (2 ranks each). Node 0 dies mid-run: node 1's standby takes over,
+    replicas 2 and 3 take over replicas 0 and 1's share, every sample is processed once, and
+    the final parameters equal the simulated run that drops replicas 0 and 1 there."""
+    iters, gbs = 40, 16
+    args = _layout(4, iters, gbs) + ["--optimizer", "sgd", "--lr", "0.05"]
+    job = Job(tmp_path / "real", 2, args, nnodes=2, supervisor_args=REPLICATED,
+              MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
+    try:
+        job.start()
+        job.wait_for("iteration        6/")
+        _kill_node0(job)
+        rc = job.wait(timeout=300)
+    finally:
+        job.stop()
+    log = job.log()
+    assert rc == [-9, 0], (rc, log[-5000:])
+    assert "the standby store at" in log and "takes over" in log
+    check_every_sample_once(train_records(job.metrics), iters, gbs)
+    assert all(c["identical"] for c in job.records_of("dp_weight_check"))
+    (failure,) = [r for r in job.records_of("recovery") if r["ranks_lost"]]
+    assert sorted(failure["ranks_lost"]) == [0, 1] and sorted(failure["replicas"]) == [2, 3]
+    first = failure["iteration"]
+    sim = run_torchrun(
+        tmp_path / "sim", 4, args + ["--mecefo-fail", f"0:{first}", "--mecefo-fail", f"1:{first}"]
+    )
+    real = job.params()
+    assert sorted(real) == [2, 3]
+    diff = max_param_diff(real, sim)
+    print(f"node 0 lost at iteration {first}: max |param diff| vs simulated = {diff:.2e}")
+    assert diff <= PARAM_ATOL
+
+
+def test_three_nodes_node0_lost_then_a_new_node0_rejoins(tmp_path: Path) -> None:
+    """DP3 on three nodes (1 rank each). Node 0 dies; nodes 1 and 2 train on from node 1's
+    standby store; a new node 0 rejoins there, is healed, and every replica ends identical."""
+    iters, gbs = 90, 12
+    args = _layout(3, iters, gbs)
+    job = Job(tmp_path, 1, args, nnodes=3, supervisor_args=REPLICATED,
+              MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
+    try:
+        job.start()
+        job.wait_for("iteration        5/")
+        _kill_node0(job)
+        job.wait_for("takes over")
+        job.start_node(0, rejoin=True)
+        rc = job.wait(timeout=400)
+    finally:
+        job.stop()
+    log = job.log()
+    assert rc == [-9, 0, 0, 0], (rc, log[-5000:])
+    check_every_sample_once(train_records(job.metrics), iters, gbs)
+    kinds = [(r["kind"], r["ranks_lost"], r["ranks_joined"]) for r in job.records_of("recovery")]
+    assert kinds[0] == ("failure", [0], []) and kinds[-1][0] == "rejoin", kinds
+    assert kinds[-1][2] == [0], kinds
+    assert "healed; parameters and optimizer state identical" in log
+    checks = job.records_of("dp_weight_check")
+    assert checks and all(c["identical"] for c in checks)
+    params = job.params()
+    assert sorted(params) == [0, 1, 2]
+    assert max_param_diff({0: params[0]}, {0: params[1]}) == 0.0
