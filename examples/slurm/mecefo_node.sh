@@ -7,6 +7,8 @@
 #   MECEFO_NNODES          supervisors (= nodes) of the job
 #   MECEFO_GPUS_PER_NODE   ranks each supervisor starts
 #   MECEFO_STORE           HOST:PORT of node 0's membership store (node 0 serves it)
+#   MECEFO_STORE_MODE      single | replicated (node 1 serves a standby store, which takes
+#                          over when node 0 is lost; its addresses go to store.standby)
 #   MECEFO_RUN_DIR         where node<K>.exit, supervisor.node<K>.pid and, after a SIGTERM
 #                          that ended in a save, node<K>.stopped are written
 #                          (node<K>.rejoin.exit, supervisor.node<K>.rejoin.pid for a rejoin)
@@ -23,13 +25,25 @@ args=(
     --nproc-per-node "$MECEFO_GPUS_PER_NODE" --nnodes "$MECEFO_NNODES" --node-rank "$node"
     --pid-file "$MECEFO_RUN_DIR/pids.node$node"
 )
-if [ "$node" -eq 0 ]; then
+mode=${MECEFO_STORE_MODE:-single}
+args+=(--store-mode "$mode")
+if [ "${MECEFO_REJOIN:-0}" = 1 ]; then
+    # After node 0's loss its store is gone: node 1 wrote the primary's and the standby's
+    # addresses to store.standby, and the standby serves.
+    if [ "$mode" = replicated ] && [ -s "$MECEFO_RUN_DIR/store.standby" ]; then
+        args+=(--store "$(cat "$MECEFO_RUN_DIR/store.standby")")
+    else
+        args+=(--store "$MECEFO_STORE")
+    fi
+    args+=(--rejoin)
+elif [ "$node" -eq 0 ]; then
     args+=(--store-host "$store_host" --store-port "$store_port")
 else
     args+=(--store "$MECEFO_STORE")
-fi
-if [ "${MECEFO_REJOIN:-0}" = 1 ]; then
-    args+=(--rejoin)
+    if [ "$mode" = replicated ] && [ "$node" -eq 1 ]; then
+        # Node 1 serves the standby store (any free port) on its own address.
+        args+=(--store-host "$(hostname)" --store-file "$MECEFO_RUN_DIR/store.standby")
+    fi
 fi
 
 echo "[mecefo_node] $(hostname): node $node of $MECEFO_NNODES, $MECEFO_GPUS_PER_NODE ranks," \

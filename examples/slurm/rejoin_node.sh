@@ -4,8 +4,9 @@
 #   examples/slurm/rejoin_node.sh [--host HOST] [--standby N] RUN_DIR NODE_RANK
 #
 # RUN_DIR is the job's run folder (it holds launch.env, written by the sbatch script);
-# NODE_RANK is the lost node's rank (its supervisor's "node K" in the log; not 0: node 0
-# hosts the store). --host: the node to run on, a spare node of the allocation (SPARE_NODES)
+# NODE_RANK is the lost node's rank (its supervisor's "node K" in the log; 0 only when the
+# job runs with STORE_MODE=replicated, the default on two nodes or more: node 1's standby store
+# took over node 0's). --host: the node to run on, a spare node of the allocation (SPARE_NODES)
 # or the repaired node once it is back in the job; default: the first spare node, else the
 # node Slurm picks. It starts a new job step (srun --jobid --overlap) that runs the node's
 # supervisor with --rejoin: the supervisor waits until the coordinator has declared the old
@@ -37,9 +38,14 @@ source "$run_dir/launch.env"
 if [ -z "$host" ] && [ "${#HOSTS[@]}" -gt "$NODES" ]; then
     host=${HOSTS[$NODES]}
 fi
-if ! [ "$node" -gt 0 ] 2>/dev/null || [ "$node" -ge "$MECEFO_NNODES" ]; then
-    echo "error: NODE_RANK=$node: a lost node's rank is 1..$((MECEFO_NNODES - 1)) (node 0 hosts" \
-        "the membership store and cannot be replaced while the job runs)" >&2
+first=1
+if [ "${MECEFO_STORE_MODE:-single}" = replicated ]; then
+    first=0  # node 1's standby store took over node 0's
+fi
+if ! [ "$node" -ge "$first" ] 2>/dev/null || [ "$node" -ge "$MECEFO_NNODES" ]; then
+    echo "error: NODE_RANK=$node: a lost node's rank is $first..$((MECEFO_NNODES - 1)) (with" \
+        "STORE_MODE=single node 0 hosts the only membership store and cannot be replaced while" \
+        "the job runs)" >&2
     exit 2
 fi
 export MECEFO_NODE_RANK=$node MECEFO_REJOIN=1
