@@ -26,7 +26,6 @@ from megatron_mecefo.recovery.membership import (
     MembershipStore,
 )
 
-
 BEAT_KEY = "coordinator/beat"
 """A counter the coordinator adds 1 to every heartbeat interval."""
 

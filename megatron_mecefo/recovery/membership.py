@@ -1,7 +1,8 @@
 """Membership: the job's layout, the generations and the store keys everyone agrees on.
 
-The store (a ``TCPStore`` hosted by the first node's supervisor, never by a training rank)
-holds, under fixed keys:
+The store (a ``TCPStore`` hosted by the first node's supervisor, never by a training rank;
+with a standby on node 1 in the replicated mode, :mod:`.store_mirror`) holds, under fixed
+keys:
 
 * ``gen``: the current generation number ``g``; ``gen/<g>``: its :class:`Generation` (JSON),
   written once by the coordinator, the single writer of membership;

@@ -41,7 +41,6 @@ from megatron_mecefo.recovery.heartbeat import Heartbeat
 from megatron_mecefo.recovery.membership import Generation, JobLayout, MembershipStore
 from megatron_mecefo.recovery.membership_schedule import MembershipSchedule
 from megatron_mecefo.recovery.restore import take_over_from_snapshot
-from megatron_mecefo.recovery.store_failover import store_ports
 from megatron_mecefo.recovery.state_transfer import (
     boundary_snapshot,
     export_state,
@@ -49,6 +48,7 @@ from megatron_mecefo.recovery.state_transfer import (
     import_state,
 )
 from megatron_mecefo.recovery.step_hooks import install_commit_vote
+from megatron_mecefo.recovery.store_failover import store_ports
 
 
 class RegroupRequest(RuntimeError):

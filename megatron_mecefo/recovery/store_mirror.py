@@ -180,4 +180,3 @@ def wait_for_standby(ms: MembershipStore, timeout_s: float) -> Optional[str]:
     """The standby's ``HOST:PORT`` once node 1 has published it (``None`` at the timeout)."""
     ms.wait_for("standby", timeout_s)
     return ms.get_str("standby")
-

@@ -13,7 +13,9 @@ found silent (heartbeat timeout).
 Multi-node: one supervisor per node. The first (``--node-rank 0``) hosts the membership store
 (a TCPStore on ``--store-port``, 0 = any free port, written to ``--store-file``) and runs the
 :mod:`~.coordinator`; the others join with ``--store HOST:PORT``. No training rank hosts the
-store, so any rank, rank 0 included, can die.
+store, so any rank, rank 0 included, can die. With ``--store-mode replicated`` node 1 serves a
+standby store that takes over, with a coordinator of its own, when node 0 is lost
+(:mod:`~.store_mirror`), and a new node 0 can rejoin there.
 
 Exit status: 0 when training finished, 1 when it was aborted or could not start (the
 one-line reason is printed), 2 on a bad flag or a rank's usage error at start-up, 130 / 143
@@ -182,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         "primary and the standby, as node 1's --store-file holds them)",
     )
     p.add_argument(
-        "--store-host", default="127.0.0.1", help="node 0 (and node 1's standby): address to serve on"
+        "--store-host",
+        default="127.0.0.1",
+        help="node 0 (and node 1's standby store): address to serve on",
     )
     p.add_argument("--store-port", type=int, default=0, help="node 0: 0 = any free port")
     p.add_argument(

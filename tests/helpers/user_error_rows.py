@@ -341,6 +341,9 @@ ROWS = [
                         "nothing to resume"]),
     Row("rejoin-on-node-zero", "launch", [*SUPERVISOR, "--nproc-per-node", "1", "--rejoin",
         "--", str(TRAINER)], 2, SUP, ["--rejoin --node-rank=0"]),
+    Row("replicated-store-on-one-node", "launch", [*SUPERVISOR, "--nproc-per-node", "1",
+        "--store-mode", "replicated", "--", str(TRAINER)], 2, SUP,
+        ["--store-mode replicated --nnodes=1", "--store-mode single"]),
     # ------------------------------------------------------------- signals and time limits
     Row("sup-ctrl-c", "signals", SUPERVISED_LONG, 130, STOPPED,
         ["SIGINT", "2 ranks and 1 standbys ended", "--exit-signal-handler"],
