@@ -14,8 +14,12 @@ passed on. One address: a plain client, as before.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, List, Optional
+
+CONNECT_ATTEMPT_S = 2.0
+"""How long one attempt to connect to the primary may take."""
 
 PRIMARY_KEY = "primary"
 """Set on the standby store when it has taken over (JSON: the node and the time)."""
@@ -66,13 +70,34 @@ class FailoverStore:
         # The standby first: once it has taken over, the primary is gone, and a client made
         # then (a replacement rank, a rejoining node) must not wait out a connect timeout.
         self._standby: Optional[Any] = tcp_client(addresses[1], timeout_s)
-        if self._standby.check([PRIMARY_KEY]):
+        primary = None if self._standby.check([PRIMARY_KEY]) else self._connect_primary()
+        if primary is None:
             self.index, self._client, self._standby = 1, self._standby, None
         else:
-            self.index, self._client = 0, tcp_client(addresses[0], timeout_s)
+            self.index, self._client = 0, primary
         self._lock = threading.Lock()
         self.on_failover: Optional[Callable[[str], None]] = None
         """Called once with the standby's address when this client switches to it."""
+
+    def _connect_primary(self) -> Optional[Any]:
+        """A client of the primary; ``None`` if the standby took over meanwhile. Tried in short
+        attempts: a client made just after node 0's loss, before the takeover, would otherwise
+        wait out its whole timeout on a refused connection."""
+        from torch.distributed import DistNetworkError
+
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                client = tcp_client(self.addresses[0], CONNECT_ATTEMPT_S)
+            except DistNetworkError:
+                assert self._standby is not None
+                if self._standby.check([PRIMARY_KEY]):
+                    return None
+                if time.monotonic() > deadline:
+                    raise
+                continue
+            client.set_timeout(timedelta(seconds=self.timeout_s))
+            return client
 
     @property
     def address(self) -> str:

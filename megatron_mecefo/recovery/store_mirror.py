@@ -88,8 +88,12 @@ class StandbyStore:
         return self
 
     def stop(self) -> None:
-        """Stop mirroring (this node finished: the primary's closing is no loss)."""
+        """Stop mirroring (this node finished: the primary's closing is no loss), and wait for
+        the thread to leave its store wait: a thread still in a C++ wait when the interpreter
+        exits aborts the process ("terminate called without an active exception")."""
         self._stop.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=self.cfg.heartbeat_interval_s + 5.0)
 
     # ------------------------------------------------------------------ mirror
     def _run(self) -> None:

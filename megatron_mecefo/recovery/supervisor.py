@@ -737,6 +737,8 @@ class Supervisor:
                 child.proc.wait()
             if self.coordinator is not None:
                 self.coordinator.stop()
+            if self.standby_store is not None:
+                self.standby_store.stop()
             self._record_cost()
 
     def _aborted(self, abort: str) -> int:
