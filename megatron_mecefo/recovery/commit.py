@@ -131,11 +131,9 @@ def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
     replicated mode the standby's outcome key is claimed first: a member that finds the
     primary lost claims it for an abort (:func:`resolve_after_failover`), and whichever claim
     came first stands for every member, so no step is applied by some and not others."""
-    standby = ms._standby()
-    if standby is not None:
-        won = standby.compare_set(_outcome_key(generation, iteration), "", COMMIT).decode()
-        if won != COMMIT:
-            return False  # the primary was lost and a member resolved the vote as aborted
+    won = ms.on_standby("compare_set", _outcome_key(generation, iteration), "", COMMIT)
+    if won is not None and won.decode() != COMMIT:
+        return False  # the primary was lost and a member resolved the vote as aborted
     ms.store.set(_commit_key(generation, iteration), "")
     return True
 
@@ -175,9 +173,7 @@ def forget(ms: MembershipStore, generation: int, iteration: int) -> None:
     """Delete the vote keys of ``iteration`` (its outcome is known to every member)."""
     for key in (_votes_key(generation, iteration), _commit_key(generation, iteration)):
         ms.store.delete_key(key)
-    standby = ms._standby()
-    if standby is not None:
-        standby.delete_key(_outcome_key(generation, iteration))
+    ms.on_standby("delete_key", _outcome_key(generation, iteration))
 
 
 def _votes_key(generation: int, iteration: int) -> str:

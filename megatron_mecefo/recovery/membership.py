@@ -155,10 +155,11 @@ class MembershipStore:
         """The ``HOST:PORT`` this client talks to now (``configured``: its address list)."""
         return getattr(self.store, "address", None) or store_addresses(configured)[0]
 
-    def _standby(self) -> Any:
-        """The standby's client while the primary serves, else ``None``."""
-        standby = getattr(self.store, "standby", None)
-        return standby() if standby is not None else None
+    def on_standby(self, name: str, *args: Any) -> Any:
+        """``name(*args)`` on the standby store while the primary serves; ``None`` without one
+        (a single store, after the takeover, or once the standby was lost)."""
+        call = getattr(self.store, "on_standby", None)
+        return call(name, *args) if call is not None else None
 
     # -------------------------------------------------------------- raw helpers
     def get_str(self, key: str) -> Optional[str]:
@@ -170,9 +171,8 @@ class MembershipStore:
         """Set ``key`` on the standby (while the primary serves) and then here: a value that
         must not be lost with node 0 and changes too often for the standby's copy to be
         recent (the committed and the logged iteration)."""
-        for store in (self._standby(), self.store):
-            if store is not None:
-                store.set(key, value)
+        self.on_standby("set", key, value)
+        self.store.set(key, value)
 
     def set_json(self, key: str, value: Any) -> None:
         self.store.set(key, json.dumps(value))

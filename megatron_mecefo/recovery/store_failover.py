@@ -48,6 +48,19 @@ def tcp_client(address: str, timeout_s: float) -> Any:
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
+def _try_connect(address: str, timeout_s: float) -> Optional[Any]:
+    """A client of ``address`` after one short attempt (``None`` if nothing answers), with the
+    timeout ``timeout_s`` for its calls."""
+    from torch.distributed import DistNetworkError
+
+    try:
+        client = tcp_client(address, CONNECT_ATTEMPT_S)
+    except DistNetworkError:
+        return None
+    client.set_timeout(timedelta(seconds=timeout_s))
+    return client
+
+
 class FailoverStore:
     """The subset of ``torch.distributed.Store`` this package uses, over a primary and a
     standby address (see the module docstring).
@@ -69,8 +82,12 @@ class FailoverStore:
         self.raise_on_failover = raise_on_failover
         # The standby first: once it has taken over, the primary is gone, and a client made
         # then (a replacement rank, a rejoining node) must not wait out a connect timeout.
-        self._standby: Optional[Any] = tcp_client(addresses[1], timeout_s)
-        primary = None if self._standby.check([PRIMARY_KEY]) else self._connect_primary()
+        self._standby: Optional[Any] = _try_connect(addresses[1], timeout_s)
+        self.standby_lost = self._standby is None
+        """The standby is unreachable (node 1 was lost): no failover; the primary alone."""
+        primary = None
+        if self._standby is None or not self._standby.check([PRIMARY_KEY]):
+            primary = self._connect_primary()
         if primary is None:
             self.index, self._client, self._standby = 1, self._standby, None
         else:
@@ -83,21 +100,17 @@ class FailoverStore:
         """A client of the primary; ``None`` if the standby took over meanwhile. Tried in short
         attempts: a client made just after node 0's loss, before the takeover, would otherwise
         wait out its whole timeout on a refused connection."""
-        from torch.distributed import DistNetworkError
-
+        if self._standby is None:
+            return tcp_client(self.addresses[0], self.timeout_s)
         deadline = time.monotonic() + self.timeout_s
         while True:
-            try:
-                client = tcp_client(self.addresses[0], CONNECT_ATTEMPT_S)
-            except DistNetworkError:
-                assert self._standby is not None
-                if self._standby.check([PRIMARY_KEY]):
-                    return None
-                if time.monotonic() > deadline:
-                    raise
-                continue
-            client.set_timeout(timedelta(seconds=self.timeout_s))
-            return client
+            client = _try_connect(self.addresses[0], self.timeout_s)
+            if client is not None:
+                return client
+            if self._standby.check([PRIMARY_KEY]):
+                return None
+            if time.monotonic() > deadline:
+                return tcp_client(self.addresses[0], CONNECT_ATTEMPT_S)  # raises its error
 
     @property
     def address(self) -> str:
@@ -108,14 +121,23 @@ class FailoverStore:
     def failed_over(self) -> bool:
         return self.index > 0
 
-    def standby(self) -> Optional[Any]:
-        """A client of the standby while the primary serves (writes that must outlive node 0
-        go there first); ``None`` once the standby is the primary."""
-        if self.failed_over:
+    def on_standby(self, name: str, *args: Any) -> Any:
+        """Call ``name`` on the standby while the primary serves (a write that must outlive
+        node 0 goes there first); ``None`` once the standby is the primary, or when it is
+        lost (node 1 died: the job goes on with the primary alone, without a failover)."""
+        from torch.distributed import DistNetworkError
+
+        if self.failed_over or self.standby_lost:
             return None
         if self._standby is None:
-            self._standby = tcp_client(self.addresses[1], self.timeout_s)
-        return self._standby
+            self._standby = _try_connect(self.addresses[1], self.timeout_s)
+        try:
+            if self._standby is not None:
+                return getattr(self._standby, name)(*args)
+        except DistNetworkError:
+            pass
+        self.standby_lost, self._standby = True, None
+        return None
 
     def _call(self, name: str, *args: Any) -> Any:
         from torch.distributed import DistNetworkError
@@ -139,7 +161,7 @@ class FailoverStore:
         with self._lock:
             if self._client is not failed:
                 return True  # another thread of this process switched already
-            if self.failed_over:
+            if self.failed_over or self.standby_lost:
                 return False
             client = self._standby or tcp_client(self.addresses[1], self.timeout_s)
             client.wait([PRIMARY_KEY], timedelta(seconds=self.timeout_s))

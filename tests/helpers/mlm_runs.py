@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -126,6 +127,62 @@ def supervised(
            "--", str(LAUNCHER), "--megatron-lm-dir", str(tree), *CPU_GPT, *argv]  # fmt: skip
     rc = run_logged(cmd, log, timeout=timeout, act=act)
     return rc, log.read_text()
+
+
+def supervised_nodes(
+    tree: Path,
+    argv: List[str],
+    work: Path,
+    supervisor: List[str],
+    act: Callable[[List[subprocess.Popen], List[Path]], None],
+    nnodes: int = 2,
+    nproc: int = 2,
+    timeout: float = 600,
+) -> Tuple[List[Optional[int]], str]:
+    """Megatron-LM under ``nnodes`` supervisors (one per stand-in node, ``nproc`` ranks each,
+    one pid file), with ``act(procs, logs)`` done to them; every supervisor's session and
+    every rank is killed at the end, by PID. Returns the exit codes and the logs, joined."""
+    procs: List[subprocess.Popen] = []
+    logs = [work / f"node{k}.log" for k in range(nnodes)]
+    store_file = work / "store0.txt"
+    try:
+        for node in range(nnodes):
+            cmd = [sys.executable, "-m", "megatron_mecefo.recovery.supervisor",
+                   f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--node-rank={node}",
+                   "--records", str(work / "records.jsonl"), "--pid-file",
+                   str(work / "pids.txt"), *supervisor]  # fmt: skip
+            if node == 0:
+                cmd += ["--store-file", str(store_file)]
+            else:
+                while not (store_file.exists() and store_file.read_text().strip()):
+                    time.sleep(0.05)
+                cmd += ["--store", store_file.read_text().strip()]
+            cmd += ["--", str(LAUNCHER), "--megatron-lm-dir", str(tree), *CPU_GPT, *argv]
+            procs.append(subprocess.Popen(
+                cmd, env=child_env(), stdout=open(logs[node], "w"), stderr=subprocess.STDOUT,
+                start_new_session=True, cwd=work,
+            ))  # fmt: skip
+        act(procs, logs)
+        deadline = time.time() + timeout
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.poll() for p in procs], "\n".join(p.read_text() for p in logs)
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        pid_file = work / "pids.txt"
+        for line in pid_file.read_text().splitlines() if pid_file.exists() else []:
+            try:
+                os.kill(int(line.split()[2]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def final_params(save_dir: Path) -> Dict[str, torch.Tensor]:

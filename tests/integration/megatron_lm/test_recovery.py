@@ -28,6 +28,7 @@ from mlm_runs import (
     final_params,
     max_difference,
     supervised,
+    supervised_nodes,
     torchrun,
     unpack_megatron_lm,
 )
@@ -320,3 +321,32 @@ def test_distributed_optimizer_replacement_rejoins_resharded(
     schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
     assert len(schedule) == 1 and schedule[0].startswith("2:"), schedule
     assert schedule[0].count(":") == 2, schedule  # failed, then back
+
+
+@pytest.mark.slow
+def test_node0_lost_with_a_standby_store(megatron_lm: Path, tmp_path: Path) -> None:
+    """Two supervisors (2 ranks each, DP4), ``--store-mode replicated``: node 0 (its
+    supervisor, membership store, coordinator and ranks 0 and 1) is SIGKILLed at a random
+    moment; node 1's standby store takes over and Megatron-LM trains on in-process, to the
+    parameters of the simulated run that drops replicas 0 and 1 there."""
+    argv = ["--train-iters", "60"]
+    save = tmp_path / "real"
+
+    def kill_node0(procs: List[subprocess.Popen], logs: List[Path]) -> None:
+        _wait_for(logs[0], "iteration        5/")
+        time.sleep(random.Random(11).uniform(0.0, 0.5))
+        pids = _pids(tmp_path)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        for slot in (0, 1):
+            os.kill(pids[slot], signal.SIGKILL)
+
+    rc, real = supervised_nodes(
+        megatron_lm, [*argv, *MECEFO, "--save", str(save)], tmp_path,
+        ["--store-mode", "replicated", "--replace", "never"], kill_node0,
+    )  # fmt: skip
+    assert rc == [-9, 0], real[-6000:]
+    assert "the standby store at" in real and "takes over" in real
+    assert "loading checkpoint" not in real
+    schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
+    assert sorted(int(v.split(":")[0]) for v in schedule) == [0, 1], schedule
+

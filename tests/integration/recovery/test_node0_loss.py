@@ -82,6 +82,28 @@ def test_two_nodes_node0_lost_matches_simulated(tmp_path: Path) -> None:
     assert diff <= PARAM_ATOL
 
 
+def test_two_nodes_node1_lost_node0_trains_on_without_a_standby(tmp_path: Path) -> None:
+    """Node 1, the standby's host, dies: node 0 trains on with its store alone (the durable
+    writes and the commit no longer reach a standby), every sample processed once."""
+    iters, gbs = 30, 16
+    job = Job(tmp_path, 2, _layout(4, iters, gbs), nnodes=2, supervisor_args=REPLICATED,
+              MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
+    try:
+        job.start()
+        job.wait_for("iteration        5/")
+        os.killpg(job.procs[1].pid, signal.SIGKILL)
+        for (slot, _), pid in job.rank_pids().items():
+            if slot >= job.nproc:
+                os.kill(pid, signal.SIGKILL)
+        rc = job.wait(timeout=300)
+    finally:
+        job.stop()
+    assert rc == [0, -9], (rc, job.log()[-5000:])
+    check_every_sample_once(train_records(job.metrics), iters, gbs)
+    (failure,) = [r for r in job.records_of("recovery") if r["ranks_lost"]]
+    assert sorted(failure["ranks_lost"]) == [2, 3] and sorted(failure["replicas"]) == [0, 1]
+
+
 def test_three_nodes_node0_lost_then_a_new_node0_rejoins(tmp_path: Path) -> None:
     """DP3 on three nodes (1 rank each). Node 0 dies; nodes 1 and 2 train on from node 1's
     standby store; a new node 0 rejoins there, is healed, and every replica ends identical."""

@@ -108,6 +108,25 @@ def test_the_standby_outcome_decides_a_vote_cut_by_the_failover(primary) -> None
     assert local.get_str("outcome/1/7") is None
 
 
+def test_without_the_standby_the_primary_serves_alone(primary) -> None:
+    """Node 1 (the standby's host) lost: durable writes and the commit go to the primary alone,
+    and a later loss of the primary is no failover (it raises)."""
+    address, proc = primary
+    standby = _standby_server()
+    ms = MembershipStore.connect(f"{address},127.0.0.1:{standby.port}", 3)
+    ms.set_durable("progress", "5")
+    del standby  # the standby's server closes (node 1 lost)
+    ms.set_durable("progress", "6")
+    assert commit.vote(ms, 1, 7, 0, [0], 0.01) is True
+    assert ms.get_str("progress") == "6" and ms.store.standby_lost
+    late = MembershipStore.connect(",".join(ms.store.addresses), 3)
+    assert late.store.standby_lost and late.get_str("progress") == "6"
+    proc.kill()
+    proc.wait()
+    with pytest.raises(dist.DistNetworkError):
+        ms.get_str("progress")
+
+
 def _config() -> RecoveryConfig:
     return RecoveryConfig(
         heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, collective_timeout_s=1.0,
