@@ -349,4 +349,3 @@ def test_node0_lost_with_a_standby_store(megatron_lm: Path, tmp_path: Path) -> N
     assert "loading checkpoint" not in real
     schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
     assert sorted(int(v.split(":")[0]) for v in schedule) == [0, 1], schedule
-
