@@ -26,9 +26,6 @@ from megatron_mecefo.recovery.membership import (
     MembershipStore,
 )
 
-BEAT_KEY = "coordinator/beat"
-"""A counter the coordinator adds 1 to every heartbeat interval."""
-
 
 class Coordinator:
     """Publishes generations (see the module docstring).
@@ -117,9 +114,6 @@ class Coordinator:
                     last_hb = now
                     if self.ms.get_str("done") is not None:
                         return
-                    # The standby (store_mirror) takes over if this stops moving: node 0 is
-                    # gone without closing its sockets (a power or network loss).
-                    self.ms.store.add(BEAT_KEY, 1)
                     self._check_heartbeats(now)
                     changed = True
                 if changed or self._pending:

@@ -9,9 +9,9 @@ primary, and the commit vote claims its outcome there (:mod:`.commit`), so neith
 lost with node 0. The per-iteration keys (votes, heartbeats, the worlds' rendezvous) stay on
 the primary only.
 
-The primary is lost when a call to it fails with a network error (its server's sockets
-closed: the process or the node died), or when the coordinator's beat stops for a heartbeat
-timeout (a node gone without closing its sockets). Unless the job had ended, the standby then
+The primary is lost when a call to it fails: its server's sockets closed (the process or the
+node died), or no answer within a heartbeat timeout (a node gone without closing its sockets:
+power, network). Unless the job had ended, the standby then
 declares node 0's ranks dead, marks itself the primary (:data:`~.store_failover.PRIMARY_KEY`,
 which the clients' :class:`~.store_failover.FailoverStore` waits for), and node 1's supervisor
 starts a coordinator on it that goes on from the copied state: the survivors regroup in a
@@ -28,7 +28,6 @@ from datetime import timedelta
 from typing import Callable, List, Optional, Set
 
 from megatron_mecefo.recovery.config import RecoveryConfig
-from megatron_mecefo.recovery.coordinator import BEAT_KEY
 from megatron_mecefo.recovery.membership import MembershipStore
 from megatron_mecefo.recovery.store_failover import PRIMARY_KEY, tcp_client
 
@@ -97,16 +96,17 @@ class StandbyStore:
 
     # ------------------------------------------------------------------ mirror
     def _run(self) -> None:
-        from torch.distributed import DistNetworkError
+        from torch.distributed import DistError
 
-        timeout = self.cfg.init_timeout_s
+        # Calls to the primary time out after a heartbeat timeout: a node 0 that is gone
+        # without closing its sockets (power, network) is taken for lost then.
+        timeout = self.cfg.heartbeat_timeout_s
         try:
             primary = MembershipStore(tcp_client(self.primary, timeout))
             waiter = MembershipStore(tcp_client(self.primary, timeout))
-        except Exception as err:  # noqa: BLE001 (node 0 died before the mirror started)
+        except DistError as err:  # node 0 died before the mirror started
             return self._take_over(f"cannot connect ({_first_line(err)})")
         last_events, last_copy = -1, 0.0
-        beat, beat_moved = -1, time.monotonic()
         reason = ""
         while not self._stop.is_set():
             try:
@@ -115,14 +115,8 @@ class StandbyStore:
                 if events != last_events or now - last_copy >= self.cfg.heartbeat_interval_s:
                     last_events, last_copy = events, now
                     self._copy(primary)
-                count = int(primary.store.add(BEAT_KEY, 0))
-                if count != beat:
-                    beat, beat_moved = count, now
-                elif count > 0 and now - beat_moved > self.cfg.heartbeat_timeout_s:
-                    reason = f"no coordinator beat for {now - beat_moved:.1f} s"
-                    break
                 waiter.wait_event_after(last_events, self.cfg.heartbeat_interval_s)
-            except DistNetworkError as err:
+            except DistError as err:  # closed, reset, or no answer within the timeout
                 reason = _first_line(err)
                 break
         if not self._stop.is_set():

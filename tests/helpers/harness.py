@@ -67,9 +67,12 @@ class Job:
             self.start_node(node)
         return self
 
-    def start_node(self, node: int, rejoin: bool = False) -> subprocess.Popen:
-        """Start node ``node``'s supervisor; ``rejoin``: a node that replaces a lost one (after
-        node 0's loss, it finds the store through node 1's store file)."""
+    def start_node(
+        self, node: int, rejoin: bool = False, extra: Optional[List[str]] = None
+    ) -> subprocess.Popen:
+        """Start node ``node``'s supervisor (with ``extra`` supervisor flags); ``rejoin``: a
+        node that replaces a lost one (node 0 finds the store through node 1's store file,
+        which holds the primary's and the standby's addresses)."""
         cmd = [
             sys.executable, "-m", "megatron_mecefo.recovery.supervisor",
             "--nproc-per-node", str(self.nproc), "--nnodes", str(self.nnodes),
@@ -85,7 +88,7 @@ class Job:
                 time.sleep(0.1)
             cmd += ["--store", self.store_file(source).read_text()]
         if rejoin:
-            cmd += ["--rejoin"]
+            cmd += ["--rejoin", *(extra or [])]
         cmd += ["--", str(DUMP_TRAINER), *self.trainer_args, "--metrics-file",
                 str(self.metrics)]  # fmt: skip
         log = self.workdir / (f"node{node}.log" if not rejoin else f"node{node}-rejoin.log")

@@ -39,14 +39,15 @@ def _data(text_data: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _kill_node0(job: Job) -> None:
-    """SIGKILL node 0's supervisor (and so its store and coordinator) and its ranks."""
+    """SIGKILL node 0's supervisor (and so its store and coordinator) and its ranks (those up
+    before the kill: a hot spare's replacement may take the slot a moment later)."""
+    ranks = [pid for (slot, _), pid in job.rank_pids().items() if 0 <= slot < job.nproc]
     os.killpg(job.procs[0].pid, signal.SIGKILL)
-    for (slot, _), pid in job.rank_pids().items():
-        if slot < job.nproc:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    for pid in ranks:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_two_nodes_node0_lost_matches_simulated(tmp_path: Path) -> None:
@@ -106,26 +107,31 @@ def test_two_nodes_node1_lost_node0_trains_on_without_a_standby(tmp_path: Path) 
 
 def test_three_nodes_node0_lost_then_a_new_node0_rejoins(tmp_path: Path) -> None:
     """DP3 on three nodes (1 rank each). Node 0 dies; nodes 1 and 2 train on from node 1's
-    standby store; a new node 0 rejoins there, is healed, and every replica ends identical."""
-    iters, gbs = 90, 12
+    standby store; a new node 0, started before the loss as a hot spare (a warm standby
+    process, waiting on the primary until rank 0 is known dead), fails over with the others,
+    rejoins, is healed, and every replica ends identical."""
+    iters, gbs = 150, 12
     args = _layout(3, iters, gbs)
     job = Job(tmp_path, 1, args, nnodes=3, supervisor_args=REPLICATED,
               MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
     try:
         job.start()
+        job.wait_for("standby membership store at")
+        job.start_node(0, rejoin=True, extra=["--standby", "1"])
         job.wait_for("iteration        5/")
         _kill_node0(job)
-        job.wait_for("takes over")
-        job.start_node(0, rejoin=True)
         rc = job.wait(timeout=400)
     finally:
         job.stop()
     log = job.log()
     assert rc == [-9, 0, 0, 0], (rc, log[-5000:])
+    assert "takes over" in log
     check_every_sample_once(train_records(job.metrics), iters, gbs)
     kinds = [(r["kind"], r["ranks_lost"], r["ranks_joined"]) for r in job.records_of("recovery")]
-    assert kinds[0] == ("failure", [0], []) and kinds[-1][0] == "rejoin", kinds
-    assert kinds[-1][2] == [0], kinds
+    assert kinds[0][:2] == ("failure", [0]), kinds
+    # The hot spare's process joins in a rejoin generation, or in the failure's own when it is
+    # up before the new coordinator has published it (a race, as in make test-slurm).
+    assert any(joined == [0] for _, _, joined in kinds), kinds
     assert "healed; parameters and optimizer state identical" in log
     checks = job.records_of("dp_weight_check")
     assert checks and all(c["identical"] for c in checks)
