@@ -400,7 +400,7 @@ for n, lost in zip((3, 0), fail):
           f"lost {lost['ranks_lost']}), rejoined at iteration {join[0]['iteration']} (ranks "
           f"{join[0]['ranks_joined']}, in a {join[0]['kind']} generation)")
 PYCHECK
-    say "megatron_lm_mecefo.sbatch ($MEGATRON_LM_DIR): PASSED (node lost and rejoined in-process, no requeue)"
+    say "megatron_lm_mecefo.sbatch ($MEGATRON_LM_DIR): PASSED (nodes 3 and 0 lost and rejoined in-process, no requeue)"
 fi
 fi
 
