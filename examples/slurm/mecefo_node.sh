@@ -27,15 +27,14 @@ args=(
 )
 mode=${MECEFO_STORE_MODE:-single}
 args+=(--store-mode "$mode")
+store=$MECEFO_STORE
 if [ "${MECEFO_REJOIN:-0}" = 1 ]; then
     # After node 0's loss its store is gone: node 1 wrote the primary's and the standby's
     # addresses to store.standby, and the standby serves.
     if [ "$mode" = replicated ] && [ -s "$MECEFO_RUN_DIR/store.standby" ]; then
-        args+=(--store "$(cat "$MECEFO_RUN_DIR/store.standby")")
-    else
-        args+=(--store "$MECEFO_STORE")
+        store=$(cat "$MECEFO_RUN_DIR/store.standby")
     fi
-    args+=(--rejoin)
+    args+=(--store "$store" --rejoin)
 elif [ "$node" -eq 0 ]; then
     args+=(--store-host "$store_host" --store-port "$store_port")
 else
@@ -47,7 +46,7 @@ else
 fi
 
 echo "[mecefo_node] $(hostname): node $node of $MECEFO_NNODES, $MECEFO_GPUS_PER_NODE ranks," \
-    "store $MECEFO_STORE${MECEFO_REJOIN:+ (rejoin)}"
+    "store $store ($mode)${MECEFO_REJOIN:+ (rejoin)}"
 # In the background so that its PID can be recorded (a test kills it to stand in for a lost
 # node: its ranks die with it, PR_SET_PDEATHSIG).
 tag=node$node
