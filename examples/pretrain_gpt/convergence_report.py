@@ -160,6 +160,76 @@ def candidate_table(
     return rows
 
 
+REPLAYS = {
+    "default (budget 0.3, no sample loss, r = 32)": {},
+    "speed only (no gradient-error budget)": {"grad_error_budget": math.inf},
+    "sample-loss budget 0.125 (drop allowed up to 4 of 32)": {"sample_loss_budget": 0.125},
+    "r from 8 to 96": {"rank_min": 8, "rank_max": 96},
+}
+"""auto's planner replayed on the study's failure traces under other settings (no training)."""
+
+
+def replay_auto(
+    failed_sets: List[List[int]], profile: Any, n: int, model: GradErrorModel, **changes: Any
+) -> List[Dict[str, Any]]:
+    """auto's decision at every iteration of a failure trace (its ``failed_replicas``), as the
+    trainer's AutoPolicy takes them (one micro-batch per replica), with the calibrated model,
+    the flag's default budget and ``changes`` to the planner config."""
+    from megatron_mecefo.planner.auto_policy import AutoPolicy
+
+    settings: Dict[str, Any] = {"grad_error_budget": DEFAULT_GRAD_ERROR_BUDGET, **changes}
+    cfg = PlannerConfig(grad_error_model=model, **settings)
+    auto = AutoPolicy(profile, cfg)
+    out = []
+    for i, failed in enumerate(failed_sets, start=1):
+        auto.plan(i, frozenset(failed), n, 1)
+        d = auto.decision
+        out.append({"policy": d.policy, "rank": d.rank, "grad_error": d.grad_error})
+    return out
+
+
+def replays(
+    runs: Dict[str, Any], seeds: List[int], profile: Any, n: int, model: GradErrorModel
+) -> Dict[str, Any]:
+    """Per REPLAYS setting: auto's choices over the seeds' traces, the predicted throughput
+    (the study's cost model), and the fixed policy it equals on every iteration, if any."""
+    out: Dict[str, Any] = {}
+    for name, changes in REPLAYS.items():
+        choices: Dict[str, int] = {}
+        thr: List[float] = []
+        errs: List[float] = []
+        degraded: set = set()  # the choices taken with replicas down
+        recorded_match = 0
+        for s in seeds:
+            ff_run = runs.get(f"seed{s}_high_neighbor")
+            if ff_run is None:
+                continue
+            failed = ff_run["failed_replicas"]
+            dec = replay_auto(failed, profile, n, model, **changes)
+            for d in dec:
+                key = d["policy"] if d["rank"] is None else f"{d['policy']}/r={d['rank']}"
+                choices[key] = choices.get(key, 0) + 1
+            errs += [d["grad_error"] for d, f in zip(dec, failed, strict=True) if f]
+            thr.append(throughput({"policy": "auto", "failed_replicas": failed,
+                                   "planner": dec}, profile, n))  # fmt: skip
+            degraded |= {d["policy"] for d, f in zip(dec, failed, strict=True) if f}
+            rec = runs.get(f"seed{s}_high_auto", {}).get("planner")
+            if rec is not None and not changes:
+                recorded_match += sum(
+                    a["policy"] == b["policy"] and a["rank"] == b["rank"]
+                    for a, b in zip(dec, rec, strict=True)
+                )
+        out[name] = {
+            "changes": {k: (str(v) if v == math.inf else v) for k, v in changes.items()},
+            "iterations_per_choice": choices,
+            "throughput_rel": statistics.fmean(thr) if thr else None,
+            "predicted_grad_error_mean": statistics.fmean(errs) if errs else None,
+            "same_as_fixed_policy": next(iter(degraded)) if len(degraded) == 1 else None,
+            **({"matches_the_study_auto_runs": recorded_match} if not changes else {}),
+        }
+    return out
+
+
 def loss_plot(conv: Dict[str, Any], policies: List[str], path: Path) -> None:
     """Training loss (10-iteration mean) and validation loss against step, per policy: the
     seeds' mean, with their min-max band."""
@@ -392,6 +462,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             "choice_map": choice_map(profile, n, budgets),
         },
         "grad_error_model": model_check,
+        "auto_replays": (
+            replays(runs, seeds, profile, n, GradErrorModel.from_json(calib["model"]))
+            if calib is not None
+            else {}
+        ),
         # What the planner can weigh at n = 32 with one micro-batch per replica.
         "candidates": (
             candidate_table(profile, n, GradErrorModel.from_json(calib["model"]), [1, 2, 3, 4])
@@ -471,6 +546,21 @@ def markdown(r: Dict[str, Any]) -> str:
             f"{g['auto_throughput_vs_fastest_lossless']:.3f} of the fastest lossless policy "
             f"({r['fastest_lossless']}); choices (iterations): {r['auto']['iterations_per_choice']}"
         )
+    if r.get("auto_replays"):
+        lines += [
+            "",
+            "auto's planner replayed on the same failure traces (no training; throughput from "
+            "the step-cost model):",
+            "",
+            "| setting | iterations per choice (5 seeds) | throughput (rel. failure-free) "
+            "| mean predicted grad error (degraded iterations) | same choices as |",
+            "|---|---|---|---|---|",
+        ]
+        for name, rep in r["auto_replays"].items():
+            lines.append(
+                f"| {name} | {rep['iterations_per_choice']} | {rep['throughput_rel']:.3f} "
+                f"| {rep['predicted_grad_error_mean']:.3f} | {rep['same_as_fixed_policy'] or '-'} |"
+            )
     cands = [c for c in r.get("candidates", []) if c["failed"] == 4]
     if cands:
         lines += [
