@@ -172,7 +172,7 @@ bench: data
 	    "Not run on CPU: the llama-1b / llama-7b GPU shapes (benchmarks/README.md)."
 
 # The n = 32 convergence study (issue 31; not in make bench; see CONVERGENCE_N32 for the run
-# times): CONVERGENCE_N32, then the probes (5 runs: neighbor and spread at r = 32 and 64, drop)
+# times): CONVERGENCE_N32, then the probes (7 runs: neighbor and spread at r = 16, 32, 64; drop)
 # that calibrate the planner's gradient-error model, then the report: results/convergence_n32/
 # (convergence.json, grad_error_calibration.json, gaps.json, gaps.md) and
 # results/plots/convergence_n32*.png.

@@ -43,7 +43,15 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, An
     p.add_argument(
         "--configs",
         nargs="+",
-        default=["neighbor:32", "spread:32", "drop:32", "neighbor:64", "spread:64"],
+        default=[
+            "neighbor:32",
+            "spread:32",
+            "drop:32",
+            "neighbor:16",
+            "spread:16",
+            "neighbor:64",
+            "spread:64",
+        ],
         metavar="POLICY:R",
         help="one probe run per policy and low-rank r (two or more r of a policy fit its rank "
         "exponent; drop has none)",
