@@ -141,6 +141,25 @@ def recorded_probes(
     return by_run, {k: v for k, v in walls.items() if k in by_run}
 
 
+def rank_holdout(obs: List[Observation], reference_rank: int) -> Dict[str, Any]:
+    """Per (policy, r) of a policy probed at three or more ranks: the accuracy on that rank's
+    probes of the model fitted without them (its c, gamma, delta too)."""
+    out: Dict[str, Any] = {}
+    for policy in sorted({o.policy for o in obs}):
+        ranks = sorted({o.rank for o in obs if o.policy == policy})
+        if len(ranks) < 3:
+            continue
+        for rank in ranks:
+            rest = [o for o in obs if o.policy == policy and o.rank != rank]
+            held = [o for o in obs if o.policy == policy and o.rank == rank]
+            model = fit(rest, reference_rank=reference_rank)
+            out[f"{policy}:r{rank}"] = {
+                "fit_without": model.to_json()["fits"][policy],
+                **accuracy(model, held)[policy],
+            }
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Run the probes (skipping finished or recorded ones), fit, write the result."""
     own, study = parse_args(argv)
@@ -194,6 +213,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         },  # fmt: skip
         "model": model.to_json(),
         "in_sample": accuracy(model, obs),
+        # Out of sample for r: each rank of a policy probed at 3 or more, predicted by the fit
+        # of the other ranks' probes.
+        "rank_holdout": rank_holdout(obs, study.mecefo_rank),
         # Predicted against measured per (policy, r): the rank exponent's check.
         "in_sample_by_rank": {
             f"{policy}:r{rank}": accuracy(
@@ -218,6 +240,12 @@ def main(argv: Optional[List[str]] = None) -> None:
             f"grad error model: {policy}: c={f['c']:.3f} gamma={f['gamma']:.3f} "
             f"delta={f['delta']:.3f}; in sample n={acc['n']} measured {acc['measured_mean']:.3f}"
             f" predicted {acc['predicted_mean']:.3f} median |rel err| "
+            f"{acc['median_abs_rel_error']:.2f}"
+        )
+    for key, acc in result["rank_holdout"].items():
+        print(
+            f"  held out {key}: measured {acc['measured_mean']:.3f} predicted by the other "
+            f"ranks' fit {acc['predicted_mean']:.3f} median |rel err| "
             f"{acc['median_abs_rel_error']:.2f}"
         )
     for key, acc in result["in_sample_by_rank"].items():

@@ -64,6 +64,7 @@ def test_probes_at_two_ranks_fit_the_rank_exponent_and_are_reused(tmp_path, prob
     fit = first["model"]["fits"]["spread"]
     assert (fit["c"], fit["gamma"], fit["delta"]) == pytest.approx((0.5, 0.5, 0.25), rel=1e-6)
     assert set(first["in_sample_by_rank"]) == {"spread:r8", "spread:r32"}
+    assert first["rank_holdout"] == {}  # two ranks: none can be held out
     # A fresh clone: the result is committed, the probe directories are not.
     for d in (tmp_path / "probes").iterdir():
         for f in d.iterdir():
@@ -77,5 +78,9 @@ def test_probes_at_two_ranks_fit_the_rank_exponent_and_are_reused(tmp_path, prob
     assert second["observations"] == first["observations"]
     assert second["wall_s"] == first["wall_s"]
     # Other phases: the recorded probes are not the ones asked for, so they run again.
-    calibration.main(argv(tmp_path, *configs, "--seed", "7"))
-    assert probed == ["spread_r32", "spread_r8"]
+    calibration.main(argv(tmp_path, *configs, "spread:128", "--seed", "7"))
+    assert probed == ["spread_r32", "spread_r8", "spread_r128"]
+    third = json.loads((tmp_path / "calib.json").read_text())
+    held = third["rank_holdout"]["spread:r32"]  # predicted from r = 8 and 128 alone
+    assert held["fit_without"]["delta"] == pytest.approx(0.25, rel=1e-6)
+    assert held["median_abs_rel_error"] == pytest.approx(0.0, abs=1e-9)
