@@ -475,6 +475,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         ),
         "wall_time_s": conv.get("wall_time_s"),
     }
+    # A replay that equals a fixed policy on every degraded iteration trains as that policy
+    # did: its gap is that policy's, measured (and paired with spread's).
+    for rep in result["auto_replays"].values():
+        same = rep["same_as_fixed_policy"]
+        if same in table:
+            rep["measured_gap_of_that_policy"] = table[same]["gap"]
+            pair = [s for s in gaps[same] if s in gaps.get("spread", {})]
+            if same != "spread" and len(pair) >= 2:
+                rep["that_policy_minus_spread"] = interval(
+                    [gaps[same][s] - gaps["spread"][s] for s in pair]
+                ).to_json()
     both = [s for s in gaps.get("auto", {}) if s in gaps.get("spread", {})]
     if len(both) >= 2:
         a = table["auto"]
@@ -553,13 +564,17 @@ def markdown(r: Dict[str, Any]) -> str:
             "the step-cost model):",
             "",
             "| setting | iterations per choice (5 seeds) | throughput (rel. failure-free) "
-            "| mean predicted grad error (degraded iterations) | same choices as |",
-            "|---|---|---|---|---|",
+            "| mean predicted grad error (degraded iterations) | same choices as "
+            "| its measured gap % [95% t] | minus spread % [95% t] |",
+            "|---|---|---|---|---|---|---|",
         ]
         for name, rep in r["auto_replays"].items():
+            gap = rep.get("measured_gap_of_that_policy")
+            diff = rep.get("that_policy_minus_spread")
             lines.append(
                 f"| {name} | {rep['iterations_per_choice']} | {rep['throughput_rel']:.3f} "
-                f"| {rep['predicted_grad_error_mean']:.3f} | {rep['same_as_fixed_policy'] or '-'} |"
+                f"| {rep['predicted_grad_error_mean']:.3f} | {rep['same_as_fixed_policy'] or '-'} "
+                f"| {fmt_interval(gap) if gap else '-'} | {fmt_interval(diff) if diff else '-'} |"
             )
     cands = [c for c in r.get("candidates", []) if c["failed"] == 4]
     if cands:
