@@ -172,10 +172,13 @@ bench: data
 	    "Not run on CPU: the llama-1b / llama-7b GPU shapes (benchmarks/README.md)."
 
 # The n = 32 convergence study (issue 31; not in make bench; see CONVERGENCE_N32 for the run
-# times): CONVERGENCE_N32, then the probes (3 runs) that calibrate the
-# planner's gradient-error model, then the report: results/convergence_n32/ (convergence.json,
-# grad_error_calibration.json, gaps.json, gaps.md) and results/plots/convergence_n32*.png.
-# A rerun keeps finished runs (--reuse); make clean removes them.
+# times): CONVERGENCE_N32, then the probes (7 runs: neighbor and spread at r = 16, 32, 64; drop)
+# that calibrate the planner's gradient-error model, then the report: results/convergence_n32/
+# (convergence.json, grad_error_calibration.json, gaps.json, gaps.md) and
+# results/plots/convergence_n32*.png.
+# A rerun keeps finished runs (--reuse) and, on a fresh clone, the runs and probes recorded in the
+# committed convergence.json and grad_error_calibration.json (same recipe); make clean removes
+# the run directories.
 bench-convergence: data
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -q -c constraints.txt -e .[plot]
 	mkdir -p $(BENCH_LOG)
@@ -222,7 +225,8 @@ lint: venv
 # results/ holds committed benchmark outputs (see .gitignore); only the run folders go.
 clean:
 	rm -rf $(VENV) data .pytest_cache results/demo results/demo-snapshot results/demo_abft results/degraded_throughput \
-	    results/convergence*/seed* results/convergence*/trace_* results/recovery_latency
+	    results/convergence*/seed* results/convergence*/trace_* results/convergence*/calibration \
+	    results/recovery_latency
 
 # The docs site (docs/, mkdocs.yml): MkDocs with the Material theme and mkdocstrings, the
 # `docs` extra installed into .venv when missing. --strict: a broken link or anchor, a page

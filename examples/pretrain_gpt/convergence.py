@@ -128,8 +128,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--reuse",
         action="store_true",
-        help="keep finished runs; share the queue with other --reuse invocations on the same "
-        "--output-dir (each run is claimed by one)",
+        help="keep finished runs: those with a run directory, and those recorded in "
+        "--output-dir's convergence.json under the same recipe (a fresh clone's committed "
+        "study); share the queue with other --reuse invocations on the same --output-dir (each "
+        "run is claimed by one)",
     )
     p.add_argument(
         "--order",
@@ -265,6 +267,71 @@ DONE = "done"
 """A run's marker file, written when its trainer exited cleanly (its wall seconds)."""
 
 CLAIM = "claim"
+
+
+def done_wall_s(run_dir: Path) -> Optional[float]:
+    """The wall seconds a finished run's DONE marker holds (None: not a number)."""
+    try:
+        return float((run_dir / DONE).read_text().split()[0])
+    except (IndexError, ValueError):
+        return None
+
+
+SUMMARY = "convergence.json"
+
+NOT_RECIPE = (
+    "reuse",
+    "order",
+    "jobs",
+    "summarize_only",
+    "master_port",
+    "output_dir",
+    "policies",
+    "seeds",
+    "scenarios",
+    "every_seed_scenarios",
+)
+"""Flags that do not change what one run computes (which runs there are, how many at once, on
+which port): a run recorded under a config that differs from this one only in them is the
+same run (its name holds its policy, scenario and seed)."""
+
+
+def recipe(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The flags of ``config`` (``vars(args)`` or a summary's ``config``) that a run depends on."""
+    skip = set(NOT_RECIPE) | {"model", "layout", "nominal_step_time_s"}
+    return {k: v for k, v in config.items() if k not in skip}
+
+
+def recorded_runs(
+    out: Path, args: argparse.Namespace, schedules: Dict[str, Any]
+) -> Dict[str, Dict[str, Any]]:
+    """The runs already summarized in ``out/convergence.json`` that this invocation may reuse.
+
+    A fresh clone has the committed summary but not the run directories (they are not
+    committed): ``--reuse`` takes a run from the summary when the summary's recipe is this
+    invocation's (every flag but those in NOT_RECIPE) and, for a failure run, its scenario's
+    failure trace is the one this invocation replays. Anything else (no summary, another recipe,
+    another trace) gives no run, so it runs again.
+    """
+    path = out / SUMMARY
+    if not path.exists():
+        return {}
+    try:
+        old = json.loads(path.read_text())
+        config, runs = old["config"], old["runs"]
+    except (ValueError, KeyError, TypeError):
+        return {}
+    if recipe(config) != recipe(vars(args)):
+        return {}
+    kept: Dict[str, Dict[str, Any]] = {}
+    for name, run in runs.items():
+        if run.get("scenario") is not None:
+            key = f"seed{run['seed']}_{run['scenario']}"
+            fresh = json.loads(json.dumps(schedules.get(key)))  # the summary's JSON types
+            if fresh is None or old.get("schedules", {}).get(key) != fresh:
+                continue  # another failure trace (or one this invocation does not replay)
+        kept[name] = run
+    return kept
 
 
 def claim(run_dir: Path) -> bool:
@@ -501,6 +568,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         ports.put(args.master_port + k)
 
     jobs.sort(key=lambda job: queue_rank(job[0], args.order))
+    # Runs the committed summary already holds (a fresh clone has no run directories).
+    recorded = recorded_runs(out, args, schedules) if args.reuse or args.summarize_only else {}
 
     def one(i: int, job: tuple) -> None:
         if args.summarize_only:
@@ -509,7 +578,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         name = run_name(policy, scenario, seed)
         run_dir = out / name
         metrics = run_dir / "metrics.jsonl"
-        if args.reuse and (run_dir / DONE).exists():
+        if args.reuse and ((run_dir / DONE).exists() or name in recorded):
             return
         if args.reuse and not claim(run_dir):
             return  # another --reuse invocation on the same --output-dir runs it
@@ -530,17 +599,24 @@ def main(argv: Optional[List[str]] = None) -> None:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for future in [pool.submit(one, i, job) for i, job in enumerate(jobs, 1)]:
             future.result()
+    reused = 0
     for policy, scenario, seed, _ in jobs:
-        run_dir = out / run_name(policy, scenario, seed)
+        name = run_name(policy, scenario, seed)
+        run_dir = out / name
+        if not (run_dir / DONE).exists() and name in recorded:
+            runs[name] = recorded[name]  # from the summary (its directory is gone)
+            reused += 1
+            continue
         if args.summarize_only and not (run_dir / DONE).exists():
             continue
         while not (run_dir / DONE).exists():  # claimed by another invocation: wait for it
             time.sleep(10)
         metrics = run_dir / "metrics.jsonl"
-        runs[run_name(policy, scenario, seed)] = {
+        runs[name] = {
             "policy": policy,
             "scenario": scenario,
             "seed": seed,
+            "wall_s": done_wall_s(run_dir),
             **read_metrics(metrics),
         }
 
@@ -568,7 +644,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "wall_time_s": time.perf_counter() - started,
     }
     # Compact: the per-iteration curves of 18 runs are 2 MB indented.
-    (out / "convergence.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
+    (out / SUMMARY).write_text(json.dumps(result, separators=(",", ":")) + "\n")
     print(format_table(summary))
     rows = summary["runs"].values()
     high = {r["policy"]: r["ppl_gap_pct_mean"] for r in rows if r["scenario"] == "high"}
@@ -577,7 +653,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "convergence: "
         + " ".join(f"high/{p} ppl gap {g:+.2f}%" for p, g in high.items())
         + (f" (failure-free seed spread {spread:.2f}%)" if spread is not None else "")
-        + f" runs={len(jobs)} wall={result['wall_time_s']:.0f}s"
+        + f" runs={len(jobs)} (from {SUMMARY}: {reused}) wall={result['wall_time_s']:.0f}s"
     )
 
 

@@ -45,6 +45,7 @@ from megatron_mecefo.planner.gradient_error_model import (  # noqa: E402
 from megatron_mecefo.planner.recovery_planner import (  # noqa: E402
     FailureState,
     PlannerConfig,
+    evaluate,
     fixed_decision,
     plan_recovery,
 )
@@ -85,18 +86,19 @@ def cv_pct(ppl: List[float]) -> float:
 
 def throughput(run: Dict[str, Any], profile: Any, n: int) -> float:
     """Predicted samples/s of a run relative to failure-free (see the module docstring)."""
-    cfg = PlannerConfig()
     ff = profile.failure_free_step(n, 1)
     total = 0.0
     decisions = run.get("planner")
     for i, failed in enumerate(run["failed_replicas"]):
-        policy = run["policy"]
+        policy, rank = run["policy"], None
         if decisions is not None and i < len(decisions):
-            policy = decisions[i]["policy"]
+            policy, rank = decisions[i]["policy"], decisions[i].get("rank")
         state = FailureState(n, frozenset(failed), 1)
         if not failed or policy == "none":
             total += ff
             continue
+        # the r the run used (auto: its decision's; a fixed policy: the planner's default)
+        cfg = PlannerConfig(rank_min=rank, rank_max=rank) if rank else PlannerConfig()
         d = fixed_decision(policy, state, profile, cfg)
         # time per failure-free step's worth of samples (drop processes fewer)
         total += d.step_time_ms / (1.0 - d.samples_lost_share)
@@ -122,6 +124,110 @@ def choice_map(profile: Any, n: int, budgets: List[float]) -> List[Dict[str, Any
                 }
             )
     return rows
+
+
+CANDIDATE_RANKS = (8, 16, 32, 64, 96)
+"""Low-rank r of the candidate table (96: the study's hidden size, a full-rank FFN gradient)."""
+
+
+def candidate_table(
+    profile: Any, n: int, model: GradErrorModel, ks: List[int]
+) -> List[Dict[str, Any]]:
+    """Every candidate the planner could weigh with k replicas down (every 4th, one
+    micro-batch per replica): its predicted step time, throughput relative to failure-free and
+    gradient error, at each r of CANDIDATE_RANKS (budgets not applied)."""
+    rows = []
+    ff = profile.failure_free_step(n, 1)
+    cfg = PlannerConfig(grad_error_model=model)
+    for k in ks:
+        state = FailureState(n, frozenset(1 + 4 * i for i in range(k)), 1)
+        for policy in ("neighbor", "spread", "exact", "drop"):
+            ranks = CANDIDATE_RANKS if policy in ("neighbor", "spread") else (None,)
+            for r in ranks:
+                ev = evaluate(policy, False, r, state, profile, cfg)
+                rows.append(
+                    {
+                        "failed": k,
+                        "policy": policy,
+                        "rank": r,
+                        "step_ms": ev.step_time_ms,
+                        "throughput_rel": ff / ev.objective,
+                        "predicted_grad_error": ev.grad_error,
+                        "takeover_share": ev.takeover_share,
+                        "samples_lost_share": ev.samples_lost_share,
+                    }
+                )
+    return rows
+
+
+REPLAYS = {
+    "default (budget 0.3, no sample loss, r = 32)": {},
+    "speed only (no gradient-error budget)": {"grad_error_budget": math.inf},
+    "sample-loss budget 0.125 (drop allowed up to 4 of 32)": {"sample_loss_budget": 0.125},
+    "r from 8 to 96": {"rank_min": 8, "rank_max": 96},
+}
+"""auto's planner replayed on the study's failure traces under other settings (no training)."""
+
+
+def replay_auto(
+    failed_sets: List[List[int]], profile: Any, n: int, model: GradErrorModel, **changes: Any
+) -> List[Dict[str, Any]]:
+    """auto's decision at every iteration of a failure trace (its ``failed_replicas``), as the
+    trainer's AutoPolicy takes them (one micro-batch per replica), with the calibrated model,
+    the flag's default budget and ``changes`` to the planner config."""
+    from megatron_mecefo.planner.auto_policy import AutoPolicy
+
+    settings: Dict[str, Any] = {"grad_error_budget": DEFAULT_GRAD_ERROR_BUDGET, **changes}
+    cfg = PlannerConfig(grad_error_model=model, **settings)
+    auto = AutoPolicy(profile, cfg)
+    out = []
+    for i, failed in enumerate(failed_sets, start=1):
+        auto.plan(i, frozenset(failed), n, 1)
+        d = auto.decision
+        out.append({"policy": d.policy, "rank": d.rank, "grad_error": d.grad_error})
+    return out
+
+
+def replays(
+    runs: Dict[str, Any], seeds: List[int], profile: Any, n: int, model: GradErrorModel
+) -> Dict[str, Any]:
+    """Per REPLAYS setting: auto's choices over the seeds' traces, the predicted throughput
+    (the study's cost model), and the fixed policy it equals on every iteration, if any."""
+    out: Dict[str, Any] = {}
+    for name, changes in REPLAYS.items():
+        choices: Dict[str, int] = {}
+        thr: List[float] = []
+        errs: List[float] = []
+        degraded: set = set()  # the choices taken with replicas down
+        recorded_match = 0
+        for s in seeds:
+            ff_run = runs.get(f"seed{s}_high_neighbor")
+            if ff_run is None:
+                continue
+            failed = ff_run["failed_replicas"]
+            dec = replay_auto(failed, profile, n, model, **changes)
+            for d in dec:
+                key = d["policy"] if d["rank"] is None else f"{d['policy']}/r={d['rank']}"
+                choices[key] = choices.get(key, 0) + 1
+            errs += [d["grad_error"] for d, f in zip(dec, failed, strict=True) if f]
+            thr.append(throughput({"policy": "auto", "failed_replicas": failed,
+                                   "planner": dec}, profile, n))  # fmt: skip
+            degraded |= {d["policy"] for d, f in zip(dec, failed, strict=True) if f}
+            rec = runs.get(f"seed{s}_high_auto", {}).get("planner")
+            if rec is not None and not changes:
+                recorded_match += sum(
+                    a["policy"] == b["policy"] and a["rank"] == b["rank"]
+                    for a, b in zip(dec, rec, strict=True)
+                )
+        out[name] = {
+            "changes": {k: (str(v) if v == math.inf else v) for k, v in changes.items()},
+            "iterations_per_choice": choices,
+            "throughput_rel": statistics.fmean(thr) if thr else None,
+            "predicted_grad_error_mean": statistics.fmean(errs) if errs else None,
+            "same_as_fixed_policy": next(iter(degraded)) if len(degraded) == 1 else None,
+            **({"matches_the_study_auto_runs": recorded_match} if not changes else {}),
+        }
+    return out
 
 
 def loss_plot(conv: Dict[str, Any], policies: List[str], path: Path) -> None:
@@ -197,20 +303,26 @@ def error_plot(rows: List[Dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5.5, 5))
-    for source, marker in (("probe", "x"), ("study", ".")):
+    ranks = sorted({r["rank"] for r in rows if r["source"] == "probe"})
+    kinds = [("study", None, ".")] + [
+        ("probe", rank, "x+1234"[i % 6]) for i, rank in enumerate(ranks)
+    ]
+    for source, rank, marker in kinds:
         for policy in ("neighbor", "spread", "drop"):
             pts = [(r["predicted"], r["error"]) for r in rows
-                   if r["source"] == source and r["policy"] == policy]  # fmt: skip
+                   if r["source"] == source and r["policy"] == policy
+                   and (rank is None or r["rank"] == rank)]  # fmt: skip
             if pts:
                 color = {"neighbor": "C1", "spread": "C2", "drop": "C4"}[policy]
+                what = source if rank is None or policy == "drop" else f"{source}, r = {rank}"
                 ax.scatter(*zip(*pts, strict=True), s=12, marker=marker, alpha=0.6, color=color,
-                           label=f"{policy} ({source})")  # fmt: skip
+                           label=f"{policy} ({what})")  # fmt: skip
     top = max(max(r["predicted"], r["error"]) for r in rows) * 1.05
     ax.plot([0, top], [0, top], "k--", lw=0.8)
     ax.set(
         xlabel="predicted",
         ylabel="measured",
-        title="gradient relative error, n = 32\n(x: probes, iterations 200-231; dots: study runs)",
+        title="gradient relative error, n = 32\n(probes: iterations 200-231; dots: study runs)",
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -312,10 +424,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             ),
         }
         scatter += [
-            {"source": "probe", "policy": o["policy"], "error": o["error"],
+            {"source": "probe", "policy": o["policy"], "error": o["error"], "rank": o["rank"],
              "predicted": o["predicted"], "iteration": o["iteration"]}
-            for o in calib["observations"] if o["rank"] == cfg["mecefo_rank"]
+            for o in calib["observations"]
         ]  # fmt: skip
+        model_check["probes_in_sample_by_rank"] = calib.get("in_sample_by_rank")
     budgets = sorted({0.1, 0.2, 0.25, DEFAULT_GRAD_ERROR_BUDGET, 0.4, 0.5, math.inf})
     before = Path(args.before)
     before_ff = None
@@ -349,8 +462,30 @@ def main(argv: Optional[List[str]] = None) -> None:
             "choice_map": choice_map(profile, n, budgets),
         },
         "grad_error_model": model_check,
+        "auto_replays": (
+            replays(runs, seeds, profile, n, GradErrorModel.from_json(calib["model"]))
+            if calib is not None
+            else {}
+        ),
+        # What the planner can weigh at n = 32 with one micro-batch per replica.
+        "candidates": (
+            candidate_table(profile, n, GradErrorModel.from_json(calib["model"]), [1, 2, 3, 4])
+            if calib is not None
+            else []
+        ),
         "wall_time_s": conv.get("wall_time_s"),
     }
+    # A replay that equals a fixed policy on every degraded iteration trains as that policy
+    # did: its gap is that policy's, measured (and paired with spread's).
+    for rep in result["auto_replays"].values():
+        same = rep["same_as_fixed_policy"]
+        if same in table:
+            rep["measured_gap_of_that_policy"] = table[same]["gap"]
+            pair = [s for s in gaps[same] if s in gaps.get("spread", {})]
+            if same != "spread" and len(pair) >= 2:
+                rep["that_policy_minus_spread"] = interval(
+                    [gaps[same][s] - gaps["spread"][s] for s in pair]
+                ).to_json()
     both = [s for s in gaps.get("auto", {}) if s in gaps.get("spread", {})]
     if len(both) >= 2:
         a = table["auto"]
@@ -368,6 +503,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             <= statistics.fmean(gaps["spread"][s] for s in both),
             "throughput_within_5pct": a["throughput_rel"]
             >= 0.95 * table[fastest]["throughput_rel"],
+            # Not the goal's reference; for the finding: auto against spread's throughput.
+            "auto_throughput_vs_spread": a["throughput_rel"] / table["spread"]["throughput_rel"],
         }
     (out / "gaps.json").write_text(json.dumps(result, indent=1) + "\n")
     md = markdown(result)
@@ -420,6 +557,42 @@ def markdown(r: Dict[str, Any]) -> str:
             f"{g['auto_throughput_vs_fastest_lossless']:.3f} of the fastest lossless policy "
             f"({r['fastest_lossless']}); choices (iterations): {r['auto']['iterations_per_choice']}"
         )
+    if r.get("auto_replays"):
+        lines += [
+            "",
+            "auto's planner replayed on the same failure traces (no training; throughput from "
+            "the step-cost model):",
+            "",
+            "| setting | iterations per choice (5 seeds) | throughput (rel. failure-free) "
+            "| mean predicted grad error (degraded iterations) | same choices as "
+            "| its measured gap % [95% t] | minus spread % [95% t] |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, rep in r["auto_replays"].items():
+            gap = rep.get("measured_gap_of_that_policy")
+            diff = rep.get("that_policy_minus_spread")
+            lines.append(
+                f"| {name} | {rep['iterations_per_choice']} | {rep['throughput_rel']:.3f} "
+                f"| {rep['predicted_grad_error_mean']:.3f} | {rep['same_as_fixed_policy'] or '-'} "
+                f"| {fmt_interval(gap) if gap else '-'} | {fmt_interval(diff) if diff else '-'} |"
+            )
+    cands = [c for c in r.get("candidates", []) if c["failed"] == 4]
+    if cands:
+        lines += [
+            "",
+            "Candidates with 4 of 32 replicas down (the high scenario's steady state), one "
+            "micro-batch per replica (step-cost model; calibrated gradient-error model):",
+            "",
+            "| policy | r | step ms | throughput (rel. failure-free) | predicted grad error "
+            "| takeover share | samples lost |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in cands:
+            lines.append(
+                f"| {c['policy']} | {c['rank'] or '-'} | {c['step_ms']:.2f} "
+                f"| {c['throughput_rel']:.3f} | {c['predicted_grad_error']:.3f} "
+                f"| {c['takeover_share']:.3f} | {c['samples_lost_share']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -43,10 +43,18 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, An
     p.add_argument(
         "--configs",
         nargs="+",
-        default=["neighbor:32", "spread:32", "drop:32"],
+        default=[
+            "neighbor:32",
+            "spread:32",
+            "drop:32",
+            "neighbor:16",
+            "spread:16",
+            "neighbor:64",
+            "spread:64",
+        ],
         metavar="POLICY:R",
         help="one probe run per policy and low-rank r (two or more r of a policy fit its rank "
-        "exponent; the committed fit ran these three, at one r)",
+        "exponent; drop has none)",
     )
     p.add_argument("--start", type=int, default=200, help="first degraded iteration (mid-run)")
     p.add_argument("--phase", type=int, default=8, help="iterations per failed-set size")
@@ -98,18 +106,84 @@ def observations(metrics: Path, policy: str, rank: int, n: int) -> List[Observat
     return out
 
 
+PROBE_KEYS = ("start", "phase", "failed", "seed")
+"""This script's flags that change what a probe run computes (with the study's recipe)."""
+
+
+def probe_config(own: argparse.Namespace, study: argparse.Namespace) -> Dict[str, Any]:
+    """What a probe run depends on: the study's recipe and the probe's phases."""
+    return {
+        "probe": {k: getattr(own, k) for k in PROBE_KEYS},
+        "study_recipe": convergence.recipe(vars(study)),
+    }
+
+
+def recorded_probes(
+    own: argparse.Namespace, study: argparse.Namespace
+) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, float]]:
+    """The probes already in ``--output`` (per run name: its observations; and their wall
+    seconds), when they were taken under this recipe and these phases: a fresh clone has the
+    committed result but not the probe directories. Nothing otherwise."""
+    path = Path(own.output)
+    if not path.exists():
+        return {}, {}
+    try:
+        old = json.loads(path.read_text())
+        same = old["config"].get("probe_config") == json.loads(json.dumps(probe_config(own, study)))
+        rows, walls = old["observations"], old["wall_s"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}, {}
+    if not same:
+        return {}, {}
+    by_run: Dict[str, List[Dict[str, Any]]] = {}
+    for row in rows:
+        by_run.setdefault(row["run"], []).append(row)
+    return by_run, {k: v for k, v in walls.items() if k in by_run}
+
+
+def rank_holdout(obs: List[Observation], reference_rank: int) -> Dict[str, Any]:
+    """Per (policy, r) of a policy probed at three or more ranks: the accuracy on that rank's
+    probes of the model fitted without them (its c, gamma, delta too)."""
+    out: Dict[str, Any] = {}
+    for policy in sorted({o.policy for o in obs}):
+        ranks = sorted({o.rank for o in obs if o.policy == policy})
+        if len(ranks) < 3:
+            continue
+        for rank in ranks:
+            rest = [o for o in obs if o.policy == policy and o.rank != rank]
+            held = [o for o in obs if o.policy == policy and o.rank == rank]
+            model = fit(rest, reference_rank=reference_rank)
+            out[f"{policy}:r{rank}"] = {
+                "fit_without": model.to_json()["fits"][policy],
+                **accuracy(model, held)[policy],
+            }
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> None:
-    """Run the probes (skipping finished ones), fit, write the result."""
+    """Run the probes (skipping finished or recorded ones), fit, write the result."""
     own, study = parse_args(argv)
     n = convergence.num_replicas(study)
     out_dir = Path(own.calibration_dir)
     end = own.start + own.phase * len(own.failed)
+    recorded, recorded_walls = recorded_probes(own, study)
     obs: List[Observation] = []
     walls: Dict[str, float] = {}
     for cfg in own.configs:
         policy, rank = cfg.split(":")[0], int(cfg.split(":")[1])
         run_dir = out_dir / f"{policy}_r{rank}"
         metrics = run_dir / "metrics.jsonl"
+        if not (run_dir / DONE).exists() and run_dir.name in recorded:
+            # From the committed result (its probe directory is gone).
+            walls[run_dir.name] = recorded_walls.get(run_dir.name, float("nan"))
+            obs += [
+                Observation(o["policy"], o["takeover_share"], o["samples_lost_share"],
+                            o["rank"], o["error"],
+                            {"run": o["run"], "iteration": o["iteration"], "failed": o["failed"]})
+                for o in recorded[run_dir.name]
+            ]  # fmt: skip
+            print(f"{run_dir.name}: from {own.output}", flush=True)
+            continue
         if not (run_dir / DONE).exists():
             metrics.unlink(missing_ok=True)
             cmd = convergence.trainer_command(study, own.seed, metrics, study.master_port) + [
@@ -131,6 +205,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "benchmark": "grad_error_calibration",
         "config": {
             **{k: v for k, v in vars(own).items()},
+            "probe_config": probe_config(own, study),
             "train_iters": study.train_iters,
             "replicas": n,
             "recipe": {k: getattr(study, k) for k in ("lr", "min_lr", "lr_warmup_iters",
@@ -138,6 +213,16 @@ def main(argv: Optional[List[str]] = None) -> None:
         },  # fmt: skip
         "model": model.to_json(),
         "in_sample": accuracy(model, obs),
+        # Out of sample for r: each rank of a policy probed at 3 or more, predicted by the fit
+        # of the other ranks' probes.
+        "rank_holdout": rank_holdout(obs, study.mecefo_rank),
+        # Predicted against measured per (policy, r): the rank exponent's check.
+        "in_sample_by_rank": {
+            f"{policy}:r{rank}": accuracy(
+                model, [o for o in obs if o.policy == policy and o.rank == rank]
+            )[policy]
+            for policy, rank in sorted({(o.policy, o.rank) for o in obs if o.error > 0})
+        },
         "observations": [
             {"policy": o.policy, "takeover_share": o.takeover_share,
              "samples_lost_share": o.samples_lost_share, "rank": o.rank, "error": o.error,
@@ -156,6 +241,17 @@ def main(argv: Optional[List[str]] = None) -> None:
             f"delta={f['delta']:.3f}; in sample n={acc['n']} measured {acc['measured_mean']:.3f}"
             f" predicted {acc['predicted_mean']:.3f} median |rel err| "
             f"{acc['median_abs_rel_error']:.2f}"
+        )
+    for key, acc in result["rank_holdout"].items():
+        print(
+            f"  held out {key}: measured {acc['measured_mean']:.3f} predicted by the other "
+            f"ranks' fit {acc['predicted_mean']:.3f} median |rel err| "
+            f"{acc['median_abs_rel_error']:.2f}"
+        )
+    for key, acc in result["in_sample_by_rank"].items():
+        print(
+            f"  {key}: n={acc['n']} measured {acc['measured_mean']:.3f} predicted "
+            f"{acc['predicted_mean']:.3f} median |rel err| {acc['median_abs_rel_error']:.2f}"
         )
 
 

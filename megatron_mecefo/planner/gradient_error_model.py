@@ -196,12 +196,14 @@ def accuracy(model: GradErrorModel, observations: Iterable[Observation]) -> Dict
 
 DEFAULT_MODEL = GradErrorModel(
     {
-        "neighbor": PolicyFit(0.979089, 0.660021, 0),
-        "spread": PolicyFit(0.86059, 0.596265, 0),
+        "neighbor": PolicyFit(0.978712, 0.659857, 0.0133103),
+        "spread": PolicyFit(0.860535, 0.596263, 0.0146229),
         "drop": PolicyFit(0.968163, 0.590878, 0),
     },
     reference_rank=32,
     source="results/convergence_n32/grad_error_calibration.json",
 )
 """The calibrated model (``results/convergence_n32/grad_error_calibration.json``; a test keeps
-the two equal)."""
+the two equal). ``neighbor`` and ``spread`` were probed at r = 16, 32 and 64: their rank
+exponents are small (about 0.013-0.015: halving r raises the error by about 1%), since most of
+a takeover micro-batch's error comes from the skipped attention backward, not the low rank."""

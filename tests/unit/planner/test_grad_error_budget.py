@@ -149,6 +149,10 @@ def test_default_model_is_the_committed_calibration() -> None:
             (fits[policy]["c"], fits[policy]["gamma"], fits[policy]["delta"]), rel=1e-5
         )
     assert DEFAULT_MODEL.reference_rank == calib["model"]["reference_rank"]
+    # The takeover policies were probed at several ranks, so their rank exponent is fitted.
+    for policy in ("neighbor", "spread"):
+        ranks = {o["rank"] for o in calib["observations"] if o["policy"] == policy}
+        assert len(ranks) >= 2 and DEFAULT_MODEL.fits[policy].delta != 0.0
 
 
 @pytest.mark.parametrize(
