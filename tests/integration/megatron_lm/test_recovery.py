@@ -333,7 +333,7 @@ def test_node0_lost_with_a_standby_store(megatron_lm: Path, tmp_path: Path) -> N
     save = tmp_path / "real"
 
     def kill_node0(procs: List[subprocess.Popen], logs: List[Path]) -> None:
-        _wait_for(logs[0], "iteration        5/")
+        _wait_for(logs[1], "iteration        5/")  # Megatron-LM's last rank logs
         time.sleep(random.Random(11).uniform(0.0, 0.5))
         pids = _pids(tmp_path)
         os.killpg(procs[0].pid, signal.SIGKILL)
