@@ -179,6 +179,15 @@ submit() {  # OUT SCRIPT  (env passed through; each job gets a free port for its
     echo "$id"
 }
 
+wait_rejoin_of_3() {  # RECORDS_FILE TIMEOUT_S: until a recovery record has rank 3 joined
+    local joined='"ranks_joined": \[([0-9]+, )*3[],]'
+    for _ in $(seq $(($2 * 2))); do
+        grep -Eq "$joined" "$1" 2> /dev/null && return 0
+        sleep 0.5
+    done
+    tail -n 30 "$OUT"
+    fail "node 3's rejoin was never recorded in $1"
+}
 standby_warm() {  # node 3's rejoin standby (in $RUN/pids.node3) connected to the store: imported
     local pid
     pid=$(awk '$1 == -1 {print $3}' "$RUN/pids.node3" 2> /dev/null | tail -n 1)
@@ -226,12 +235,7 @@ say "SIGKILLed node 3's supervisor (pid $victim; its rank 3 dies with it): a los
 # Node 0 next (the primary membership store, the coordinator and rank 0), once node 3's
 # rejoin is recorded (its generation committed an iteration): node 1's standby store takes
 # over, and a new node 0 rejoins there.
-joined3='"ranks_joined": \[([0-9]+, )*3[],]'
-for _ in $(seq 600); do
-    grep -Eq "$joined3" "$RUN/metrics.jsonl" 2> /dev/null && break
-    sleep 0.5
-done
-grep -Eq "$joined3" "$RUN/metrics.jsonl" || { tail -n 30 "$OUT"; fail "node 3's rejoin was never recorded"; }
+wait_rejoin_of_3 "$RUN/metrics.jsonl" 300
 victim0=$(cat "$RUN/supervisor.node0.pid")
 grep -E "iteration +[0-9]+/" "$OUT" | tail -n 1 | cut -c1-60
 kill -9 "$victim0"
@@ -348,12 +352,7 @@ else
     kill -9 "$victim"
     say "SIGKILLed node 3's supervisor (pid $victim; its rank 3 dies with it): a lost node"
     # Then node 0, once node 3's rejoin is recorded; node 1's standby store takes over.
-    joined3='"ranks_joined": \[([0-9]+, )*3[],]'
-    for _ in $(seq 1200); do
-        grep -Eq "$joined3" "$RUN/recovery.jsonl" 2> /dev/null && break
-        sleep 0.5
-    done
-    grep -Eq "$joined3" "$RUN/recovery.jsonl" || { tail -n 30 "$OUT"; fail "node 3's rejoin was never recorded"; }
+    wait_rejoin_of_3 "$RUN/recovery.jsonl" 600
     victim0=$(cat "$RUN/supervisor.node0.pid")
     kill -9 "$victim0"
     say "SIGKILLed node 0's supervisor (pid $victim0; its store, its coordinator and its rank 0 die with it)"
