@@ -102,7 +102,10 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
             session.takeover_pending = True
         session.times = {"detect": now, "left": now}
         if outcome == "failed":
-            session.ms.report_error(gen.number, session.slot, error)
+            try:  # a hint for the coordinator (a death is found without it): best effort
+                session.ms.report_error(gen.number, session.slot, error)
+            except RuntimeError as err:
+                error += f" (not reported: {str(err).splitlines()[0][:200]})"
             print(
                 f"> MeCeFO recovery: rank {session.slot} left generation {gen.number}: {error}",
                 flush=True,

@@ -83,8 +83,10 @@ class FailoverStore:
         # The standby first: once it has taken over, the primary is gone, and a client made
         # then (a replacement rank, a rejoining node) must not wait out a connect timeout.
         self._standby: Optional[Any] = _try_connect(addresses[1], timeout_s)
-        self.standby_lost = self._standby is None
-        """The standby is unreachable (node 1 was lost): no failover; the primary alone."""
+        self.standby_lost = False
+        """A write to the standby failed (node 1 was lost): no failover; the primary alone. (A
+        first connect that fails is no proof: :meth:`on_standby` tries again, and a failover
+        connects with the full timeout.)"""
         primary = None
         if self._standby is None or not self._standby.check([PRIMARY_KEY]):
             primary = self._connect_primary()
@@ -136,7 +138,7 @@ class FailoverStore:
                 return getattr(self._standby, name)(*args)
         except DistNetworkError:
             pass
-        self.standby_lost, self._standby = True, None
+        self.standby_lost, self._standby = True, None  # unreachable twice: node 1 is lost
         return None
 
     def _call(self, name: str, *args: Any) -> Any:

@@ -85,6 +85,13 @@ cleanup() {
         kill -9 "$pid" 2> /dev/null
     done
     if [ "$rc" -ne 0 ]; then
+        # A rank's own error, if one died of one: its traceback from the jobs' outputs.
+        for out in "$TMP"/runs/*.out; do
+            [ -f "$out" ] || continue
+            echo "---- tracebacks in $(basename "$out")"
+            grep -v "^\[rank[0-9]*\]:\[W\|^frame #\|^Exception raised from" "$out" \
+                | grep -A 25 "^Traceback" | head -n 120
+        done
         echo "---- slurmctld log (tail)"; tail -n 20 "$TMP/slurmctld.log" 2> /dev/null
         echo "---- slurmd log (tail)"; tail -n 20 "$TMP/slurmd.log" 2> /dev/null
     fi
