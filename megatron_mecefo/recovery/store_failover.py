@@ -18,8 +18,10 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, List, Optional
 
-CONNECT_ATTEMPT_S = 2.0
-"""How long one attempt to connect to the primary may take."""
+CONNECT_ATTEMPT_S = 5.0
+"""How long one attempt to connect may take (to the primary, after its loss and before the
+takeover; to the standby, which may be lost): long enough for a loaded node's accept, where
+2 s were not always (a standby taken for lost at start-up left a rank without failover)."""
 
 PRIMARY_KEY = "primary"
 """Set on the standby store when it has taken over (JSON: the node and the time)."""
