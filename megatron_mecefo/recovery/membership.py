@@ -136,8 +136,9 @@ class MembershipStore:
         store: A ``torch.distributed.TCPStore`` client (or the server object).
     """
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, address: str = "") -> None:
         self.store = store
+        self._address = address  # HOST:PORT of a plain client (a FailoverStore knows its own)
         self._counters: set = set()  # heartbeat keys known to exist (read in one multi_get)
 
     @staticmethod
@@ -149,11 +150,11 @@ class MembershipStore:
         addresses = store_addresses(address)
         if len(addresses) > 1:
             return MembershipStore(FailoverStore(addresses, timeout_s, raise_on_failover))
-        return MembershipStore(tcp_client(addresses[0], timeout_s))
+        return MembershipStore(tcp_client(addresses[0], timeout_s), addresses[0])
 
-    def address(self, configured: str) -> str:
-        """The ``HOST:PORT`` this client talks to now (``configured``: its address list)."""
-        return getattr(self.store, "address", None) or store_addresses(configured)[0]
+    def address(self) -> str:
+        """The ``HOST:PORT`` this client talks to now (the standby's after a failover)."""
+        return getattr(self.store, "address", None) or self._address
 
     def on_standby(self, name: str, *args: Any) -> Any:
         """``name(*args)`` on the standby store while the primary serves; ``None`` without one
@@ -168,9 +169,10 @@ class MembershipStore:
         return self.store.get(key).decode()
 
     def set_durable(self, key: str, value: str) -> None:
-        """Set ``key`` on the standby (while the primary serves) and then here: a value that
-        must not be lost with node 0 and changes too often for the standby's copy to be
-        recent (the committed and the logged iteration)."""
+        """Set ``key`` on the standby (while the primary serves) and then here: what must not
+        lag the primary when node 0 is lost (a generation, the fatal message, the committed
+        and logged iteration, a recovery record); the standby's own copy trails by up to a
+        heartbeat interval."""
         self.on_standby("set", key, value)
         self.store.set(key, value)
 

@@ -255,7 +255,7 @@ class RecoverySession:
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         # The store that serves now: the standby's, once node 0's was lost.
-        host, port = self.ms.address(self.cfg.store).rsplit(":", 1)
+        host, port = self.ms.address().rsplit(":", 1)
         store = dist.TCPStore(
             host,
             int(port),

@@ -16,12 +16,13 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 CONNECT_ATTEMPT_S = 5.0
 """How long one attempt to connect may take (to the primary, after its loss and before the
-takeover; to the standby, which may be lost): long enough for a loaded node's accept, where
-2 s were not always (a standby taken for lost at start-up left a rank without failover)."""
+takeover; to the standby, which may be lost). Generous for a loaded node's accept: a client
+that takes a live standby for lost has no failover (raised from 2 s after a rank that
+probably had none, unconfirmed, died at node 0's loss in one Slurm run)."""
 
 PRIMARY_KEY = "primary"
 """Set on the standby store when it has taken over (JSON: the node and the time)."""
@@ -97,8 +98,6 @@ class FailoverStore:
         else:
             self.index, self._client = 0, primary
         self._lock = threading.Lock()
-        self.on_failover: Optional[Callable[[str], None]] = None
-        """Called once with the standby's address when this client switches to it."""
 
     def _connect_primary(self) -> Optional[Any]:
         """A client of the primary; ``None`` if the standby took over meanwhile. Tried in short
@@ -170,8 +169,6 @@ class FailoverStore:
             client = self._standby or tcp_client(self.addresses[1], self.timeout_s)
             client.wait([PRIMARY_KEY], timedelta(seconds=self.timeout_s))
             self._client, self._standby, self.index = client, None, 1
-        if self.on_failover is not None:
-            self.on_failover(self.address)
         return True
 
     # The Store methods used in this package; each fails over as above.

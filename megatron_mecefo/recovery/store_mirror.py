@@ -25,7 +25,7 @@ import json
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, List, Optional, Set
+from typing import Callable, Dict, Optional, Set
 
 from megatron_mecefo.recovery.config import RecoveryConfig
 from megatron_mecefo.recovery.membership import MembershipStore
@@ -36,6 +36,9 @@ COPIED_KEYS = (
     "standby", "nodes_done",
 )  # fmt: skip
 """Keys copied as they change (the per-slot and per-node keys are listed in :meth:`_copy`)."""
+
+ONCE = ("dead/", "ready/", "gen/", "node/")
+"""Prefixes of keys written once: copied once."""
 
 
 class StandbyStore:
@@ -123,24 +126,28 @@ class StandbyStore:
             self._take_over(reason)
 
     def _copy(self, primary: MembershipStore) -> None:
-        """Copy the membership keys that changed (a few round trips per slot)."""
-        keys: List[str] = list(COPIED_KEYS) + [f"node/{k}" for k in range(self.nnodes)]
-        world = self.nnodes * self.nproc
-        for slot in range(world):
-            keys.append(f"inc/{slot}")
-            inc = int(primary.get_str(f"inc/{slot}") or 0)
-            for i in range(inc + 1):
-                keys += [f"dead/{slot}/{i}", f"ready/{slot}/{i}"]
-        number = primary.generation_number()
-        keys += [f"gen/{g}" for g in range(number + 1)]
-        for key in keys:
-            if key in self._copied:
-                continue
-            value = primary.get_str(key)
+        """Copy the membership keys that changed: each key read once per copy, and a key
+        written once (a death, a ready mark, a generation, a node) once per job."""
+        values: Dict[str, Optional[str]] = {}
+
+        def read(key: str) -> Optional[str]:
+            if key not in self._copied and key not in values:
+                values[key] = primary.get_str(key)
+            return values.get(key)
+
+        for key in (*COPIED_KEYS, *(f"node/{k}" for k in range(self.nnodes))):
+            read(key)
+        for slot in range(self.nnodes * self.nproc):
+            for i in range(int(read(f"inc/{slot}") or 0) + 1):
+                read(f"dead/{slot}/{i}")
+                read(f"ready/{slot}/{i}")
+        for g in range(int(values.get("gen") or -1) + 1):
+            read(f"gen/{g}")
+        for key, value in values.items():
             if value is None:
                 continue
             self.local.store.set(key, value)
-            if key.startswith(("dead/", "ready/", "gen/", "node/")):
+            if key.startswith(ONCE):
                 self._copied.add(key)
 
     # ------------------------------------------------------------------ takeover
