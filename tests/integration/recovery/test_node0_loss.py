@@ -38,16 +38,32 @@ def _data(text_data: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MECEFO_TEST_DATA", text_data)
 
 
-def _kill_node0(job: Job) -> None:
-    """SIGKILL node 0's supervisor (and so its store and coordinator) and its ranks (those up
-    before the kill: a hot spare's replacement may take the slot a moment later)."""
-    ranks = [pid for (slot, _), pid in job.rank_pids().items() if 0 <= slot < job.nproc]
-    os.killpg(job.procs[0].pid, signal.SIGKILL)
+def _kill_node(job: Job, node: int) -> None:
+    """SIGKILL node ``node``'s supervisor (node 0's: its store and coordinator too) and its
+    ranks (those up before the kill: a hot spare's replacement may take a slot a moment
+    later, and a standby process is listed with a negative slot)."""
+    slots = range(node * job.nproc, (node + 1) * job.nproc)
+    ranks = [pid for (slot, _), pid in job.rank_pids().items() if slot in slots]
+    os.killpg(job.procs[node].pid, signal.SIGKILL)
     for pid in ranks:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _run_losing(job: Job, node: int, after: str, timeout: float = 300, before=None) -> list:
+    """Start ``job``, (``before(job)``,) kill node ``node`` once its log shows ``after``, and
+    return every supervisor's exit status; every process is ended by PID at the end."""
+    try:
+        job.start()
+        if before is not None:
+            before(job)
+        job.wait_for(after)
+        _kill_node(job, node)
+        return job.wait(timeout=timeout)
+    finally:
+        job.stop()
 
 
 def test_two_nodes_node0_lost_matches_simulated(tmp_path: Path) -> None:
@@ -58,13 +74,7 @@ def test_two_nodes_node0_lost_matches_simulated(tmp_path: Path) -> None:
     args = _layout(4, iters, gbs) + ["--optimizer", "sgd", "--lr", "0.05"]
     job = Job(tmp_path / "real", 2, args, nnodes=2, supervisor_args=REPLICATED,
               MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
-    try:
-        job.start()
-        job.wait_for("iteration        6/")
-        _kill_node0(job)
-        rc = job.wait(timeout=300)
-    finally:
-        job.stop()
+    rc = _run_losing(job, 0, "iteration        6/")
     log = job.log()
     assert rc == [-9, 0], (rc, log[-5000:])
     assert "the standby store at" in log and "takes over" in log
@@ -89,16 +99,7 @@ def test_two_nodes_node1_lost_node0_trains_on_without_a_standby(tmp_path: Path) 
     iters, gbs = 30, 16
     job = Job(tmp_path, 2, _layout(4, iters, gbs), nnodes=2, supervisor_args=REPLICATED,
               MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
-    try:
-        job.start()
-        job.wait_for("iteration        5/")
-        os.killpg(job.procs[1].pid, signal.SIGKILL)
-        for (slot, _), pid in job.rank_pids().items():
-            if slot >= job.nproc:
-                os.kill(pid, signal.SIGKILL)
-        rc = job.wait(timeout=300)
-    finally:
-        job.stop()
+    rc = _run_losing(job, 1, "iteration        5/")
     assert rc == [0, -9], (rc, job.log()[-5000:])
     check_every_sample_once(train_records(job.metrics), iters, gbs)
     (failure,) = [r for r in job.records_of("recovery") if r["ranks_lost"]]
@@ -114,15 +115,12 @@ def test_three_nodes_node0_lost_then_a_new_node0_rejoins(tmp_path: Path) -> None
     args = _layout(3, iters, gbs)
     job = Job(tmp_path, 1, args, nnodes=3, supervisor_args=REPLICATED,
               MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
-    try:
-        job.start()
+
+    def hot_spare(job: Job) -> None:
         job.wait_for("standby membership store at")
         job.start_node(0, rejoin=True, extra=["--standby", "1"])
-        job.wait_for("iteration        5/")
-        _kill_node0(job)
-        rc = job.wait(timeout=400)
-    finally:
-        job.stop()
+
+    rc = _run_losing(job, 0, "iteration        5/", timeout=400, before=hot_spare)
     log = job.log()
     assert rc == [-9, 0, 0, 0], (rc, log[-5000:])
     assert "takes over" in log
