@@ -146,6 +146,17 @@ CONVERGENCE_N32_RECIPE = --virtual-replicas 32 --micro-batch-size 1 --global-bat
 CONVERGENCE_N32 = $(CONVERGENCE_N32_RECIPE) --scenarios high \
 	--policies neighbor spread exact drop auto --seeds 1234 1235 1236 1237 1238 --jobs 2 \
 	--master-port 29571 --output-dir results/convergence_n32
+# The same study with 2 micro-batches per replica (global batch 64, sequence length 32: the
+# same tokens per step as the first): the regime of a real job, whose global batch is several
+# micro-batches per replica. There spread's busiest replica runs its own micro-batches plus one
+# absorbed, so spread is the fastest lossless policy as well as within the budget. Its planner
+# uses the first configuration's gradient-error calibration (the probes are not rerun).
+CONVERGENCE_N32_M2 = --virtual-replicas 32 --micro-batch-size 1 --global-batch-size 64 \
+	--hidden-size 96 --seq-length 32 --train-iters 400 --lr 1e-3 --min-lr 1e-4 \
+	--lr-warmup-iters 80 --adam-beta2 0.95 --clip-grad 1.0 --eval-interval 25 \
+	--grad-error-interval 10 --scenarios high --policies neighbor spread exact drop auto \
+	--seeds 1234 1235 1236 1237 1238 --jobs 2 --order priority --master-port 29621 \
+	--output-dir results/convergence_n32_m2
 # make bench's short version (not timed here): the same recipe, 2 seeds, 60 iterations,
 # neighbor / spread / auto only; not a result (too short to resolve a gap), a check that the
 # study runs. Written to results/convergence_n32_quick/ (not committed).
@@ -175,7 +186,8 @@ bench: data
 # times): CONVERGENCE_N32, then the probes (7 runs: neighbor and spread at r = 16, 32, 64; drop)
 # that calibrate the planner's gradient-error model, then the report: results/convergence_n32/
 # (convergence.json, grad_error_calibration.json, gaps.json, gaps.md) and
-# results/plots/convergence_n32*.png.
+# results/plots/convergence_n32*.png. Then the same study with 2 micro-batches per replica
+# (CONVERGENCE_N32_M2) and its report: results/convergence_n32_m2/, convergence_n32_m2*.png.
 # A rerun keeps finished runs (--reuse) and, on a fresh clone, the runs and probes recorded in the
 # committed convergence.json and grad_error_calibration.json (same recipe); make clean removes
 # the run directories.
@@ -185,6 +197,10 @@ bench-convergence: data
 	set -o pipefail; $(PY) examples/pretrain_gpt/convergence.py $(CONVERGENCE_N32) --reuse | tee $(BENCH_LOG)/convergence_n32.txt
 	set -o pipefail; $(PY) examples/pretrain_gpt/grad_error_calibration.py $(CONVERGENCE_N32_RECIPE) --master-port 29581 | tee $(BENCH_LOG)/grad_error_calibration.txt
 	set -o pipefail; $(PY) examples/pretrain_gpt/convergence_report.py | tee $(BENCH_LOG)/convergence_n32_report.txt
+	set -o pipefail; $(PY) examples/pretrain_gpt/convergence.py $(CONVERGENCE_N32_M2) --reuse | tee $(BENCH_LOG)/convergence_n32_m2.txt
+	set -o pipefail; $(PY) examples/pretrain_gpt/convergence_report.py --dir results/convergence_n32_m2 \
+	    --calibration results/convergence_n32/grad_error_calibration.json --before '' \
+	    --plot results/plots/convergence_n32_m2.png | tee $(BENCH_LOG)/convergence_n32_m2_report.txt
 
 # The goodput comparison alone (benchmarks/goodput.py, about 60 minutes here; GOODPUT_ARGS=--quick
 # for the 4-minute smoke run), with torchft 0.2.0 in .venv-tft: a venv of its own that sees

@@ -69,6 +69,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         default="results/convergence_n32/recipe_before/convergence.json",
         help="the study before the recipe change, for the failure-free spread",
     )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="the gradient-error model's probes (default: --dir's grad_error_calibration.json)",
+    )
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
 
@@ -84,16 +89,17 @@ def cv_pct(ppl: List[float]) -> float:
     return 100.0 * statistics.stdev(ppl) / statistics.fmean(ppl)
 
 
-def throughput(run: Dict[str, Any], profile: Any, n: int) -> float:
-    """Predicted samples/s of a run relative to failure-free (see the module docstring)."""
-    ff = profile.failure_free_step(n, 1)
+def throughput(run: Dict[str, Any], profile: Any, n: int, m: int) -> float:
+    """Predicted samples/s of a run with ``m`` micro-batches per replica, relative to
+    failure-free (see the module docstring)."""
+    ff = profile.failure_free_step(n, m)
     total = 0.0
     decisions = run.get("planner")
     for i, failed in enumerate(run["failed_replicas"]):
         policy, rank = run["policy"], None
         if decisions is not None and i < len(decisions):
             policy, rank = decisions[i]["policy"], decisions[i].get("rank")
-        state = FailureState(n, frozenset(failed), 1)
+        state = FailureState(n, frozenset(failed), m)
         if not failed or policy == "none":
             total += ff
             continue
@@ -105,7 +111,7 @@ def throughput(run: Dict[str, Any], profile: Any, n: int) -> float:
     return len(run["failed_replicas"]) * ff / total
 
 
-def choice_map(profile: Any, n: int, budgets: List[float]) -> List[Dict[str, Any]]:
+def choice_map(profile: Any, n: int, m: int, budgets: List[float]) -> List[Dict[str, Any]]:
     """auto's decision for k = 1..n/4 replicas down (every 4th: no shared ring neighbour),
     per gradient-error budget, with its predicted error and throughput."""
     rows = []
@@ -113,7 +119,7 @@ def choice_map(profile: Any, n: int, budgets: List[float]) -> List[Dict[str, Any
         cfg = PlannerConfig(grad_error_budget=budget)
         for k in range(1, n // 4 + 1):
             failed = frozenset(1 + 4 * i for i in range(k))
-            d = plan_recovery(FailureState(n, failed, 1), profile, cfg)
+            d = plan_recovery(FailureState(n, failed, m), profile, cfg)
             rows.append(
                 {
                     "budget": budget,
@@ -131,16 +137,16 @@ CANDIDATE_RANKS = (8, 16, 32, 64, 96)
 
 
 def candidate_table(
-    profile: Any, n: int, model: GradErrorModel, ks: List[int]
+    profile: Any, n: int, m: int, model: GradErrorModel, ks: List[int]
 ) -> List[Dict[str, Any]]:
-    """Every candidate the planner could weigh with k replicas down (every 4th, one
-    micro-batch per replica): its predicted step time, throughput relative to failure-free and
+    """Every candidate the planner could weigh with k replicas down (every 4th, ``m``
+    micro-batches per replica): its predicted step time, throughput relative to failure-free and
     gradient error, at each r of CANDIDATE_RANKS (budgets not applied)."""
     rows = []
-    ff = profile.failure_free_step(n, 1)
+    ff = profile.failure_free_step(n, m)
     cfg = PlannerConfig(grad_error_model=model)
     for k in ks:
-        state = FailureState(n, frozenset(1 + 4 * i for i in range(k)), 1)
+        state = FailureState(n, frozenset(1 + 4 * i for i in range(k)), m)
         for policy in ("neighbor", "spread", "exact", "drop"):
             ranks = CANDIDATE_RANKS if policy in ("neighbor", "spread") else (None,)
             for r in ranks:
@@ -170,10 +176,15 @@ REPLAYS = {
 
 
 def replay_auto(
-    failed_sets: List[List[int]], profile: Any, n: int, model: GradErrorModel, **changes: Any
+    failed_sets: List[List[int]],
+    profile: Any,
+    n: int,
+    m: int,
+    model: GradErrorModel,
+    **changes: Any,
 ) -> List[Dict[str, Any]]:
     """auto's decision at every iteration of a failure trace (its ``failed_replicas``), as the
-    trainer's AutoPolicy takes them (one micro-batch per replica), with the calibrated model,
+    trainer's AutoPolicy takes them (``m`` micro-batches per replica), with the calibrated model,
     the flag's default budget and ``changes`` to the planner config."""
     from megatron_mecefo.planner.auto_policy import AutoPolicy
 
@@ -182,14 +193,14 @@ def replay_auto(
     auto = AutoPolicy(profile, cfg)
     out = []
     for i, failed in enumerate(failed_sets, start=1):
-        auto.plan(i, frozenset(failed), n, 1)
+        auto.plan(i, frozenset(failed), n, m)
         d = auto.decision
         out.append({"policy": d.policy, "rank": d.rank, "grad_error": d.grad_error})
     return out
 
 
 def replays(
-    runs: Dict[str, Any], seeds: List[int], profile: Any, n: int, model: GradErrorModel
+    runs: Dict[str, Any], seeds: List[int], profile: Any, n: int, m: int, model: GradErrorModel
 ) -> Dict[str, Any]:
     """Per REPLAYS setting: auto's choices over the seeds' traces, the predicted throughput
     (the study's cost model), and the fixed policy it equals on every iteration, if any."""
@@ -205,13 +216,13 @@ def replays(
             if ff_run is None:
                 continue
             failed = ff_run["failed_replicas"]
-            dec = replay_auto(failed, profile, n, model, **changes)
+            dec = replay_auto(failed, profile, n, m, model, **changes)
             for d in dec:
                 key = d["policy"] if d["rank"] is None else f"{d['policy']}/r={d['rank']}"
                 choices[key] = choices.get(key, 0) + 1
             errs += [d["grad_error"] for d, f in zip(dec, failed, strict=True) if f]
             thr.append(throughput({"policy": "auto", "failed_replicas": failed,
-                                   "planner": dec}, profile, n))  # fmt: skip
+                                   "planner": dec}, profile, n, m))  # fmt: skip
             degraded |= {d["policy"] for d, f in zip(dec, failed, strict=True) if f}
             rec = runs.get(f"seed{s}_high_auto", {}).get("planner")
             if rec is not None and not changes:
@@ -342,6 +353,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     conv = json.loads((out / "convergence.json").read_text())
     cfg = conv["config"]
     seeds, n = cfg["seeds"], cfg["virtual_replicas"]
+    m = cfg["global_batch_size"] // (cfg["micro_batch_size"] * n)  # micro-batches per replica
     policies = [p for p in ("neighbor", "spread", "exact", "drop", "auto") if p in cfg["policies"]]
     runs = conv["runs"]
     # A seed counts for a policy when its failure-free run and the policy's finished (a study
@@ -372,7 +384,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "gap_pct": list(gaps[p].values()),
             "gap": interval(list(gaps[p].values())).to_json(),
             "throughput_rel": statistics.fmean(
-                throughput(runs[f"seed{s}_high_{p}"], profile, n) for s in have[p]
+                throughput(runs[f"seed{s}_high_{p}"], profile, n, m) for s in have[p]
             ),
             "samples_skipped": [runs[f"seed{s}_high_{p}"]["samples_skipped"] for s in have[p]],
         }
@@ -395,7 +407,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     fastest = max((p for p in LOSSLESS if p in table), key=lambda p: table[p]["throughput_rel"])
 
     # The error model against the study's measured errors (out of sample: fitted on probes).
-    calib_path = out / "grad_error_calibration.json"
+    calib_path = Path(args.calibration) if args.calibration else out / "grad_error_calibration.json"
     calib = json.loads(calib_path.read_text()) if calib_path.exists() else None
     model_check: Dict[str, Any] = {}
     scatter: List[Dict[str, Any]] = []
@@ -430,9 +442,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         ]  # fmt: skip
         model_check["probes_in_sample_by_rank"] = calib.get("in_sample_by_rank")
     budgets = sorted({0.1, 0.2, 0.25, DEFAULT_GRAD_ERROR_BUDGET, 0.4, 0.5, math.inf})
-    before = Path(args.before)
+    before = Path(args.before) if args.before else None
     before_ff = None
-    if before.exists():
+    if before is not None and before.exists():
         b = json.loads(before.read_text())
         bppl = b["summary"]["failure_free"]["valid_ppl"]
         before_ff = {
@@ -445,6 +457,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         }
     result = {
         "config": {k: cfg[k] for k in cfg if k not in ("reuse",)},
+        "microbatches_per_replica": m,
+        "calibration": str(calib_path) if calib is not None else None,
         "seeds": seeds,
         "failure_free": {
             "seeds": seeds,
@@ -459,17 +473,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         "auto": {
             "grad_error_budget": DEFAULT_GRAD_ERROR_BUDGET,
             "iterations_per_choice": auto_choices,
-            "choice_map": choice_map(profile, n, budgets),
+            "choice_map": choice_map(profile, n, m, budgets),
         },
         "grad_error_model": model_check,
         "auto_replays": (
-            replays(runs, seeds, profile, n, GradErrorModel.from_json(calib["model"]))
+            replays(runs, seeds, profile, n, m, GradErrorModel.from_json(calib["model"]))
             if calib is not None
             else {}
         ),
-        # What the planner can weigh at n = 32 with one micro-batch per replica.
+        # What the planner can weigh at n = 32 with the study's micro-batches per replica.
         "candidates": (
-            candidate_table(profile, n, GradErrorModel.from_json(calib["model"]), [1, 2, 3, 4])
+            candidate_table(profile, n, m, GradErrorModel.from_json(calib["model"]), [1, 2, 3, 4])
             if calib is not None
             else []
         ),
@@ -513,7 +527,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not args.no_plot:
         loss_plot(conv, policies, Path(args.plot))
         if scatter:
-            error_plot(scatter, Path(args.plot).with_name("convergence_n32_grad_error.png"))
+            plot = Path(args.plot)
+            error_plot(scatter, plot.with_name(f"{plot.stem}_grad_error.png"))
 
 
 def markdown(r: Dict[str, Any]) -> str:
@@ -563,7 +578,8 @@ def markdown(r: Dict[str, Any]) -> str:
             "auto's planner replayed on the same failure traces (no training; throughput from "
             "the step-cost model):",
             "",
-            "| setting | iterations per choice (5 seeds) | throughput (rel. failure-free) "
+            f"| setting | iterations per choice ({len(r['seeds'])} seeds) "
+            "| throughput (rel. failure-free) "
             "| mean predicted grad error (degraded iterations) | same choices as "
             "| its measured gap % [95% t] | minus spread % [95% t] |",
             "|---|---|---|---|---|---|---|",
@@ -580,8 +596,9 @@ def markdown(r: Dict[str, Any]) -> str:
     if cands:
         lines += [
             "",
-            "Candidates with 4 of 32 replicas down (the high scenario's steady state), one "
-            "micro-batch per replica (step-cost model; calibrated gradient-error model):",
+            f"Candidates with 4 of {r['config']['virtual_replicas']} replicas down (the high "
+            f"scenario's steady state), {r['microbatches_per_replica']} micro-batch(es) per "
+            "replica (step-cost model; calibrated gradient-error model):",
             "",
             "| policy | r | step ms | throughput (rel. failure-free) | predicted grad error "
             "| takeover share | samples lost |",

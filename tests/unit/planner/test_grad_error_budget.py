@@ -217,3 +217,26 @@ def test_default_budget_at_n32_moves_auto_from_neighbor_to_spread() -> None:
         assert plan_recovery(state, profile, speed_only).policy == "neighbor"
         choices.append(d.policy)
     assert choices == ["neighbor"] * 2 + ["spread"] * 3 + ["exact"] * 3
+
+
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_with_several_microbatches_auto_is_the_fastest_lossless_policy(microbatches) -> None:
+    """At 32 replicas of 2 or 4 micro-batches (the n = 32 study's second configuration), with
+    the committed profile and the default budget: spread's busiest replica runs its own
+    micro-batches plus at most one absorbed one, so spread is both within the budget and at
+    least as fast as neighbor (and exact) at the default r: auto takes it for 1 to 4 down."""
+    from megatron_mecefo.planner.calibration import load_profile
+    from megatron_mecefo.planner.recovery_planner import fixed_decision
+
+    profile = load_profile(str(REPO / "results" / "planner_profile.json"))
+    cfg = PlannerConfig(grad_error_budget=DEFAULT_GRAD_ERROR_BUDGET)
+    for k in range(1, 5):
+        state = FailureState(32, frozenset(1 + 8 * i for i in range(k)), microbatches)
+        d = plan_recovery(state, profile, cfg)
+        fixed = {
+            p: fixed_decision(p, state, profile, PlannerConfig()).throughput_rel
+            for p in ("neighbor", "spread", "exact")
+        }
+        assert d.policy == "spread" and d.grad_error <= DEFAULT_GRAD_ERROR_BUDGET
+        assert d.throughput_rel == pytest.approx(max(fixed.values()), rel=1e-9)
+        assert fixed["spread"] >= fixed["neighbor"] > fixed["exact"]
