@@ -297,8 +297,10 @@ def loss_plot(conv: Dict[str, Any], policies: List[str], path: Path) -> None:
     axes[0].legend(fontsize=8)
     cfg = conv["config"]
     fig.suptitle(
-        f"n = {cfg['virtual_replicas']} simulated replicas, high failure rate; mean of "
-        f"{len(all_seeds)} seeds, band = min-max over seeds"
+        f"n = {cfg['virtual_replicas']} simulated replicas, "
+        f"{cfg['global_batch_size'] // (cfg['micro_batch_size'] * cfg['virtual_replicas'])} "
+        f"micro-batch(es) per replica, sequence length {cfg['seq_length']}, high failure rate; "
+        f"mean of {len(all_seeds)} seeds, band = min-max over seeds"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
