@@ -78,6 +78,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def microbatches_per_replica(cfg: Dict[str, Any]) -> int:
+    """M of a study's recipe: its global batch over micro-batch size times replicas."""
+    return cfg["global_batch_size"] // (cfg["micro_batch_size"] * cfg["virtual_replicas"])
+
+
 def spread_pct(ppl: List[float]) -> float:
     """(max - min) / min of the failure-free perplexities, in percent."""
     return 100.0 * (max(ppl) - min(ppl)) / min(ppl)
@@ -298,7 +303,7 @@ def loss_plot(conv: Dict[str, Any], policies: List[str], path: Path) -> None:
     cfg = conv["config"]
     fig.suptitle(
         f"n = {cfg['virtual_replicas']} simulated replicas, "
-        f"{cfg['global_batch_size'] // (cfg['micro_batch_size'] * cfg['virtual_replicas'])} "
+        f"{microbatches_per_replica(cfg)} "
         f"micro-batch(es) per replica, sequence length {cfg['seq_length']}, high failure rate; "
         f"mean of {len(all_seeds)} seeds, band = min-max over seeds"
     )
@@ -355,7 +360,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     conv = json.loads((out / "convergence.json").read_text())
     cfg = conv["config"]
     seeds, n = cfg["seeds"], cfg["virtual_replicas"]
-    m = cfg["global_batch_size"] // (cfg["micro_batch_size"] * n)  # micro-batches per replica
+    m = microbatches_per_replica(cfg)
     policies = [p for p in ("neighbor", "spread", "exact", "drop", "auto") if p in cfg["policies"]]
     runs = conv["runs"]
     # A seed counts for a policy when its failure-free run and the policy's finished (a study
