@@ -137,25 +137,23 @@ BENCH_LOG := results/logs
 # runs do not stall or spike at peak LR (3e-3 after 10 did, seed by seed).
 # Hidden size 96 and sequence length 64 (the trainer's defaults: 128 and 128) and the gradient
 # error on every 10th degraded iteration: what fit the time on the shared 2-core machine.
-CONVERGENCE_N32_RECIPE = --virtual-replicas 32 --micro-batch-size 1 --global-batch-size 32 \
-	--hidden-size 96 --seq-length 64 --train-iters 400 --lr 1e-3 --min-lr 1e-4 \
-	--lr-warmup-iters 80 --adam-beta2 0.95 --clip-grad 1.0 --eval-interval 25 \
-	--grad-error-interval 10
+CONVERGENCE_N32_COMMON = --virtual-replicas 32 --micro-batch-size 1 --hidden-size 96 \
+	--train-iters 400 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 80 --adam-beta2 0.95 \
+	--clip-grad 1.0 --eval-interval 25 --grad-error-interval 10
+CONVERGENCE_N32_RECIPE = $(CONVERGENCE_N32_COMMON) --global-batch-size 32 --seq-length 64
 # The study (make bench-convergence): 5 seeds x (failure-free + 5 policies) x 400 iterations,
 # 2 runs at once; one run took 167 s on the quiet machine and up to 876 s under load.
-CONVERGENCE_N32 = $(CONVERGENCE_N32_RECIPE) --scenarios high \
-	--policies neighbor spread exact drop auto --seeds 1234 1235 1236 1237 1238 --jobs 2 \
-	--master-port 29571 --output-dir results/convergence_n32
+CONVERGENCE_N32_STUDY = --scenarios high --policies neighbor spread exact drop auto \
+	--seeds 1234 1235 1236 1237 1238 --jobs 2
+CONVERGENCE_N32 = $(CONVERGENCE_N32_RECIPE) $(CONVERGENCE_N32_STUDY) --master-port 29571 \
+	--output-dir results/convergence_n32
 # The same study with 2 micro-batches per replica (global batch 64, sequence length 32: the
 # same tokens per step as the first): the regime of a real job, whose global batch is several
 # micro-batches per replica. There spread's busiest replica runs its own micro-batches plus one
 # absorbed, so spread is the fastest lossless policy as well as within the budget. Its planner
 # uses the first configuration's gradient-error calibration (the probes are not rerun).
-CONVERGENCE_N32_M2 = --virtual-replicas 32 --micro-batch-size 1 --global-batch-size 64 \
-	--hidden-size 96 --seq-length 32 --train-iters 400 --lr 1e-3 --min-lr 1e-4 \
-	--lr-warmup-iters 80 --adam-beta2 0.95 --clip-grad 1.0 --eval-interval 25 \
-	--grad-error-interval 10 --scenarios high --policies neighbor spread exact drop auto \
-	--seeds 1234 1235 1236 1237 1238 --jobs 2 --order priority --master-port 29621 \
+CONVERGENCE_N32_M2 = $(CONVERGENCE_N32_COMMON) --global-batch-size 64 --seq-length 32 \
+	$(CONVERGENCE_N32_STUDY) --order priority --master-port 29621 \
 	--output-dir results/convergence_n32_m2
 # make bench's short version (not timed here): the same recipe, 2 seeds, 60 iterations,
 # neighbor / spread / auto only; not a result (too short to resolve a gap), a check that the

@@ -105,7 +105,8 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
             try:  # a hint for the coordinator (a death is found without it): best effort
                 session.ms.report_error(gen.number, session.slot, error)
             except RuntimeError as err:
-                error += f" (not reported: {str(err).splitlines()[0][:200]})"
+                reason = str(err).partition("\n")[0][:200]  # an empty message has no line 0
+                error += f" (not reported: {reason})"
             print(
                 f"> MeCeFO recovery: rank {session.slot} left generation {gen.number}: {error}",
                 flush=True,
