@@ -4,7 +4,8 @@ PHASE is one of :data:`PHASES`: ``forward`` (the first micro-batch's forward sta
 ``backward`` (the first backward starts), ``grad-sync`` (the data-parallel gradient sync is
 about to start), ``optimizer`` (the commit vote passed, the update is about to run) or
 ``between`` (after iteration ITERATION committed, before the next one starts); and, for tests
-of a failure during a recovery, ``regroup`` and ``heal`` (:data:`RECOVERY_PHASES`). Any field may be
+of a failure during a recovery, ``regroup``, ``world``, ``groups`` and ``heal``
+(:data:`RECOVERY_PHASES`). Any field may be
 ``?``: it is drawn from a ``random.Random(seed)``, so every rank draws the same kill. Each kill
 fires once per job (a replacement process of the same rank does not fire it again). An
 external ``kill -9`` is handled the same way.
@@ -19,11 +20,21 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
-PHASES = ("forward", "backward", "grad-sync", "optimizer", "between", "regroup", "heal")
-RECOVERY_PHASES = ("regroup", "heal")
+PHASES = (
+    "forward", "backward", "grad-sync", "optimizer", "between", "regroup", "heal", "world",
+    "groups",
+)  # fmt: skip
+RECOVERY_PHASES = ("regroup", "heal", "world", "groups")
 """Phases inside a recovery, for tests of a failure during a failure: ``regroup`` fires in a
-survivor that has just left a world whose iteration ITERATION (or later) failed, ``heal`` in a
-joiner about to receive its state at a rejoin at iteration ITERATION or later."""
+survivor that has just left a world whose iteration ITERATION (or later) failed; ``world`` in
+such a survivor once every member of the next generation arrived in the store, just before
+``init_process_group`` (the others then wait in its rendezvous for this rank); ``groups`` in
+it once that world exists, before the trainer builds Megatron's groups (the others wait in a
+``new_group``'s rendezvous); ``heal`` in a joiner about to receive its state at a rejoin at
+iteration ITERATION or later."""
+RANDOM_PHASES = PHASES[:7]
+"""What a ``?`` phase is drawn from: the phases before ``world`` and ``groups`` were added, so
+that a seeded schedule draws the kills it drew before."""
 
 
 class KillSpecError(ValueError):
@@ -63,7 +74,7 @@ def parse_kills(
             raise KillSpecError(
                 f"--mecefo-kill={spec}: RANK and ITERATION must be integers or ?"
             ) from None
-        phase = rng.choice(PHASES) if phase == "?" else phase
+        phase = rng.choice(RANDOM_PHASES) if phase == "?" else phase
         if phase not in PHASES:
             raise KillSpecError(f"--mecefo-kill={spec}: PHASE must be one of {', '.join(PHASES)}")
         if not 0 <= rank < world_size:

@@ -61,6 +61,9 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
     gc.freeze()
     session.ms.mark_ready(session.slot, session.inc, {"pid": os.getpid(), "t": time.time()})
     after = -1
+    # The iteration the last failure cut off, while its recovery lasts (the recovery-phase
+    # kills of fault_injection.py): kept when a world fails before its trainer was built.
+    recovering = 0
     while True:
         gen = session.wait_for_membership(after)
         if gen is None:
@@ -73,15 +76,18 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
         session.times["arrived"] = time.time()
         trainer, outcome, error = None, "failed", ""
         try:
+            session.injector.phase("world", recovering)
             session.init_world(gen)
             session.times["world"] = time.time()
+            session.injector.phase("groups", recovering)
             trainer = make_trainer(session)
             trainer.train()
             outcome = "done"
         except RegroupRequest:
             outcome = "planned"
         except (RuntimeError, OSError) as err:  # gloo: "Connection closed by peer", timeouts
-            outcome, error = "failed", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            first_line = str(err).partition("\n")[0]  # an empty message has no line 0
+            outcome, error = "failed", f"{type(err).__name__}: {first_line[:300]}"
             if os.environ.get("MECEFO_RECOVERY_TRACE"):
                 traceback.print_exc()
         if outcome == "done":
@@ -112,6 +118,7 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
                 flush=True,
             )
         failed_iteration = trainer.iteration + 1 if getattr(trainer, "built", False) else 0
+        recovering = (failed_iteration or recovering) if outcome == "failed" else 0
         session.leave(trainer, planned=outcome == "planned")
         trainer = None
         if outcome == "failed":

@@ -49,6 +49,7 @@ from megatron_mecefo.recovery.state_transfer import (
 )
 from megatron_mecefo.recovery.step_hooks import install_commit_vote
 from megatron_mecefo.recovery.store_failover import store_ports
+from megatron_mecefo.recovery.world_store import BuildAborter, WorldBuildAborted, WorldStore
 
 
 class RegroupRequest(RuntimeError):
@@ -254,14 +255,14 @@ class RecoverySession:
             import torch
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # The watchdog runs from before the world's rendezvous: a member that dies while the
+        # world is built (in init_process_group's or a new group's store wait, or in the
+        # heal) must not leave the others waiting for the store timeout (world_store.py).
+        world_store = WorldStore()
+        self._start_watchdog(gen, BuildAborter(self.aborter, world_store))
         # The store that serves now: the standby's, once node 0's was lost.
         host, port = self.ms.address().rsplit(":", 1)
-        store = dist.TCPStore(
-            host,
-            int(port),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=self.cfg.init_timeout_s),
-        )
+        store = world_store.connect(host, int(port), self.cfg.init_timeout_s)
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore(f"world{gen.number}/", store),
@@ -270,6 +271,8 @@ class RecoverySession:
             timeout=datetime.timedelta(seconds=self.cfg.collective_timeout_s),
         )
         self.aborter.arm()
+        if world_store.aborted:  # an abort before arm() cleared it: this world is over
+            raise WorldBuildAborted("a newer generation was announced")
         self.rank = rank
         self.gen = gen
 
@@ -368,14 +371,17 @@ class RecoverySession:
         self._hook(trainer)
         self.times["built"] = time.time()
         self.record_pending = gen.number > 0
-        # The watchdog sleeps in a store wait on the next generation's key (woken the moment
-        # it is published, no polling), on a client of its own: a waiting client holds its
-        # lock, and the previous generation's watchdog may still be in its last wait.
+
+    def _start_watchdog(self, gen: Generation, aborter: Any) -> None:
+        """Watch for a failure generation after ``gen`` until :meth:`leave`. It sleeps in a
+        store wait on the next generation's key (woken the moment it is published, no
+        polling), on a client of its own: a waiting client holds its lock, and the previous
+        generation's watchdog may still be in its last wait."""
         watch = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
         self.watchdog = GenerationWatchdog(
             watch.generation_number,
             gen.number,
-            self.aborter,
+            aborter,
             WATCHDOG_WAIT_S,
             is_failure=lambda n: watch.generation(n).at_iteration is None,
             wait_after=watch.wait_generation_after,

@@ -109,6 +109,32 @@ def test_real_sigkill_survived_in_process_equals_simulated(
     assert schedule == ["1:3"]
 
 
+@pytest.mark.parametrize(
+    "second", [pytest.param("world", marks=pytest.mark.slow), "groups"]
+)  # fmt: skip
+def test_second_death_while_the_world_is_built(
+    megatron_lm: Path, tmp_path: Path, second: str
+) -> None:
+    """DP4: rank 1 dies in iteration 3; rank 3 dies while the survivors build the next world
+    (before init_process_group, or before pretrain() builds Megatron's groups). The others
+    leave that rendezvous when the next generation is published, not at the store timeout,
+    and redo iteration 3 without replicas 1 and 3."""
+    argv = ["--train-iters", "8"]
+    save = tmp_path / "real"
+    kills = ["--mecefo-kill", "1:3:backward", "--mecefo-kill", f"3:3:{second}"]
+    rc, real = supervised(megatron_lm, [*argv, *MECEFO, *kills, "--save", str(save)], tmp_path)
+    assert rc == 0, real[-6000:]
+    assert "wait timeout" not in real and "loading checkpoint" not in real, real[-6000:]
+    records = _records(tmp_path)
+    # Generation 1 (rank 1 lost) never redid its iteration: one record, of generation 2.
+    assert [(r["ranks_lost"], r["iteration"]) for r in records] == [([3], 3)], records
+    # The store timeout is 30 s: a rank left in the rendezvous would take that long.
+    assert records[0]["total_s"] is not None and records[0]["total_s"] < 10, records
+    print(f"second death at {second}: kill -> redone {records[0]['total_s']:.2f} s")
+    schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
+    assert sorted(schedule) == ["1:3", "3:3"], schedule
+
+
 def test_sigterm_saves_and_the_run_resumes_there(megatron_lm: Path, tmp_path: Path) -> None:
     """Slurm's ``--signal`` before the time limit: the supervisor passes SIGTERM to the ranks,
     Megatron-LM's ``--exit-signal-handler`` saves at the next iteration boundary and every

@@ -170,6 +170,34 @@ def test_dp4_two_replicas_lost(tmp_path: Path, second: str) -> None:
     assert sorted(job.params()) == [0, 3] and diff <= PARAM_ATOL
 
 
+@pytest.mark.parametrize("second", ["world", "groups"])
+def test_dp4_second_death_while_the_world_is_built(tmp_path: Path, second: str) -> None:
+    """Rank 1 dies in iteration 3; rank 3 dies while the survivors build the next world: all
+    members arrived in the store and it dies before init_process_group (``world``: the others
+    wait in gloo's rendezvous for its address), or once the world exists, before Megatron's
+    groups (``groups``: the others wait in a new_group's rendezvous). They leave that store
+    wait when the next generation is published, not at the store timeout (30 s), and redo
+    iteration 3 with both replicas taken over (equal to the simulated run)."""
+    args = _layout(1, 1, 4, 8, 16) + ["--optimizer", "sgd", "--lr", "0.05"]
+    kills = ["--mecefo-kill", "1:3:backward", "--mecefo-kill", f"3:3:{second}"]
+    job = _run_job(tmp_path / "real", 4, args + kills)
+    log = job.log()
+    assert log.count("died: SIGKILL") == 2, log[-4000:]
+    assert "wait timeout" not in log and not left_by_timeout(log), log[-4000:]
+    check_every_sample_once(train_records(job.metrics), 8, 16)
+    records = job.records_of("recovery")
+    # Generation 1 (rank 1 lost) never redid its iteration: one record, of generation 2.
+    assert [rec["ranks_lost"] for rec in records] == [[3]], records
+    redone = [rec for rec in records if rec["iteration"] == 3 and rec["total_s"] is not None]
+    # The store timeout is 30 s: a rank left in the rendezvous would take that long.
+    assert redone and max(rec["total_s"] for rec in redone) < 10, records
+    sim = run_torchrun(tmp_path / "sim", 4, args + ["--mecefo-fail", "1:3", "--mecefo-fail", "3:3"])
+    diff = max_param_diff(job.params(), sim)
+    total = redone[0]["total_s"]
+    print(f"second death at {second}: kill -> redone {total:.2f} s; max |param diff| {diff:.2e}")
+    assert sorted(job.params()) == [0, 2] and diff <= PARAM_ATOL
+
+
 @pytest.mark.slow
 def test_dp4_kill_during_rejoin(tmp_path: Path) -> None:
     """The replacement dies while it receives its state: the survivors regroup again, a second
