@@ -81,7 +81,8 @@ class DevTools:
             [
                 binary, "--headless=new", "--remote-debugging-pipe", "--no-sandbox",
                 "--disable-gpu", "--no-first-run", "--no-default-browser-check",
-                "--hide-scrollbars", f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}",
+                "--hide-scrollbars", f"--user-data-dir={profile}",
+                f"--window-size={WIDTH},{HEIGHT}",
                 "about:blank",
             ],  # fmt: skip
             pass_fds=(3, 4),
@@ -215,9 +216,5 @@ def test_no_code_block_on_the_megatron_lm_page_is_cut_off(
     """At 1280 px every code block on the Megatron-LM page shows its longest line whole."""
     blocks = rendered["megatron-lm"]["blocks"]
     assert len(blocks) >= 4, blocks
-    cut = [
-        b
-        for b in blocks
-        if b["pre"][0] > b["pre"][1] + 1 or b["code"][0] > b["code"][1] + 1
-    ]
+    cut = [b for b in blocks if b["pre"][0] > b["pre"][1] + 1 or b["code"][0] > b["code"][1] + 1]
     assert not cut, "code blocks wider than the page at 1280 px: " + json.dumps(cut, indent=1)
