@@ -254,3 +254,21 @@ docs: venv
 
 flags-doc: venv
 	$(PY) scripts/render_flags.py
+
+# The built site in headless Chromium (tests/integration/docs/test_site_render.py): the home,
+# Megatron-LM and results pages render, and no code block on the Megatron-LM page is cut off
+# at 1280 px; then the docs' unit tests (status table, README's first screen, the results
+# page's numbers against results/*.json). Installs Debian's chromium with apt when it is
+# missing (root), as make test-slurm installs its packages. MECEFO_SCREENSHOT_DIR=DIR keeps
+# each page's screenshot.
+.PHONY: test-docs
+test-docs: docs
+	@command -v chromium > /dev/null || command -v chromium-browser > /dev/null || { \
+	    if [ "$$(id -u)" -ne 0 ] || ! command -v apt-get > /dev/null; then \
+	        echo "make test-docs: no chromium, and it cannot be installed here (needs root" \
+	            "and apt-get): install Debian's chromium package and rerun" >&2; exit 1; fi; \
+	    echo "make test-docs: installing chromium with apt-get"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium > /dev/null; }
+	MECEFO_SITE_DIR=site MECEFO_REQUIRE_BROWSER=1 $(PY) -m pytest -q \
+	    tests/integration/docs/test_site_render.py tests/unit/docs
