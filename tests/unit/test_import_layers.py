@@ -142,9 +142,7 @@ def find_circles(graph: Dict[str, Set[Tuple[str, int]]]) -> List[List[str]]:
 
 def _edges_within(graph: Dict[str, Set[Tuple[str, int]]], members: List[str]) -> List[str]:
     inside = set(members)
-    return sorted(
-        f"{m}:{line} -> {t}" for m in members for t, line in graph[m] if t in inside
-    )
+    return sorted(f"{m}:{line} -> {t}" for m in members for t, line in graph[m] if t in inside)
 
 
 def test_layers_name_every_subsystem() -> None:
@@ -152,9 +150,9 @@ def test_layers_name_every_subsystem() -> None:
     names = [name for layer in LAYERS for name in layer]
     assert len(names) == len(set(names)), names
     present = {subsystem(m) for m in _modules()}
-    assert present == set(names), (
-        f"not in LAYERS: {present - set(names)}; in LAYERS but gone: {set(names) - present}"
-    )
+    assert present == set(
+        names
+    ), f"not in LAYERS: {present - set(names)}; in LAYERS but gone: {set(names) - present}"
 
 
 def test_the_scan_sees_function_level_and_relative_imports(tmp_path: Path) -> None:
