@@ -29,6 +29,7 @@ __all__ = [
     "check_parsed_args",
     "check_recovery_args",
     "check_token_ids",
+    "data_prefixes",
     "extra_args_provider",
     "job_args",
     "train_iters",
