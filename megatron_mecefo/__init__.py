@@ -9,6 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# Plugs --mecefo-policy auto (the planner) into the takeover's config and flags; torch-free.
+import megatron_mecefo.planner  # noqa: F401
+
 __version__ = "0.1.0"
 
 _LAZY = {

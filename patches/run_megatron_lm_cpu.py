@@ -9,6 +9,10 @@ few extra shims that ``megatron/training`` needs (``megatron_mecefo.runtime.mega
 then executes the checkout's ``pretrain_gpt.py`` as ``__main__`` (in this module's namespace,
 see the comment in :func:`main`) with the remaining arguments.
 
+Given ``--mecefo`` or a ``--mecefo-*`` flag, it first checks that the script carries the
+patch (:mod:`megatron_mecefo.megatron_lm.patch_check`) and, if not, says how to apply it in
+one line (exit 2).
+
 ``megatron.core`` is imported from the installed megatron-core wheel, not from the checkout:
 the checkout is *appended* to ``sys.path``, so the wheel's ``megatron/core`` (the same 0.16.1
 sources, plus the prebuilt dataset helpers ``helpers_cpp``) wins, and only
@@ -69,6 +73,14 @@ _TRAINING_DEPS = {"six": "six", "regex": "regex", "yaml": "pyyaml", "pydantic": 
 
 def main() -> None:
     mlm_dir, script, rest = _split_argv(sys.argv[1:])
+    from megatron_mecefo.megatron_lm.patch_check import mecefo_flag, missing_patch_message
+
+    flag = mecefo_flag(rest)
+    message = missing_patch_message(script, flag) if flag else None
+    if message is not None:  # else Megatron-LM says only "unrecognized arguments: --mecefo"
+        from megatron_mecefo.errors import fail
+
+        fail(message, "pretrain_gpt.py")
     import importlib.util
 
     missing = [pkg for mod, pkg in _TRAINING_DEPS.items() if importlib.util.find_spec(mod) is None]

@@ -29,14 +29,22 @@ it (``MECEFO_RECOVERY`` set) ``pretrain`` runs through the recovery session's ge
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron_mecefo.cli import exit_with_config_error
+from megatron_mecefo.megatron_lm.flags import check_recovery_args, job_args
 from megatron_mecefo.recovery.config import ENV
+
+__all__ = [
+    "MegatronLMTrainer",
+    "check_recovery_args",
+    "job_args",
+    "maybe_wrap_for_inprocess_restart",
+    "run_pretrain",
+]
 
 _TRAINING = "megatron.training.training"
 _ACTIVE: Optional["MegatronLMTrainer"] = None
@@ -69,103 +77,6 @@ def maybe_wrap_for_inprocess_restart(pretrain: Callable) -> Tuple[Callable, Any]
         run_pretrain(pretrain, a, kw)
 
     return recoverable, None
-
-
-def check_recovery_args(args: Any) -> None:
-    """Start-up checks of Megatron-LM's parsed flags for ``--mecefo-kill`` and the supervisor
-    (the parser hook of :func:`.integration.extra_args_provider` calls it); under the
-    supervisor it also hands the collective timeout to ``--distributed-timeout-minutes``."""
-    from megatron_mecefo.recovery.arguments import validate
-    from megatron_mecefo.recovery.config import RecoveryConfig
-    from megatron_mecefo.takeover.config import MecefoConfigError
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        job = job_args(args, world)
-    except MecefoConfigError as err:  # a bad --mecefo-* value, found before its own check
-        exit_with_config_error(err)
-    message = validate(job, world)
-    if message:
-        exit_with_config_error(
-            message.replace("examples/pretrain_gpt/pretrain_gpt.py", "pretrain_gpt.py")
-        )
-    config = RecoveryConfig.from_env()
-    if config is None:
-        return
-    if getattr(args, "inprocess_restart", False):
-        exit_with_config_error(
-            "--inprocess-restart cannot run under the MeCeFO recovery supervisor (it re-enters "
-            "pretrain() itself); drop --inprocess-restart"
-        )
-    for flag, value, ok in (
-        ("--context-parallel-size", getattr(args, "context_parallel_size", 1) or 1, 1),
-        ("--use-tp-pp-dp-mapping", bool(getattr(args, "use_tp_pp_dp_mapping", False)), False),
-        ("--num-experts", getattr(args, "num_experts", None), None),
-    ):
-        if value != ok:
-            exit_with_config_error(
-                f"{flag}={value} under the MeCeFO recovery supervisor: its membership assumes "
-                "TP x PP x DP ranks in Megatron's default order (tp-cp-ep-dp-pp) with no "
-                f"context or expert parallelism; drop {flag}"
-            )
-    from megatron_mecefo.snapshot.arguments import SnapshotFlagError
-    from megatron_mecefo.snapshot.arguments import validate as validate_snapshots
-
-    try:
-        snapshots = validate_snapshots(args, job.data_parallel_size)
-    except SnapshotFlagError as err:
-        exit_with_config_error(err)
-    if getattr(args, "use_distributed_optimizer", False) and not (
-        snapshots is not None and snapshots.redundancy
-    ):
-        # A dead rank's optimizer shard dies with it; Megatron-LM's checkpoints are not a
-        # fallback here (the example trainer's disk fallback is not wired into its loop).
-        exit_with_config_error(
-            "--use-distributed-optimizer under the MeCeFO recovery supervisor: a dead rank's "
-            "optimizer shard must be rebuilt from its peers' in-memory snapshots and parity; "
-            "add --mecefo-snapshot-interval 1 --mecefo-snapshot-redundancy 1, or drop "
-            "--use-distributed-optimizer"
-        )
-    # Every group Megatron-LM creates waits at most the supervisor's backstop.
-    args.distributed_timeout_minutes = config.collective_timeout_s / 60.0
-
-
-def job_args(args: Any, world_size: int) -> argparse.Namespace:
-    """What the recovery session reads of the job, from Megatron-LM's parsed flags."""
-    from megatron_mecefo.takeover.config import FaultToleranceConfig
-
-    tp = int(args.tensor_model_parallel_size)
-    pp = int(args.pipeline_model_parallel_size)
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    dp = max(world_size // (tp * pp * cp), 1)
-    gbs = args.global_batch_size or args.micro_batch_size * dp
-    train_iters = args.train_iters or (args.train_samples or 0) // gbs
-    try:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    except ImportError:  # the flag checks run before torch is needed
-        device = "cpu"
-    return argparse.Namespace(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        data_parallel_size=dp,
-        world_size=world_size,
-        global_batch_size=gbs,
-        train_iters=train_iters,
-        mecefo=bool(getattr(args, "mecefo", False)),
-        mecefo_kill=list(getattr(args, "mecefo_kill", None) or []),
-        mecefo_seed=getattr(args, "mecefo_seed", None),
-        seed=args.seed,
-        mecefo_grad_error_interval=getattr(args, "mecefo_grad_error_interval", 0),
-        mecefo_config=FaultToleranceConfig.from_args(args),
-        device=device,
-        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-        # Megatron-LM's checkpoints are not the recovery's disk fallback (that path is the
-        # example trainer's): the session must not count on them.
-        save=None,
-        load=None,
-    )
 
 
 def run_pretrain(pretrain: Callable, a: tuple, kw: Dict[str, Any]) -> None:

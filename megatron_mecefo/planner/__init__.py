@@ -12,6 +12,17 @@ low-rank r within the user's budgets, with the predicted step time and transitio
 :mod:`.auto_policy` runs it inside the controller; :mod:`.calibration` builds its cost profile
 from the benchmark results and reports prediction against measurement.
 
+Importing this package plugs ``auto`` into the takeover's config and flags
+(:func:`megatron_mecefo.takeover.config.register_auto_policy`: the takeover, below the planner,
+does not import it); ``megatron_mecefo/__init__.py`` imports it, so any import of the package
+does. Torch-free.
+
 Uses: :mod:`megatron_mecefo.takeover` (the real plans of the real policies). Used by: the
 benchmarks, ``benchmarks/cluster_sim.py`` and the trainers (``--mecefo-policy auto``).
 """
+
+from megatron_mecefo.planner.arguments import add_planner_arguments
+from megatron_mecefo.planner.config import AutoPolicyConfig
+from megatron_mecefo.takeover.config import register_auto_policy
+
+register_auto_policy(AutoPolicyConfig, add_planner_arguments)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_mecefo.planner.arguments import add_planner_arguments
-from megatron_mecefo.takeover.config import POLICY_NAMES, SCHEDULES
+from megatron_mecefo.takeover.config import POLICY_NAMES, SCHEDULES, auto_policy
 from megatron_mecefo.techniques.config import BASIS_METHODS
 
 
@@ -29,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "drop (skip the failed replica's samples), auto (the recovery planner picks one per "
         "failure event within the budgets below).",
     )
-    add_planner_arguments(g)  # --mecefo-policy auto's, listed after it
+    # --mecefo-policy auto's (the planner's, registered with the config), listed after it.
+    auto_policy("add_arguments")(g)
     g.add_argument("--mecefo-rank", type=int, default=128, help="r of the low-rank FFN wgrad.")
     g.add_argument(
         "--mecefo-basis-interval",

@@ -2,6 +2,10 @@
 techniques; the planner's in :mod:`megatron_mecefo.planner.config`), their start-up checks and
 the objects they build: the failure schedule, the policy and the controller.
 
+``--mecefo-policy auto`` is the planner's, a subsystem above this one: the planner plugs its
+settings class and flags in with :func:`register_auto_policy` when it is imported (the package's
+``__init__`` imports it), so the takeover never imports the planner.
+
 :meth:`FaultToleranceConfig.from_args` reads the flags of :mod:`.arguments`;
 :meth:`FaultToleranceConfig.validate` checks them against the job, raising
 :class:`MecefoConfigError` with a message that names the flag, the value and the fix, before any
@@ -11,9 +15,8 @@ collective runs. Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-from megatron_mecefo.planner.config import AutoPolicyConfig
 from megatron_mecefo.takeover.config_error import MecefoConfigError
 from megatron_mecefo.techniques.config import MecefoConfig
 
@@ -23,6 +26,8 @@ __all__ = [
     "SCHEDULES",
     "FaultToleranceConfig",
     "MecefoConfigError",
+    "auto_policy",
+    "register_auto_policy",
 ]
 
 POLICY_NAMES = ("neighbor", "spread", "exact", "drop", "auto")
@@ -30,6 +35,37 @@ SCHEDULES = ("none", "scripted", "low", "mid", "high", "poisson", "replay")
 MAX_NOMINAL_STEP_TIME_S = 3600.0
 """Largest ``--mecefo-nominal-step-time``: an iteration longer than an hour is a unit mistake
 (the paper's scenarios fail a replica every 0.5-2 h)."""
+
+_AUTO_POLICY: Dict[str, Any] = {}
+"""What :func:`register_auto_policy` plugged in: ``settings`` (a class) and ``add_arguments``."""
+
+
+def register_auto_policy(settings: type, add_arguments: Callable[[Any], None]) -> None:
+    """Plug ``--mecefo-policy auto`` into the takeover (the planner does, on import).
+
+    Args:
+        settings: The class of :attr:`FaultToleranceConfig.planner`
+            (:class:`~megatron_mecefo.planner.config.AutoPolicyConfig`): built with no
+            arguments or by ``settings.from_args(args)``; it provides ``validate``,
+            ``planner_config`` and ``build_policy``.
+        add_arguments: Adds its flags to the MeCeFO argument group
+            (:func:`~megatron_mecefo.planner.arguments.add_planner_arguments`).
+    """
+    _AUTO_POLICY.update(settings=settings, add_arguments=add_arguments)
+
+
+def auto_policy(what: str) -> Any:
+    """The registered ``settings`` class or ``add_arguments`` function of ``auto``."""
+    if what not in _AUTO_POLICY:
+        raise RuntimeError(
+            "--mecefo-policy auto is not plugged in: import megatron_mecefo.planner (importing "
+            "megatron_mecefo does), which registers it with register_auto_policy"
+        )
+    return _AUTO_POLICY[what]
+
+
+def _default_planner_settings() -> Any:
+    return auto_policy("settings")()
 
 
 @dataclass
@@ -69,7 +105,7 @@ class FaultToleranceConfig:
     grad_error_interval: int = 0
     """Every K-th degraded iteration, log the gradient's error against the failure-free one."""
 
-    planner: AutoPolicyConfig = field(default_factory=AutoPolicyConfig)
+    planner: Any = field(default_factory=_default_planner_settings)
     """``--mecefo-policy auto``: the recovery planner's budgets, rank bounds and profile."""
 
     def build_policy(
@@ -164,7 +200,7 @@ class FaultToleranceConfig:
             failure_trace=args.mecefo_failure_trace,
             seed=seed,
             grad_error_interval=args.mecefo_grad_error_interval,
-            planner=AutoPolicyConfig.from_args(args),
+            planner=auto_policy("settings").from_args(args),
         )
 
     def validate(

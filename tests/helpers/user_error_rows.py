@@ -69,16 +69,17 @@ def supervised(*trainer_flags: str, sup: tuple[str, ...] = ()) -> list[str]:
             *trainer_flags]  # fmt: skip
 
 
-def megatron_lm(*flags: str) -> list[str]:
-    """Megatron-LM's pretrain_gpt.py on CPU (the ``mlm`` fixture's tree), a tiny mock run."""
+def megatron_lm(*flags: str, mock: bool = True) -> list[str]:
+    """Megatron-LM's pretrain_gpt.py on CPU (the ``mlm`` fixture's tree), a tiny run on mock
+    data (``mock=False``: the flags give the data)."""
     from megatron_mecefo.runtime.megatron_lm_cpu import CPU_FLAGS
 
     return [PY, str(REPO / "patches" / "run_megatron_lm_cpu.py"), "--megatron-lm-dir",
             "{mlm}", *CPU_FLAGS, "--num-layers", "2", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings",
-            "64", "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--train-iters", "2",
-            "--lr", "1e-3", *flags]  # fmt: skip
+            "64", "--micro-batch-size", "2", "--global-batch-size", "16",
+            *(["--mock-data"] if mock else []), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "128", "--train-iters", "2", "--lr", "1e-3", *flags]  # fmt: skip
 
 
 # ---------------------------------------------------------------- actions of the signal rows
@@ -390,6 +391,27 @@ ROWS = [
     Row("mlm-save-unwritable", "flags", megatron_lm("--mecefo", "--mecefo-rank", "16",
         "--save", "/proc/mecefo_ckpt"), 2, TP, ["--save /proc/mecefo_ckpt", "cannot write"],
         rank_env(), needs=("mlm",), startup_s=60),
+    # Issue 45: four mistakes that used to end in argparse's "unrecognized arguments", in an
+    # IndexError on every rank, or in a run that quietly did less than asked.
+    Row("mlm-without-patch", "flags", megatron_lm("--mecefo", "--mecefo-rank", "16",
+        "--pretrain-script", "{mlm_stock}"), 2, TP,
+        ["--mecefo: ", "does not have the MeCeFO patch", "git apply", "megatron-lm-<tag>.patch"],
+        rank_env(), needs=("mlm", "mlm_stock"), startup_s=60),
+    Row("mlm-abft-layer-beyond-model", "flags", megatron_lm("--mecefo-abft-inject",
+        "kind=inf,op=scores,layer=9,iter=2"), 2, TP,
+        ["--mecefo-abft-inject 'kind=inf,op=scores,layer=9,iter=2'", "layer 9 does not exist",
+         "layers 1..2", "never fire"], rank_env(), needs=("mlm",), startup_s=60),
+    Row("mlm-iterations-to-skip", "flags", megatron_lm("--mecefo", "--mecefo-rank", "16",
+        "--iterations-to-skip", "2"), 2, TP,
+        ["--mecefo with --iterations-to-skip 2", "without an optimizer step",
+         "drop --iterations-to-skip"], rank_env(), needs=("mlm",), startup_s=60),
+    Row("mlm-data-other-tokenizer", "data", megatron_lm("--mecefo", "--mecefo-rank", "16",
+        "--mecefo-policy", "drop", "--data-path", "{data}/foreign", "--split", "100,0,0",
+        mock=False), 1, TP,
+        ["--data-path", "token id 50000", "read all of", "NullTokenizer vocabulary (129 ids)",
+         "another tokenizer"],
+        {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+         "MASTER_PORT": "{free_port}"}, needs=("mlm", "data", "busy_port"), startup_s=90),
     Row("mlm-start-up-failure-supervised", "flags", [*SUPERVISOR, "--nproc-per-node", "2",
         *FAST, "--", *megatron_lm("--mecefo", "--mecefo-rank", "0")[1:]], 2, SUP,
         ["start-up failure", "rank 0", "--mecefo-rank=0", "nothing to resume"],

@@ -138,6 +138,22 @@ def mlm(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tree)
 
 
+@pytest.fixture(scope="module")
+def mlm_stock(mlm: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``pretrain_gpt.py`` as Megatron-LM ships it: the ``mlm`` tree's, the patch reversed."""
+    from megatron_mecefo.megatron_lm.patch_check import is_patched
+
+    folder = tmp_path_factory.mktemp("megatron_lm_stock")
+    script = folder / "pretrain_gpt.py"
+    shutil.copy(Path(mlm) / "pretrain_gpt.py", script)
+    if is_patched(str(script)):
+        patch = REPO / "patches" / "megatron-lm-core_v0.16.1.patch"
+        env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(folder))
+        subprocess.run(["git", "apply", "--reverse", str(patch)], cwd=folder, check=True, env=env)
+    assert not is_patched(str(script))
+    return str(script)
+
+
 @pytest.fixture
 def busy_port() -> dict[str, str]:
     """A port held by a listening socket (in use), and a free port (nothing listens)."""

@@ -1,0 +1,213 @@
+"""MeCeFO in Megatron-LM's training loop: the takeover plan per iteration, and the loader.
+
+:class:`TrainingLoopHooks` is the part of
+:class:`~megatron_mecefo.megatron_lm.integration.MegatronLMIntegration` that wraps five names of
+``megatron.training.training``, only with ``--mecefo``:
+
+* ``get_forward_backward_func``: the replica runs its planned micro-batches (its own, plus a
+  failed replica's, read from the training dataset by sample index) through the
+  :class:`~megatron_mecefo.takeover.controller.MecefoController`, built at the first step;
+* ``finalize_model_grads``: the MHA-group re-weighting after the data-parallel sync (``train()``
+  installs it as ``config.finalize_model_grads_func``; a hook a core_v0.19 builder set is
+  wrapped in place, :meth:`TrainingLoopHooks.finalize_hook`);
+* ``build_pretraining_data_loader``: keeps the training dataset (and, under the recovery
+  supervisor, gives each replica its original share);
+* ``save_checkpoint`` and ``load_checkpoint``: each rank's low-rank basis V
+  (:mod:`.basis_checkpoint`).
+
+Rank 0 prints the plan's announcements and, at exit, the summary.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+from typing import Any, Callable, List, Optional
+
+from megatron_mecefo.megatron_lm.flags import train_iters as _train_iters
+
+__all__ = ["TrainingLoopHooks"]
+
+_TRAINING = "megatron.training.training"
+
+
+class TrainingLoopHooks:
+    """The training-loop hooks; the state is the integration's (``config``, ``state``,
+    ``chunks``, ``controller``, ``train_dataset``, ``loader_offset`` and ``recovery``)."""
+
+    config: Any
+    state: Any
+    chunks: List[Any]
+    controller: Any
+    train_dataset: Any
+    loader_offset: int
+    recovery: Any
+    _hooks_installed: bool
+    _summary_registered: bool
+
+    def _install_training_hooks(self) -> None:
+        if self._hooks_installed:
+            return
+        import importlib
+
+        training = importlib.import_module(_TRAINING)
+        get_fbf = training.get_forward_backward_func
+        finalize = training.finalize_model_grads
+        build_loader = training.build_pretraining_data_loader
+
+        @functools.wraps(get_fbf)
+        def get_forward_backward_func(*a: Any, **kw: Any) -> Callable:
+            return self._forward_backward(get_fbf(*a, **kw))
+
+        @functools.wraps(build_loader)
+        def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
+            if self.train_dataset is None and dataset is not None:
+                # The first call builds the training loader, at Megatron's phase-local offset.
+                from megatron.training import get_args
+
+                self.train_dataset = dataset
+                self.loader_offset = int(get_args().consumed_train_samples) - int(
+                    consumed_samples or 0
+                )
+            if self.recovery is not None:  # each replica reads its original share
+                return self.recovery.build_loader(build_loader, dataset, consumed_samples)
+            return build_loader(dataset, consumed_samples)
+
+        self._finalize = self._wrap_finalize_lazily(finalize)
+        training.get_forward_backward_func = get_forward_backward_func
+        training.finalize_model_grads = self._finalize
+        training.build_pretraining_data_loader = build_pretraining_data_loader
+        # The low-rank basis V (and its refresh step) in the checkpoints.
+        from megatron_mecefo.megatron_lm import basis_checkpoint
+
+        training.save_checkpoint = basis_checkpoint.wrap_save(training.save_checkpoint)
+        training.load_checkpoint = basis_checkpoint.wrap_load(training.load_checkpoint)
+        self._hooks_installed = True
+
+    def _wrap_finalize_lazily(self, finalize: Callable) -> Callable:
+        @functools.wraps(finalize)
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            if self.recovery is not None:  # kill injection (--mecefo-kill R:I:grad-sync)
+                from megatron.training import get_args
+
+                self.recovery.phase("grad-sync", get_args().curr_iteration + 1)
+            if self.controller is None:
+                return finalize(*a, **kw)
+            return self.controller.wrap_finalize(finalize)(*a, **kw)
+
+        wrapped.mecefo_wrapped = True  # type: ignore[attr-defined]
+        return wrapped
+
+    def finalize_hook(self, config: Any) -> Optional[Callable]:
+        """The model config's ``finalize_model_grads_func``, with the MHA re-weighting.
+
+        Megatron-LM up to core_v0.17 always installs ``finalize_model_grads`` (wrapped here
+        by name). From core_v0.19, ``train()`` keeps a hook a model builder already set, so
+        the name-level wrap never runs; such a hook is wrapped here, in place, on the first
+        training step, so the re-weighting is never skipped silently.
+        """
+        hook = getattr(config, "finalize_model_grads_func", None)
+        if hook is not None and not getattr(hook, "mecefo_wrapped", False):
+            hook = config.finalize_model_grads_func = self._wrap_finalize_lazily(hook)
+        return hook
+
+    # ------------------------------------------------------------------ per iteration
+    def _build_controller(self) -> Any:
+        import torch
+        from megatron.core import parallel_state as ps
+        from megatron.training import get_args
+
+        args = get_args()
+        ft = self.config
+        dp, replica = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        if self.recovery is not None:  # the original replicas, plus the real failures
+            replica, dp = self.recovery.replica_layout()
+            schedule = self.recovery.schedule(lambda: ft.build_schedule(dp, _train_iters(args)))
+        else:
+            schedule = ft.build_schedule(dp, _train_iters(args))
+        self.controller = ft.build_controller(args, self.state, self.chunks, replica, dp, schedule)
+        self._device = next(self.chunks[0].parameters()).device
+        self._collate = torch.utils.data.default_collate
+        from megatron_mecefo.takeover.topology import ORDERS, ReplicaTopology
+
+        order = ORDERS[1] if getattr(args, "use_tp_pp_dp_mapping", False) else ORDERS[0]
+        units = ReplicaTopology.from_parallel_state(order).describe()
+        # Under the supervisor, a later generation's changes are logged by the session.
+        first = self.recovery is None or self.recovery.session.generation == 0
+        if torch.distributed.get_rank() == 0 and first:
+            print(
+                f"> MeCeFO: policy {ft.policy}, {self.controller.schedule.description}; "
+                f"failure units: {units}",
+                flush=True,
+            )
+        if not self._summary_registered:  # once per process, whatever its rank becomes
+            self._summary_registered = True
+            atexit.register(self._summary)
+        return self.controller
+
+    def _fetch(self, indices: List[int]) -> Any:
+        if self.train_dataset is None:
+            return None  # a rank that reads no data (TP rank > 0, middle pipeline stage)
+        return self._collate([self.train_dataset[i] for i in indices])
+
+    def _forward_backward(self, inner: Callable) -> Callable:
+        import torch
+        from megatron.core import parallel_state as ps
+
+        def run(**kw: Any) -> Any:
+            if kw.get("forward_only", False):
+                return inner(**kw)
+            from megatron.training import get_args
+
+            ctrl = self.controller or self._build_controller()
+            args = get_args()
+            from megatron.core.utils import get_model_config
+
+            model = kw["model"]
+            finalize = self.finalize_hook(
+                get_model_config(model[0] if isinstance(model, list) else model)
+            )
+            # The sampler's offset, not the run's: they differ after a phase transition.
+            consumed = args.consumed_train_samples - self.loader_offset
+            ctrl.begin_iteration(args.curr_iteration + 1, consumed)
+            self._log(ctrl)
+            if self.recovery is not None:  # kill injection at forward and backward
+                from megatron_mecefo.recovery.step_hooks import phase_forward_step
+
+                kw["forward_step_func"] = phase_forward_step(
+                    kw["forward_step_func"], self.recovery.phase, args.curr_iteration + 1
+                )
+            wrapped = ctrl.wrap_forward_backward(
+                inner,
+                fetch=self._fetch,
+                finalize=finalize,
+                zero_report=lambda: {"lm loss": torch.zeros(2, device=self._device)},
+                is_last_stage=lambda: ps.is_pipeline_last_stage(ignore_virtual=True),
+            )
+            return wrapped(**kw)
+
+        return run
+
+    def _log(self, ctrl: Any) -> None:
+        import torch
+
+        lines = ctrl.announcements()  # every rank: it records what was announced
+        if torch.distributed.get_rank() == 0:
+            for line in lines:
+                print(line, flush=True)
+
+    def _summary(self) -> None:
+        import torch
+
+        c = self.controller
+        if c is None or (torch.distributed.is_initialized() and torch.distributed.get_rank()):
+            return  # the summary is rank 0's (under recovery: of the last world)
+        print(
+            f"> MeCeFO summary: {c.degraded_iterations} degraded iterations "
+            f"({c.fallback_iterations} with a fallback), samples processed "
+            f"{c.samples_processed} / skipped {c.samples_skipped}",
+            flush=True,
+        )
+        if self.recovery is not None:
+            for key, value in self.recovery.summary_rows():
+                print(f"> MeCeFO recovery summary: {key}: {value}", flush=True)
