@@ -265,6 +265,40 @@ def test_external_signals(megatron_lm: Path, tmp_path: Path, how: str) -> None:
     assert lost == ([1, 3] if how == "two_200ms_apart" else [2]), schedule
 
 
+def test_data_loader_worker_killed(megatron_lm: Path, tmp_path: Path) -> None:
+    """``--num-workers 1``: rank 1's data-loader worker is SIGKILLed from outside mid-run. The
+    rank exits at once (exit code 75) and its replica is taken over as after the rank's own
+    SIGKILL, within seconds, with every sample processed once and no generation without a
+    lost rank (before: the rank left the world alive, and the coordinator formed a generation
+    with nobody lost after its error timeout: 22-29 s)."""
+    import psutil
+
+    argv = ["--train-iters", "40", "--num-workers", "1"]
+    save = tmp_path / "real"
+    killed: List[int] = []
+
+    def kill_worker(proc: subprocess.Popen, log_path: Path) -> None:
+        _wait_for(log_path, "iteration        5/")
+        workers = psutil.Process(_pids(tmp_path)[1]).children()
+        assert workers, "rank 1 has no data-loader worker"
+        killed.append(workers[0].pid)
+        os.kill(workers[0].pid, signal.SIGKILL)
+
+    rc, real = supervised(
+        megatron_lm, [*argv, *MECEFO, "--save", str(save)], tmp_path,
+        supervisor=["--replace", "never"], act=kill_worker,
+    )  # fmt: skip
+    assert rc == 0, real[-6000:]
+    assert killed and "a data-loader worker died" in real, real[-6000:]
+    assert "died: exit code 75" in real, real[-6000:]
+    records = _records(tmp_path)
+    assert [r["ranks_lost"] for r in records] == [[1]], records
+    assert records[0]["total_s"] is not None and 0 <= records[0]["total_s"] < 10, records
+    print(f"data-loader worker killed: kill -> redone {records[0]['total_s']:.2f} s")
+    schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
+    assert [v.split(":")[0] for v in schedule] == ["1"], schedule
+
+
 @pytest.mark.slow
 def test_every_replica_lost_ends_with_one_message(megatron_lm: Path, tmp_path: Path) -> None:
     """DP2 with both replicas killed: one clear message, a non-zero exit, no hang."""
