@@ -42,9 +42,25 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Start one node's training ranks; survive rank deaths (MeCeFO).",
     )
-    p.add_argument("--nproc-per-node", type=int, required=True)
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        required=True,
+        help="training ranks (processes) this supervisor starts on its node",
+    )
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="nodes of the job, one supervisor each; world size = nnodes x nproc-per-node",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's index, 0..nnodes-1 (its ranks start at node-rank x nproc-per-node); "
+        "node 0 hosts the membership store",
+    )
     p.add_argument(
         "--store",
         default=None,
@@ -57,7 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="node 0 (and node 1's standby store): address to serve on",
     )
-    p.add_argument("--store-port", type=int, default=0, help="node 0: 0 = any free port")
+    p.add_argument(
+        "--store-port",
+        type=int,
+        default=0,
+        help="node 0: TCP port of the membership store; 0 = any free port",
+    )
     p.add_argument(
         "--store-file",
         default=None,
@@ -74,14 +95,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d = RecoveryConfig()
     p.add_argument("--replace", default=d.replace, help="never | immediately | after:SECONDS")
-    p.add_argument("--orphan", default=d.orphan, choices=("wait", "exit"))
-    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
-    p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
-    p.add_argument("--collective-timeout", type=float, default=d.collective_timeout_s)
-    p.add_argument("--init-timeout", type=float, default=d.init_timeout_s)
-    p.add_argument("--join-margin", type=int, default=d.join_margin_iterations)
+    p.add_argument(
+        "--orphan",
+        default=d.orphan,
+        choices=("wait", "exit"),
+        help="what the live TP/PP siblings of a dead rank do: wait as spares for the rejoin, "
+        "or exit (their slots are then replaced like dead ones)",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=d.heartbeat_interval_s,
+        help="seconds between two heartbeats of a rank (and between the coordinator's checks)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=d.heartbeat_timeout_s,
+        help="seconds without a heartbeat after which a rank counts as dead (hung) and is "
+        "SIGKILLed; above --heartbeat-interval",
+    )
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=d.collective_timeout_s,
+        help="seconds: backstop timeout of every process group, for a collective a death does "
+        "not wake; above --heartbeat-timeout",
+    )
+    p.add_argument(
+        "--init-timeout",
+        type=float,
+        default=d.init_timeout_s,
+        help="seconds to wait for the store, the other nodes and each new world's rendezvous; "
+        "above --collective-timeout",
+    )
+    p.add_argument(
+        "--join-margin",
+        type=int,
+        default=d.join_margin_iterations,
+        help="iterations after the last committed one at which a rejoin takes effect (>= 2), "
+        "so every rank sees the plan first",
+    )
     p.add_argument("--records", default=None, help="JSONL file for the recovery records")
-    p.add_argument("--max-replacements", type=int, default=8, help="per slot")
+    p.add_argument(
+        "--max-replacements",
+        type=int,
+        default=8,
+        help="most replacements started for one rank slot",
+    )
     p.add_argument(
         "--replace-ranks",
         default=None,
