@@ -4,8 +4,11 @@ Where :mod:`megatron_mecefo.takeover` simulates failures (a "failed" replica's p
 alive), this subpackage handles a rank that really dies (SIGKILL, OOM killer, a lost node):
 
 * :mod:`.supervisor` starts the ranks of one node (like torchrun, without killing survivors),
-  hosts the membership store outside every training rank, reports deaths, starts
-  replacements (:mod:`.replacement`) and, on the first node, runs the :mod:`.coordinator`,
+  reports deaths and starts replacements (:mod:`.replacement`); its flags are
+  :mod:`.supervisor_args`, its process handling :mod:`.processes`, its SIGINT / SIGTERM
+  :mod:`.signals` and its CPU account :mod:`.cost_account`. :mod:`.store_host` hosts the
+  membership store outside every training rank (node 1's standby in the replicated mode:
+  :mod:`.store_mirror`, :mod:`.store_failover`) and, beside it, runs the :mod:`.coordinator`,
   the single writer of the membership generations (:mod:`.membership`);
 * in each rank, :mod:`.session` drives the example trainer through generations: detection
   (:mod:`.heartbeat`, collective errors), release and rebuild of the world (:mod:`.regroup`,

@@ -17,6 +17,13 @@ store, so any rank, rank 0 included, can die. With ``--store-mode replicated`` n
 standby store that takes over, with a coordinator of its own, when node 0 is lost
 (:mod:`~.store_mirror`), and a new node 0 can rejoin there.
 
+This module is the supervisor's loop: it starts, reaps and replaces the ranks of its node and
+acts on the store's events. Its other roles have a module each: the flags and their checks
+(:mod:`.supervisor_args`), starting, watching and killing processes (:mod:`.processes`),
+SIGINT / SIGTERM (:mod:`.signals`), hosting or joining the membership store, its standby and
+the coordinator (:mod:`.store_host`), and its own CPU for the armed-cost account
+(:mod:`.cost_account`).
+
 Exit status: 0 when training finished, 1 when it was aborted or could not start (the
 one-line reason is printed), 2 on a bad flag or a rank's usage error at start-up, 130 / 143
 when stopped by SIGINT / SIGTERM (docs/errors.md lists every error line).
@@ -25,220 +32,65 @@ when stopped by SIGINT / SIGTERM (docs/errors.md lists every error line).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import errno
 import os
-import resource
-import selectors
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
-from megatron_mecefo.errors import (
-    ERROR_FILE_ENV,
-    UserError,
-    check_writable_dir,
-    check_writable_file,
+from megatron_mecefo.errors import ERROR_FILE_ENV, UserError
+from megatron_mecefo.recovery.config import ENV, RecoveryConfig
+from megatron_mecefo.recovery.cost_account import STEADY_FROM_ITERATION, SupervisorCost
+from megatron_mecefo.recovery.processes import (
+    Child,
+    ExitWatch,
+    kill,
+    kill_group,
+    quiet_cpp_log,
+    rank_environment,
+    start_process,
 )
-from megatron_mecefo.recovery.config import ENV, RecoveryConfig, RecoveryConfigError
-from megatron_mecefo.recovery.records import append_jsonl
 from megatron_mecefo.recovery.replacement import build_replacement
-from megatron_mecefo.recovery.store_failover import store_addresses
+from megatron_mecefo.recovery.signals import SIGNALS
+from megatron_mecefo.recovery.store_host import WAIT_REPORT_S, StoreHost
+from megatron_mecefo.recovery.supervisor_args import (
+    PROG,
+    SupervisorError,
+    build_parser,
+    validate,
+)
 
-_QUIET_CPP_LOG = False
-"""Whether :func:`main` set ``TORCH_CPP_LOG_LEVEL`` for this process (not for its ranks)."""
+if TYPE_CHECKING:
+    from megatron_mecefo.recovery.membership import MembershipStore
 
-PROG = "megatron_mecefo.recovery.supervisor"
+__all__ = [
+    "PROG",
+    "SIGNALS",
+    "STEADY_FROM_ITERATION",
+    "STOP_GRACE_S",
+    "WAIT_REPORT_S",
+    "Child",
+    "ExitWatch",
+    "Supervisor",
+    "SupervisorError",
+    "build_parser",
+    "main",
+    "validate",
+]
 
-WAIT_REPORT_S = 5.0
-"""While waiting for nodes or for the store, a line every this many seconds."""
-
-
-class SupervisorError(UserError):
-    """An expected error of the supervisor (a store, a node, a file): one line, exit 1."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, usage=False)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line (no usage dump), exit 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"{PROG}: error: {message} (--help lists the flags)", file=sys.stderr, flush=True)
-        sys.exit(2)
-
-
-class _Signals:
-    """SIGINT / SIGTERM: the first asks the supervisor's loop to stop every rank and standby
-    (it notes the signal; the loop acts within half a heartbeat interval); a second one kills
-    them at once and exits. Neither raises inside the loop (a KeyboardInterrupt used to end in
-    a traceback, a second one in a C++ ``terminate called`` abort at interpreter exit)."""
-
-    def __init__(self) -> None:
-        self.signum: Optional[int] = None
-        self.supervisor: Optional["Supervisor"] = None
-
-    def install(self) -> None:
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
-
-    @staticmethod
-    def code(signum: int) -> int:
-        return 128 + signum
-
-    def _handle(self, signum: int, _frame: object) -> None:
-        sup = self.supervisor
-        running = sup is not None and (sup.children or sup.standby)
-        if self.signum is None and running:
-            self.signum = signum  # the loop stops the ranks (and lets them save, if they can)
-            return
-        name = signal.Signals(signum).name
-        ended = 0
-        if sup is not None:
-            for child in [*sup.children.values(), *sup.standby]:
-                _kill(child.proc.pid)
-                ended += 1
-        what = "second " if self.signum is not None else ""
-        line = f"stopped by a {what}{name}"
-        line += f": {ended} rank and standby processes killed now" if ended else ""
-        print(f"[supervisor node {sup.node if sup else 0}] {line}", flush=True)
-        os._exit(self.code(self.signum or signum))
-
-
-SIGNALS = _Signals()
-
-
-@dataclass
-class Child:
-    """One rank process of this node."""
-
-    slot: int
-    inc: int
-    proc: subprocess.Popen
-    started: float
-
-
-class ExitWatch:
-    """Sleeps until a child process exits or a timeout passes, on Linux pidfds (no polling:
-    the supervisor wakes a few times a second instead of a hundred, and its CPU is taken from
-    the ranks on a shared node). Without pidfds (an old kernel) it sleeps in short steps."""
-
-    def __init__(self, poll_s: float) -> None:
-        self.poll_s = poll_s
-        self.selector = selectors.DefaultSelector()
-        self.fds: Dict[int, int] = {}
-
-    def add(self, pid: int) -> None:
-        try:
-            fd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            return  # polled instead
-        self.fds[pid] = fd
-        self.selector.register(fd, selectors.EVENT_READ, pid)
-
-    def discard(self, pid: int) -> None:
-        fd = self.fds.pop(pid, None)
-        if fd is not None:
-            self.selector.unregister(fd)
-            os.close(fd)
-
-    def wait(self, timeout_s: float, pids: List[int]) -> None:
-        """Return when one of ``pids`` has exited (readable pidfd) or after ``timeout_s``."""
-        if any(pid not in self.fds for pid in pids):
-            timeout_s = min(timeout_s, self.poll_s)
-        self.selector.select(max(timeout_s, 0.0))
-
-
-def _die_with_parent() -> None:
-    """Child pre-exec: a new session (kill by process group) that dies with the supervisor
-    (PR_SET_PDEATHSIG), so killing a node's supervisor takes its ranks with it."""
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog=PROG,
-        description="Start one node's training ranks; survive rank deaths (MeCeFO).",
-    )
-    p.add_argument("--nproc-per-node", type=int, required=True)
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument(
-        "--store",
-        default=None,
-        metavar="HOST:PORT",
-        help="store of node 0; a rejoining node after node 0's loss: HOST:PORT,HOST:PORT (the "
-        "primary and the standby, as node 1's --store-file holds them)",
-    )
-    p.add_argument(
-        "--store-host",
-        default="127.0.0.1",
-        help="node 0 (and node 1's standby store): address to serve on",
-    )
-    p.add_argument("--store-port", type=int, default=0, help="node 0: 0 = any free port")
-    p.add_argument(
-        "--store-file",
-        default=None,
-        help="node 0: write HOST:PORT here; node 1 with --store-mode replicated: the primary's "
-        "and the standby's, HOST:PORT,HOST:PORT",
-    )
-    p.add_argument(
-        "--store-mode",
-        default="single",
-        choices=("single", "replicated"),
-        help="single: node 0 alone serves the membership store (its loss ends the job); "
-        "replicated: node 1 serves a standby that takes over when node 0 is lost (every node "
-        "passes the same mode; needs --nnodes >= 2)",
-    )
-    d = RecoveryConfig()
-    p.add_argument("--replace", default=d.replace, help="never | immediately | after:SECONDS")
-    p.add_argument("--orphan", default=d.orphan, choices=("wait", "exit"))
-    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
-    p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
-    p.add_argument("--collective-timeout", type=float, default=d.collective_timeout_s)
-    p.add_argument("--init-timeout", type=float, default=d.init_timeout_s)
-    p.add_argument("--join-margin", type=int, default=d.join_margin_iterations)
-    p.add_argument("--records", default=None, help="JSONL file for the recovery records")
-    p.add_argument("--max-replacements", type=int, default=8, help="per slot")
-    p.add_argument(
-        "--replace-ranks",
-        default=None,
-        metavar="R1,R2,...",
-        help="only these (original) ranks get replacements; default: every rank",
-    )
-    p.add_argument("--pid-file", default=None, help="append 'SLOT INCARNATION PID' per rank")
-    p.add_argument(
-        "--standby",
-        type=int,
-        default=0,
-        help="warm standby processes per node (imported, waiting): a replacement then takes "
-        "over a dead rank's slot in about a second instead of a cold start",
-    )
-    p.add_argument(
-        "--rejoin",
-        action="store_true",
-        help="this node replaces a lost one in a running job (same --node-rank, --store of "
-        "node 0): its ranks start as the next incarnation once the old ones are known dead",
-    )
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args]")
-    return p
+STOP_GRACE_S = 120.0
+"""How long ranks with --exit-signal-handler get to save and exit before they are killed."""
 
 
 class Supervisor:
     """See the module docstring."""
+
+    ms: "MembershipStore"
+    """This supervisor's client of the membership store (set by :meth:`open_store`)."""
 
     def __init__(self, args: argparse.Namespace, config: RecoveryConfig) -> None:
         self.args = args
@@ -252,19 +104,14 @@ class Supervisor:
         self.children: Dict[int, Child] = {}
         self.pending: List[tuple] = []  # (start_at, slot, inc)
         self.replacements: Dict[int, int] = {s: 0 for s in self.slots}
-        self.server = None
-        self.coordinator = None
-        self.standby_store = None  # node 1 in the replicated mode: a StandbyStore
-        self.hosts_store = self.node == 0 and not args.rejoin
-        """Whether this node's supervisor serves the store the job uses now (and so waits for
-        the other nodes before it exits): node 0, or node 1 once its standby took over."""
+        self.store_host = StoreHost(args, config, self.log)
         self.killed: Dict[tuple, float] = {}
         self.standby: List[Child] = []
         self._standby_count = 0
         self.exits = ExitWatch(config.poll_interval_s)
         self._generation: Optional[tuple] = None  # (number, its abort reason)
         self._events_seen = -1
-        self._steady: Optional[tuple] = None  # (CPU seconds, iteration) once training runs
+        self.cost = SupervisorCost(config.records_file, self.node)
         self.stopping: Optional[int] = None  # the signal that stops this node, once acted on
         self.stop_deadline = 0.0  # then: when the ranks that still run are killed
         self.startup_code: Optional[int] = None  # a rank of this node failed at start-up
@@ -273,185 +120,9 @@ class Supervisor:
     def log(self, line: str) -> None:
         print(f"[supervisor node {self.node}] {line}", flush=True)
 
-    # ------------------------------------------------------------------ store
     def open_store(self) -> None:
-        a = self.args
-        if not self.hosts_store:  # before importing torch: a wrong address is said in a second
-            self.cfg.store = a.store
-            self._wait_for_store()
-        import torch.distributed as dist
-
-        from megatron_mecefo.recovery.membership import MembershipStore
-
-        if self.hosts_store:
-            try:
-                self.server = dist.TCPStore(
-                    a.store_host,
-                    a.store_port,
-                    None,
-                    is_master=True,
-                    wait_for_workers=False,
-                    timeout=timedelta(seconds=self.cfg.init_timeout_s),
-                )
-            except Exception as err:  # noqa: BLE001 (torch's DistNetworkError and kin)
-                address = f"{a.store_host}:{a.store_port}"
-                if "in use" in str(err).lower():
-                    raise SupervisorError(
-                        f"--store-port {a.store_port}: the address {address} is already in use "
-                        "(another job or supervisor?); pass another --store-port, or 0 for any "
-                        "free port"
-                    ) from None
-                raise SupervisorError(
-                    f"cannot serve the membership store at {address} ({_first_line(err)}); "
-                    "pass a --store-host of this machine (its hostname or one of its addresses)"
-                ) from None
-            self.cfg.store = f"{a.store_host}:{self.server.port}"
-            if a.store_file:
-                _write_atomically(a.store_file, self.cfg.store)
-            self.log(f"membership store at {self.cfg.store} (outside every training rank)")
-        try:
-            self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
-        except Exception as err:  # noqa: BLE001
-            raise SupervisorError(
-                f"--store {self.cfg.store}: cannot connect to the membership store "
-                f"({_first_line(err)}); check the address node 0's supervisor printed"
-            ) from None
-        self.ms.store.set(f"node/{self.node}", socket.gethostname())
-        if a.store_mode == "replicated" and len(store_addresses(self.cfg.store)) == 1:
-            self._open_standby()
-        # For trainers without MeCeFO's session (e.g. Megatron-LM's pretrain_gpt.py): a
-        # torchrun-style env:// rendezvous on a second store of node 0 (agent-store mode).
-        if self.hosts_store:
-            self.rdzv = dist.TCPStore(a.store_host, 0, None, is_master=True,
-                                      wait_for_workers=False)  # fmt: skip
-            self.ms.store.set("rdzv", f"{a.store_host}:{self.rdzv.port}")
-        deadline = time.monotonic() + self.cfg.init_timeout_s
-        while (rdzv := self.ms.get_str("rdzv")) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.rdzv_address = rdzv or "127.0.0.1:0"
-        if self.hosts_store:
-            self.ms.set_json("world_size", self.world_size)
-            self._wait_for_nodes()
-            self._start_coordinator(self.cfg.store, resume=False)
-
-    def _start_coordinator(self, address: str, resume: bool) -> None:
-        from megatron_mecefo.recovery.coordinator import Coordinator
-        from megatron_mecefo.recovery.membership import MembershipStore
-
-        self.coordinator = Coordinator(
-            MembershipStore.connect(address, self.cfg.init_timeout_s),
-            self.world_size,
-            self.cfg,
-            log=lambda line: print(line, flush=True),
-            join_at_boundary_only="--use-distributed-optimizer" in self.args.command,
-        )
-        self.coordinator.start(resume=resume)
-
-    def _open_standby(self) -> None:
-        """The replicated mode: node 1 serves the standby store and mirrors node 0's into it;
-        every node then hands its ranks both addresses (they fail over on node 0's loss)."""
-        from megatron_mecefo.recovery.membership import MembershipStore
-        from megatron_mecefo.recovery.store_mirror import StandbyStore, wait_for_standby
-
-        a = self.args
-        primary = self.cfg.store
-        if self.node == 1 and not a.rejoin:
-            try:
-                self.standby_store = StandbyStore(
-                    a.store_host, 0, primary, a.nnodes, a.nproc_per_node, self.cfg, self.log,
-                    on_takeover=self._take_over,
-                )  # fmt: skip
-            except Exception as err:  # noqa: BLE001 (torch's DistNetworkError and kin)
-                raise SupervisorError(
-                    f"--store-mode replicated: cannot serve the standby store on "
-                    f"{a.store_host} ({_first_line(err)}); pass --store-host with this node's "
-                    "hostname or address"
-                ) from None
-            self.ms.store.set("standby", self.standby_store.address)
-            self.standby_store.start()
-            self.log(f"standby membership store at {self.standby_store.address}")
-        standby = wait_for_standby(self.ms, self.cfg.init_timeout_s)
-        if standby is None:
-            raise SupervisorError(
-                f"--store-mode replicated: node 1 published no standby store within "
-                f"--init-timeout={self.cfg.init_timeout_s:g}s; start node 1's supervisor with "
-                "--store-mode replicated too"
-            )
-        self.cfg.store = f"{primary},{standby}"
-        self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
-        if self.node == 1 and a.store_file:
-            _write_atomically(a.store_file, self.cfg.store)
-
-    def _take_over(self) -> None:
-        """Node 1, on the standby's thread: node 0 is lost; coordinate from the standby."""
-        self.hosts_store = True
-        assert self.standby_store is not None
-        self._start_coordinator(self.standby_store.address, resume=True)
-
-    def _wait_for_store(self) -> None:
-        """Until node 0's store accepts a connection: a line every few seconds, and one error
-        line naming the address at --init-timeout (a wrong --store used to end in a
-        traceback)."""
-        # A list (a node rejoining after node 0's loss): the standby, which serves now.
-        host, port = store_addresses(self.cfg.store)[-1].rsplit(":", 1)
-        try:
-            socket.getaddrinfo(host, int(port))
-        except OSError as err:
-            raise SupervisorError(
-                f"--store {self.cfg.store}: cannot resolve the host {host!r} ({err.strerror}); "
-                "pass the HOST:PORT node 0's supervisor printed (or wrote to its --store-file)"
-            ) from None
-        t0 = time.monotonic()
-        said = t0 - WAIT_REPORT_S
-        while True:
-            try:
-                with socket.create_connection((host, int(port)), timeout=2.0):
-                    return
-            except OSError as err:
-                error = err.strerror or str(err)
-            now = time.monotonic()
-            if now - t0 >= self.cfg.init_timeout_s:
-                raise SupervisorError(
-                    f"--store {self.cfg.store}: the membership store did not answer within "
-                    f"--init-timeout={self.cfg.init_timeout_s:g}s ({error}); start node 0's "
-                    "supervisor first, and pass the HOST:PORT it printed"
-                )
-            if now - said >= WAIT_REPORT_S:
-                said = now
-                self.log(f"waiting for the membership store at {self.cfg.store} ({error})")
-            time.sleep(0.2)
-
-    def _wait_for_nodes(self) -> None:
-        """Node 0: until every node's supervisor has joined the store, a line every few
-        seconds naming the joined and the missing nodes; at --init-timeout, one error line
-        naming the missing ones (node 0 used to wait past it with no message)."""
-        nnodes = self.args.nnodes
-        t0 = time.monotonic()
-        said = t0 - WAIT_REPORT_S
-        while True:
-            joined = {n: self.ms.get_str(f"node/{n}") for n in range(nnodes)}
-            missing = [n for n, host in joined.items() if host is None]
-            if not missing:
-                if nnodes > 1:
-                    self.log(f"all {nnodes} nodes joined")
-                return
-            names = ", ".join(f"{n} ({host})" for n, host in joined.items() if host is not None)
-            now = time.monotonic()
-            if now - t0 >= self.cfg.init_timeout_s:
-                self.ms.set_fatal(f"nodes {_ranks(missing)} never joined")
-                raise SupervisorError(
-                    f"node {_ranks(missing)} of --nnodes={nnodes} did not join within "
-                    f"--init-timeout={self.cfg.init_timeout_s:g}s (joined: {names}); start "
-                    f"its supervisor with --node-rank {missing[0]} --store {self.cfg.store}, or "
-                    "lower --nnodes"
-                )
-            if now - said >= WAIT_REPORT_S:
-                said = now
-                self.log(
-                    f"waiting for nodes: joined {names}; missing {_ranks(missing)} "
-                    f"({now - t0:.0f} of --init-timeout={self.cfg.init_timeout_s:g}s)"
-                )
-            time.sleep(0.1)
+        """Host, serve the standby of, or join the membership store (:mod:`.store_host`)."""
+        self.ms = self.store_host.open()
 
     # ------------------------------------------------------------------ processes
     def spawn(self, slot: int, inc: int) -> None:
@@ -491,16 +162,15 @@ class Supervisor:
                 f.write(f"{slot} {inc} {pid}\n")
 
     def _start(self, slot: int, inc: int, standby: Optional[int] = None) -> subprocess.Popen:
-        env = dict(os.environ)
-        if _QUIET_CPP_LOG:
-            del env["TORCH_CPP_LOG_LEVEL"]
+        env = rank_environment()
+        rdzv_address = self.store_host.rdzv_address
         env.update(
             RANK=str(slot),
             WORLD_SIZE=str(self.world_size),
             LOCAL_RANK=str(self._local_rank(slot)),
             LOCAL_WORLD_SIZE=str(len(self.slots)),
-            MASTER_ADDR=self.rdzv_address.rsplit(":", 1)[0],
-            MASTER_PORT=self.rdzv_address.rsplit(":", 1)[1],
+            MASTER_ADDR=rdzv_address.rsplit(":", 1)[0],
+            MASTER_PORT=rdzv_address.rsplit(":", 1)[1],
             TORCHELASTIC_USE_AGENT_STORE="True",
             MECEFO_RECOVERY_SLOT=str(slot),
             MECEFO_RECOVERY_INC=str(inc),
@@ -512,9 +182,7 @@ class Supervisor:
         if standby is not None:
             env["MECEFO_RECOVERY_STANDBY"] = f"{self.node}/{standby}"
             env["LOCAL_RANK"] = "-1"  # no device until a slot is assigned (await_assignment)
-        proc = subprocess.Popen(
-            [sys.executable, *self.command], env=env, preexec_fn=_die_with_parent
-        )
+        proc = start_process(self.command, env)
         self.exits.add(proc.pid)
         self._log_pid(slot if standby is None else -1 - standby, inc, proc.pid)
         if standby is None:
@@ -529,13 +197,7 @@ class Supervisor:
                 continue
             del self.children[slot]
             self.exits.discard(child.proc.pid)
-            # What the rank left in its process group (e.g. the multiprocessing helpers of a
-            # checkpoint save: a supervised rank ends with os._exit, before their finalizers)
-            # would hold the launcher's stdout open: Slurm's srun step would never end.
-            try:
-                os.killpg(child.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            kill_group(child.proc.pid)  # what the rank left in its process group
             finished = self.ms.get_str("done") is not None
             info = {
                 "exit_code": code,
@@ -643,7 +305,7 @@ class Supervisor:
             if self.ms.get_str(f"kill/{slot}/{child.inc}") is not None:
                 self.killed[key] = time.time()
                 self.log(f"SIGKILL rank {slot} (pid {child.proc.pid}): heartbeat timeout")
-                _kill(child.proc.pid)
+                kill(child.proc.pid)
 
     def _abort(self) -> Optional[str]:
         fatal = self.ms.get_str("fatal")
@@ -657,7 +319,7 @@ class Supervisor:
         return self._generation[1]
 
     def run(self) -> int:
-        self.t_start = time.monotonic()
+        self.cost.start()
         self.error_dir = tempfile.mkdtemp(prefix="mecefo_errors_")
         self.open_store()
         self.command = self.args.command
@@ -679,7 +341,7 @@ class Supervisor:
                     return self._end_stop()
                 if self.stopping is not None and time.monotonic() > self.stop_deadline:
                     for child in self.children.values():  # past the grace: no save now
-                        _kill(child.proc.pid)
+                        kill(child.proc.pid)
                 self._reap()
                 now = time.monotonic()
                 for item in [p for p in self.pending if p[0] <= now]:
@@ -687,7 +349,7 @@ class Supervisor:
                     self.spawn(item[1], item[2])
                 if now - last_kill_check > self.cfg.heartbeat_interval_s / 2:
                     last_kill_check = now
-                    self._note_steady_cpu()
+                    self.cost.note_steady_cpu(self.ms)
                     # Kill requests, new generations and a fatal error are events: one round
                     # trip when nothing happened.
                     events = self.ms.events()
@@ -732,14 +394,11 @@ class Supervisor:
         finally:
             everyone = list(self.children.values()) + self.standby
             for child in everyone:
-                _kill(child.proc.pid)
+                kill(child.proc.pid)
             for child in everyone:
                 child.proc.wait()
-            if self.coordinator is not None:
-                self.coordinator.stop()
-            if self.standby_store is not None:
-                self.standby_store.stop()
-            self._record_cost()
+            self.store_host.close()
+            self.cost.record(self.ms)
 
     def _aborted(self, abort: str) -> int:
         """The last line of an aborted job; a start-up failure is an error line of its own."""
@@ -756,7 +415,7 @@ class Supervisor:
         self.stopping = signum
         self.pending.clear()
         for child in self.standby:
-            _kill(child.proc.pid)
+            kill(child.proc.pid)
         name = signal.Signals(signum).name
         try:
             self.ms.store.set("stopping", name)
@@ -777,7 +436,7 @@ class Supervisor:
             self.stop_deadline = time.monotonic() + STOP_GRACE_S
         else:
             for child in self.children.values():
-                _kill(child.proc.pid)
+                kill(child.proc.pid)
             self.stop_deadline = time.monotonic()
 
     def _saving(self) -> bool:
@@ -808,103 +467,10 @@ class Supervisor:
         except Exception:  # noqa: BLE001
             return False
 
-    def _note_steady_cpu(self) -> None:
-        """Once training is past its first iterations (imports, connecting, compiling), note
-        this process's CPU and the iteration, so :meth:`_record_cost` can give the CPU of the
-        armed supervisor per iteration without its start-up."""
-        if self._steady is None and self.cfg.records_file:
-            progress = int(self.ms.get_str("progress") or 0)
-            if progress >= STEADY_FROM_ITERATION:
-                self._steady = (_cpu_s(), progress)
-
-    def _record_cost(self) -> None:
-        """The supervisor's own CPU (its loop, the coordinator and, on node 0, the store's
-        server thread), for the armed-cost account of ``benchmarks/recovery_latency.py``."""
-        if not self.cfg.records_file:
-            return
-        record = {"type": "supervisor_cost", "node": self.node, "cpu_s": _cpu_s(),
-                  "wall_s": time.monotonic() - self.t_start}  # fmt: skip
-        if self._steady is not None:
-            try:  # node 0's store may be gone already (this node finished after it)
-                last = int(self.ms.get_str("progress") or 0)
-            except Exception:  # noqa: BLE001 (a statistic, never a reason to fail the exit)
-                last = None
-            if last is not None:
-                record["steady"] = {"cpu_s": record["cpu_s"] - self._steady[0],
-                                    "iterations": last - self._steady[1]}  # fmt: skip
-        append_jsonl(self.cfg.records_file, record)
-
     def _finish_node(self) -> int:
-        """Every rank of this node finished; the store's host keeps it up for the others (a
-        lost node 0 counts as done)."""
-        if self.standby_store is not None and not self.hosts_store:
-            self.standby_store.stop()  # node 0 closes its store once every node is done
-        self.ms.store.add("nodes_done", 1)
-        if self.hosts_store:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                done = int(self.ms.store.add("nodes_done", 0))
-                if done + int(self.ms.store.add("nodes_lost", 0)) >= self.args.nnodes:
-                    break
-                time.sleep(0.05)
+        """Every rank of this node finished; the store's host keeps it up for the others."""
+        self.store_host.finish_node()
         return 0
-
-
-def _write_atomically(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
-def _check_port_free(host: str, port: int) -> None:
-    """Node 0's store port, tried before torch is imported (the store's own bind error, later,
-    covers a port taken in between)."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds
-        try:
-            probe.bind((host, port))
-        except OSError as err:
-            if err.errno == errno.EADDRINUSE:
-                raise SupervisorError(
-                    f"--store-port {port}: the address {host}:{port} is already in use "
-                    "(another job or supervisor?); pass another --store-port, or 0 for any "
-                    "free port"
-                ) from None
-            raise SupervisorError(
-                f"--store-host {host}: cannot serve the membership store at {host}:{port} "
-                f"({err.strerror}); pass a --store-host of this machine (its hostname or one "
-                "of its addresses)"
-            ) from None
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-
-
-def _ranks(numbers: List[int]) -> str:
-    return ", ".join(str(n) for n in numbers)
-
-
-STOP_GRACE_S = 120.0
-"""How long ranks with --exit-signal-handler get to save and exit before they are killed."""
-
-STEADY_FROM_ITERATION = 5
-"""The armed-cost account leaves out the iterations before this one (start-up)."""
-
-
-def _cpu_s() -> float:
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    return use.ru_utime + use.ru_stime
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)  # the child leads its own session
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -919,13 +485,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UserError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return err.exit_code
-    global _QUIET_CPP_LOG
-    if "TORCH_CPP_LOG_LEVEL" not in os.environ:
-        # The supervisor uses torch for the store alone. Its coordinator waits in the store
-        # between heartbeat checks, and c10 logs two warnings at each wait that times out
-        # (twice a second). Its ranks keep the user's setting (Supervisor._start).
-        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-        _QUIET_CPP_LOG = True
+    quiet_cpp_log()  # the supervisor's own c10 log; its ranks keep the user's setting
     supervisor = Supervisor(args, cfg)
     SIGNALS.supervisor = supervisor
     try:
@@ -936,112 +496,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         if supervisor.error_dir:
             shutil.rmtree(supervisor.error_dir, ignore_errors=True)
-
-
-def validate(args: argparse.Namespace) -> RecoveryConfig:
-    """Every flag against the others and the world, before any process starts.
-
-    Raises:
-        RecoveryConfigError: A bad flag (exit 2); the message names it and the fix.
-    """
-    command = args.command
-    if not command:
-        raise RecoveryConfigError("no command: add -- script.py [args] after the flags")
-    if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise RecoveryConfigError(
-            f"--nproc-per-node={args.nproc_per_node} --nnodes={args.nnodes} --node-rank="
-            f"{args.node_rank}: need >= 1 process, >= 1 node and 0 <= node rank < nodes"
-        )
-    world = args.nproc_per_node * args.nnodes
-    if args.replace_ranks:
-        try:
-            ranks = {int(r) for r in args.replace_ranks.split(",")}
-        except ValueError:
-            raise RecoveryConfigError(
-                f"--replace-ranks={args.replace_ranks}: expected comma-separated ranks"
-            ) from None
-        bad = sorted(r for r in ranks if not 0 <= r < world)
-        if bad:
-            raise RecoveryConfigError(
-                f"--replace-ranks={args.replace_ranks}: rank {_ranks(bad)} does not exist "
-                f"(world size {world}: ranks 0..{world - 1}); name existing ranks"
-            )
-        if args.replace == "never":
-            raise RecoveryConfigError(
-                f"--replace-ranks={args.replace_ranks} has no effect with --replace never; add "
-                "--replace immediately or --replace after:SECONDS"
-            )
-        args.replace_ranks = ranks
-    for flag, value in (("--max-replacements", args.max_replacements),
-                        ("--standby", args.standby)):  # fmt: skip
-        if value < 0:
-            raise RecoveryConfigError(f"{flag}={value}: must be >= 0; pass 0 or more")
-    if not 0 <= args.store_port <= 65535:
-        raise RecoveryConfigError(
-            f"--store-port={args.store_port}: not a TCP port; pass 1..65535, or 0 for any free one"
-        )
-    if args.node_rank == 0 and args.store_port:
-        _check_port_free(args.store_host, args.store_port)
-    if args.store is not None:
-        addresses = store_addresses(args.store)
-        for address in addresses:
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
-                raise RecoveryConfigError(
-                    f"--store {args.store}: expected HOST:PORT of node 0's membership store (as "
-                    "its supervisor prints it, or its --store-file holds)"
-                )
-        if len(addresses) > 2 or (len(addresses) == 2 and not args.rejoin):
-            raise RecoveryConfigError(
-                f"--store {args.store}: two addresses (primary,standby) are for a node that "
-                "rejoins after node 0's loss (--rejoin); pass node 0's HOST:PORT otherwise"
-            )
-    if args.store_mode == "replicated" and args.nnodes < 2:
-        raise RecoveryConfigError(
-            f"--store-mode replicated --nnodes={args.nnodes}: the standby store lives on node "
-            "1; use --store-mode single on one node"
-        )
-    if args.rejoin and not args.store:
-        raise RecoveryConfigError(
-            f"--rejoin --node-rank={args.node_rank}: a rejoining node needs --store: node 0's "
-            "HOST:PORT, or after node 0's loss (--store-mode replicated) the primary's and the "
-            "standby's HOST:PORT,HOST:PORT that node 1's --store-file holds"
-        )
-    if args.rejoin and args.node_rank == 0 and args.store_mode != "replicated":
-        raise RecoveryConfigError(
-            "--rejoin --node-rank=0: node 0 hosts the store in --store-mode single, so it "
-            "cannot be lost and come back; run every node with --store-mode replicated"
-        )
-    if args.node_rank > 0 and not args.store:
-        raise RecoveryConfigError(
-            f"--node-rank={args.node_rank} needs --store HOST:PORT (node 0's store)"
-        )
-    if args.node_rank == 0 and args.store and not args.rejoin:
-        raise RecoveryConfigError(
-            f"--store {args.store} with --node-rank 0: node 0 hosts the store (--store-host, "
-            "--store-port); drop --store, or pass the node rank of this node"
-        )
-    script = command[0]
-    if script != "-m" and script.endswith(".py") and not os.path.isfile(script):
-        raise RecoveryConfigError(
-            f"{script}: no such file (the command after --); pass the trainer's path, e.g. "
-            "-- examples/pretrain_gpt/pretrain_gpt.py"
-        )
-    for flag, path in (("--records", args.records), ("--pid-file", args.pid_file)):
-        if path:
-            check_writable_file(flag, path)
-    if args.store_file:
-        check_writable_dir("--store-file", os.path.dirname(os.path.abspath(args.store_file)))
-    return RecoveryConfig(
-        heartbeat_interval_s=args.heartbeat_interval,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        collective_timeout_s=args.collective_timeout,
-        init_timeout_s=args.init_timeout,
-        replace=args.replace,
-        orphan=args.orphan,
-        join_margin_iterations=args.join_margin,
-        records_file=os.path.abspath(args.records) if args.records else None,
-    ).validate()
 
 
 if __name__ == "__main__":

@@ -37,7 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=200,
         help="tau: iterations between refreshes of the low-rank basis V.",
     )
-    g.add_argument("--mecefo-basis-method", choices=BASIS_METHODS, default="eigh")
+    g.add_argument(
+        "--mecefo-basis-method",
+        choices=BASIS_METHODS,
+        default="eigh",
+        help="How V is computed: eigh (exact eigendecomposition of the Gram matrix) or "
+        "randomized (seeded subspace iteration, cheaper for large hidden sizes).",
+    )
     for name, what in (
         ("skip-attention", "no backward through attention in takeover mode"),
         ("recompute-ffn", "store only the FFN input in takeover mode"),
@@ -73,9 +79,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Failure-free seconds per iteration, to map the time-based schedules "
         "(low/mid/high, poisson, traces in seconds) to iterations.",
     )
-    g.add_argument("--mecefo-mtbf-hours", type=float, default=None)
-    g.add_argument("--mecefo-mttr-hours", type=float, default=None)
-    g.add_argument("--mecefo-failure-trace", default=None, metavar="JSON")
+    g.add_argument(
+        "--mecefo-mtbf-hours",
+        type=float,
+        default=None,
+        help="Poisson schedule: mean time between failures of one replica, in hours.",
+    )
+    g.add_argument(
+        "--mecefo-mttr-hours",
+        type=float,
+        default=None,
+        help="Poisson schedule: mean time to repair a failed replica, in hours.",
+    )
+    g.add_argument(
+        "--mecefo-failure-trace",
+        default=None,
+        metavar="JSON",
+        help="Replay schedule: JSON list of events, each with replica and fail_iteration / "
+        "recover_iteration (or fail_time_s / recover_time_s, with --mecefo-nominal-step-time).",
+    )
     g.add_argument(
         "--mecefo-seed",
         type=int,

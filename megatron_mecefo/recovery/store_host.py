@@ -1,0 +1,288 @@
+"""The membership store as one node's supervisor sees it: hosting it (node 0), joining it (the
+other nodes), the replicated mode's standby (node 1) and its takeover, the coordinator that
+runs beside the store, and the end of the job on the store's host.
+
+No training rank hosts the store, so any rank, rank 0 included, can die. Node 0 serves a
+TCPStore on ``--store-host:--store-port`` (and a second one for torchrun-style ``env://``
+rendezvous of trainers without MeCeFO's session) and runs the :mod:`~.coordinator`. With
+``--store-mode replicated``, node 1 serves a standby store (:mod:`~.store_mirror`) that takes
+over, with a coordinator of its own, when node 0 is lost; every client fails over to it
+(:mod:`~.store_failover`).
+
+The supervisor's loop (:mod:`.supervisor`) uses the :class:`StoreHost` through
+:meth:`StoreHost.open`, :meth:`StoreHost.finish_node` and :meth:`StoreHost.close`, and the
+:class:`~.membership.MembershipStore` client that :meth:`StoreHost.open` returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Callable, Optional
+
+from megatron_mecefo.recovery.config import RecoveryConfig
+from megatron_mecefo.recovery.store_failover import store_addresses
+from megatron_mecefo.recovery.supervisor_args import SupervisorError, rank_list
+
+if TYPE_CHECKING:
+    from megatron_mecefo.recovery.membership import MembershipStore
+
+WAIT_REPORT_S = 5.0
+"""While waiting for nodes or for the store, a line every this many seconds."""
+
+
+class StoreHost:
+    """This node's part in the membership store: host, standby or client.
+
+    Args:
+        args: The supervisor's parsed flags (``--store*``, ``--nnodes``, ``--node-rank``,
+            ``--rejoin``, the command).
+        config: The recovery config; :meth:`open` sets its ``store`` to the address(es) the
+            ranks connect to.
+        log: Prints one supervisor line.
+    """
+
+    def __init__(
+        self, args: argparse.Namespace, config: RecoveryConfig, log: Callable[[str], None]
+    ) -> None:
+        self.args = args
+        self.cfg = config
+        self.log = log
+        self.node = args.node_rank
+        self.world_size = args.nnodes * args.nproc_per_node
+        self.server = None
+        self.rdzv = None
+        self.coordinator = None
+        self.standby_store = None  # node 1 in the replicated mode: a StandbyStore
+        self.hosts_store = self.node == 0 and not args.rejoin
+        """Whether this node's supervisor serves the store the job uses now (and so waits for
+        the other nodes before it exits): node 0, or node 1 once its standby took over."""
+        self.ms: Optional["MembershipStore"] = None
+        self.rdzv_address = "127.0.0.1:0"
+        """The ``env://`` rendezvous (``MASTER_ADDR:MASTER_PORT``) of the ranks."""
+
+    def open(self) -> "MembershipStore":
+        """Serve or reach the store, publish this node, set up the standby and the rendezvous;
+        on the store's host, wait for every node and start the coordinator.
+
+        Returns:
+            The membership store client of this supervisor.
+
+        Raises:
+            SupervisorError: The store cannot be served or reached, or a node never joined.
+        """
+        a = self.args
+        if not self.hosts_store:  # before importing torch: a wrong address is said in a second
+            self.cfg.store = a.store
+            self._wait_for_store()
+        import torch.distributed as dist
+
+        from megatron_mecefo.recovery.membership import MembershipStore
+
+        if self.hosts_store:
+            try:
+                self.server = dist.TCPStore(
+                    a.store_host,
+                    a.store_port,
+                    None,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=timedelta(seconds=self.cfg.init_timeout_s),
+                )
+            except Exception as err:  # noqa: BLE001 (torch's DistNetworkError and kin)
+                address = f"{a.store_host}:{a.store_port}"
+                if "in use" in str(err).lower():
+                    raise SupervisorError(
+                        f"--store-port {a.store_port}: the address {address} is already in use "
+                        "(another job or supervisor?); pass another --store-port, or 0 for any "
+                        "free port"
+                    ) from None
+                raise SupervisorError(
+                    f"cannot serve the membership store at {address} ({_first_line(err)}); "
+                    "pass a --store-host of this machine (its hostname or one of its addresses)"
+                ) from None
+            self.cfg.store = f"{a.store_host}:{self.server.port}"
+            if a.store_file:
+                _write_atomically(a.store_file, self.cfg.store)
+            self.log(f"membership store at {self.cfg.store} (outside every training rank)")
+        try:
+            self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+        except Exception as err:  # noqa: BLE001
+            raise SupervisorError(
+                f"--store {self.cfg.store}: cannot connect to the membership store "
+                f"({_first_line(err)}); check the address node 0's supervisor printed"
+            ) from None
+        self.ms.store.set(f"node/{self.node}", socket.gethostname())
+        if a.store_mode == "replicated" and len(store_addresses(self.cfg.store)) == 1:
+            self._open_standby()
+        # For trainers without MeCeFO's session (e.g. Megatron-LM's pretrain_gpt.py): a
+        # torchrun-style env:// rendezvous on a second store of node 0 (agent-store mode).
+        if self.hosts_store:
+            self.rdzv = dist.TCPStore(a.store_host, 0, None, is_master=True,
+                                      wait_for_workers=False)  # fmt: skip
+            self.ms.store.set("rdzv", f"{a.store_host}:{self.rdzv.port}")
+        deadline = time.monotonic() + self.cfg.init_timeout_s
+        while (rdzv := self.ms.get_str("rdzv")) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.rdzv_address = rdzv or "127.0.0.1:0"
+        if self.hosts_store:
+            self.ms.set_json("world_size", self.world_size)
+            self._wait_for_nodes()
+            self._start_coordinator(self.cfg.store, resume=False)
+        return self.ms
+
+    def finish_node(self) -> None:
+        """Every rank of this node finished; the store's host keeps it up for the others (a
+        lost node 0 counts as done)."""
+        assert self.ms is not None
+        if self.standby_store is not None and not self.hosts_store:
+            self.standby_store.stop()  # node 0 closes its store once every node is done
+        self.ms.store.add("nodes_done", 1)
+        if self.hosts_store:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                done = int(self.ms.store.add("nodes_done", 0))
+                if done + int(self.ms.store.add("nodes_lost", 0)) >= self.args.nnodes:
+                    break
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        """Stop the coordinator and the standby store, if this node runs them."""
+        if self.coordinator is not None:
+            self.coordinator.stop()
+        if self.standby_store is not None:
+            self.standby_store.stop()
+
+    def _start_coordinator(self, address: str, resume: bool) -> None:
+        from megatron_mecefo.recovery.coordinator import Coordinator
+        from megatron_mecefo.recovery.membership import MembershipStore
+
+        self.coordinator = Coordinator(
+            MembershipStore.connect(address, self.cfg.init_timeout_s),
+            self.world_size,
+            self.cfg,
+            log=lambda line: print(line, flush=True),
+            join_at_boundary_only="--use-distributed-optimizer" in self.args.command,
+        )
+        self.coordinator.start(resume=resume)
+
+    def _open_standby(self) -> None:
+        """The replicated mode: node 1 serves the standby store and mirrors node 0's into it;
+        every node then hands its ranks both addresses (they fail over on node 0's loss)."""
+        from megatron_mecefo.recovery.membership import MembershipStore
+        from megatron_mecefo.recovery.store_mirror import StandbyStore, wait_for_standby
+
+        assert self.ms is not None
+        a = self.args
+        primary = self.cfg.store
+        if self.node == 1 and not a.rejoin:
+            try:
+                self.standby_store = StandbyStore(
+                    a.store_host, 0, primary, a.nnodes, a.nproc_per_node, self.cfg, self.log,
+                    on_takeover=self._take_over,
+                )  # fmt: skip
+            except Exception as err:  # noqa: BLE001 (torch's DistNetworkError and kin)
+                raise SupervisorError(
+                    f"--store-mode replicated: cannot serve the standby store on "
+                    f"{a.store_host} ({_first_line(err)}); pass --store-host with this node's "
+                    "hostname or address"
+                ) from None
+            self.ms.store.set("standby", self.standby_store.address)
+            self.standby_store.start()
+            self.log(f"standby membership store at {self.standby_store.address}")
+        standby = wait_for_standby(self.ms, self.cfg.init_timeout_s)
+        if standby is None:
+            raise SupervisorError(
+                f"--store-mode replicated: node 1 published no standby store within "
+                f"--init-timeout={self.cfg.init_timeout_s:g}s; start node 1's supervisor with "
+                "--store-mode replicated too"
+            )
+        self.cfg.store = f"{primary},{standby}"
+        self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+        if self.node == 1 and a.store_file:
+            _write_atomically(a.store_file, self.cfg.store)
+
+    def _take_over(self) -> None:
+        """Node 1, on the standby's thread: node 0 is lost; coordinate from the standby."""
+        self.hosts_store = True
+        assert self.standby_store is not None
+        self._start_coordinator(self.standby_store.address, resume=True)
+
+    def _wait_for_store(self) -> None:
+        """Until node 0's store accepts a connection: a line every few seconds, and one error
+        line naming the address at --init-timeout (a wrong --store used to end in a
+        traceback)."""
+        # A list (a node rejoining after node 0's loss): the standby, which serves now.
+        host, port = store_addresses(self.cfg.store)[-1].rsplit(":", 1)
+        try:
+            socket.getaddrinfo(host, int(port))
+        except OSError as err:
+            raise SupervisorError(
+                f"--store {self.cfg.store}: cannot resolve the host {host!r} ({err.strerror}); "
+                "pass the HOST:PORT node 0's supervisor printed (or wrote to its --store-file)"
+            ) from None
+        t0 = time.monotonic()
+        said = t0 - WAIT_REPORT_S
+        while True:
+            try:
+                with socket.create_connection((host, int(port)), timeout=2.0):
+                    return
+            except OSError as err:
+                error = err.strerror or str(err)
+            now = time.monotonic()
+            if now - t0 >= self.cfg.init_timeout_s:
+                raise SupervisorError(
+                    f"--store {self.cfg.store}: the membership store did not answer within "
+                    f"--init-timeout={self.cfg.init_timeout_s:g}s ({error}); start node 0's "
+                    "supervisor first, and pass the HOST:PORT it printed"
+                )
+            if now - said >= WAIT_REPORT_S:
+                said = now
+                self.log(f"waiting for the membership store at {self.cfg.store} ({error})")
+            time.sleep(0.2)
+
+    def _wait_for_nodes(self) -> None:
+        """Node 0: until every node's supervisor has joined the store, a line every few
+        seconds naming the joined and the missing nodes; at --init-timeout, one error line
+        naming the missing ones (node 0 used to wait past it with no message)."""
+        assert self.ms is not None
+        nnodes = self.args.nnodes
+        t0 = time.monotonic()
+        said = t0 - WAIT_REPORT_S
+        while True:
+            joined = {n: self.ms.get_str(f"node/{n}") for n in range(nnodes)}
+            missing = [n for n, host in joined.items() if host is None]
+            if not missing:
+                if nnodes > 1:
+                    self.log(f"all {nnodes} nodes joined")
+                return
+            names = ", ".join(f"{n} ({host})" for n, host in joined.items() if host is not None)
+            now = time.monotonic()
+            if now - t0 >= self.cfg.init_timeout_s:
+                self.ms.set_fatal(f"nodes {rank_list(missing)} never joined")
+                raise SupervisorError(
+                    f"node {rank_list(missing)} of --nnodes={nnodes} did not join within "
+                    f"--init-timeout={self.cfg.init_timeout_s:g}s (joined: {names}); start "
+                    f"its supervisor with --node-rank {missing[0]} --store {self.cfg.store}, or "
+                    "lower --nnodes"
+                )
+            if now - said >= WAIT_REPORT_S:
+                said = now
+                self.log(
+                    f"waiting for nodes: joined {names}; missing {rank_list(missing)} "
+                    f"({now - t0:.0f} of --init-timeout={self.cfg.init_timeout_s:g}s)"
+                )
+            time.sleep(0.1)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]

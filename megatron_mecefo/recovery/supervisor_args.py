@@ -1,0 +1,299 @@
+"""The recovery supervisor's command line: its flags, their checks, and its one-line errors.
+
+:func:`build_parser` defines the flags (``scripts/render_flags.py`` renders them into
+docs/flags.md); :func:`validate` checks them against each other and the world before any
+process starts and turns them into a :class:`~.config.RecoveryConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import socket
+import sys
+from typing import Iterable
+
+from megatron_mecefo.errors import UserError, check_writable_dir, check_writable_file
+from megatron_mecefo.recovery.config import RecoveryConfig, RecoveryConfigError
+from megatron_mecefo.recovery.store_failover import store_addresses
+
+PROG = "megatron_mecefo.recovery.supervisor"
+
+
+class SupervisorError(UserError):
+    """An expected error of the supervisor (a store, a node, a file): one line, exit 1."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, usage=False)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (no usage dump), exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{PROG}: error: {message} (--help lists the flags)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The supervisor's flags, then ``-- script.py [args]``."""
+    p = _Parser(
+        prog=PROG,
+        description="Start one node's training ranks; survive rank deaths (MeCeFO).",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        required=True,
+        help="training ranks (processes) this supervisor starts on its node",
+    )
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="nodes of the job, one supervisor each; world size = nnodes x nproc-per-node",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's index, 0..nnodes-1 (its ranks start at node-rank x nproc-per-node); "
+        "node 0 hosts the membership store",
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="HOST:PORT",
+        help="store of node 0; a rejoining node after node 0's loss: HOST:PORT,HOST:PORT (the "
+        "primary and the standby, as node 1's --store-file holds them)",
+    )
+    p.add_argument(
+        "--store-host",
+        default="127.0.0.1",
+        help="node 0 (and node 1's standby store): address to serve on",
+    )
+    p.add_argument(
+        "--store-port",
+        type=int,
+        default=0,
+        help="node 0: TCP port of the membership store; 0 = any free port",
+    )
+    p.add_argument(
+        "--store-file",
+        default=None,
+        help="node 0: write HOST:PORT here; node 1 with --store-mode replicated: the primary's "
+        "and the standby's, HOST:PORT,HOST:PORT",
+    )
+    p.add_argument(
+        "--store-mode",
+        default="single",
+        choices=("single", "replicated"),
+        help="single: node 0 alone serves the membership store (its loss ends the job); "
+        "replicated: node 1 serves a standby that takes over when node 0 is lost (every node "
+        "passes the same mode; needs --nnodes >= 2)",
+    )
+    d = RecoveryConfig()
+    p.add_argument("--replace", default=d.replace, help="never | immediately | after:SECONDS")
+    p.add_argument(
+        "--orphan",
+        default=d.orphan,
+        choices=("wait", "exit"),
+        help="what the live TP/PP siblings of a dead rank do: wait as spares for the rejoin, "
+        "or exit (their slots are then replaced like dead ones)",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=d.heartbeat_interval_s,
+        help="seconds between two heartbeats of a rank (and between the coordinator's checks)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=d.heartbeat_timeout_s,
+        help="seconds without a heartbeat after which a rank counts as dead (hung) and is "
+        "SIGKILLed; above --heartbeat-interval",
+    )
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=d.collective_timeout_s,
+        help="seconds: backstop timeout of every process group, for a collective a death does "
+        "not wake; above --heartbeat-timeout",
+    )
+    p.add_argument(
+        "--init-timeout",
+        type=float,
+        default=d.init_timeout_s,
+        help="seconds to wait for the store, the other nodes and each new world's rendezvous; "
+        "above --collective-timeout",
+    )
+    p.add_argument(
+        "--join-margin",
+        type=int,
+        default=d.join_margin_iterations,
+        help="iterations after the last committed one at which a rejoin takes effect (>= 2), "
+        "so every rank sees the plan first",
+    )
+    p.add_argument("--records", default=None, help="JSONL file for the recovery records")
+    p.add_argument(
+        "--max-replacements",
+        type=int,
+        default=8,
+        help="most replacements started for one rank slot",
+    )
+    p.add_argument(
+        "--replace-ranks",
+        default=None,
+        metavar="R1,R2,...",
+        help="only these (original) ranks get replacements; default: every rank",
+    )
+    p.add_argument("--pid-file", default=None, help="append 'SLOT INCARNATION PID' per rank")
+    p.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        help="warm standby processes per node (imported, waiting): a replacement then takes "
+        "over a dead rank's slot in about a second instead of a cold start",
+    )
+    p.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="this node replaces a lost one in a running job (same --node-rank, --store of "
+        "node 0): its ranks start as the next incarnation once the old ones are known dead",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args]")
+    return p
+
+
+def validate(args: argparse.Namespace) -> RecoveryConfig:
+    """Every flag against the others and the world, before any process starts.
+
+    Raises:
+        RecoveryConfigError: A bad flag (exit 2); the message names it and the fix.
+    """
+    command = args.command
+    if not command:
+        raise RecoveryConfigError("no command: add -- script.py [args] after the flags")
+    if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise RecoveryConfigError(
+            f"--nproc-per-node={args.nproc_per_node} --nnodes={args.nnodes} --node-rank="
+            f"{args.node_rank}: need >= 1 process, >= 1 node and 0 <= node rank < nodes"
+        )
+    world = args.nproc_per_node * args.nnodes
+    if args.replace_ranks:
+        try:
+            ranks = {int(r) for r in args.replace_ranks.split(",")}
+        except ValueError:
+            raise RecoveryConfigError(
+                f"--replace-ranks={args.replace_ranks}: expected comma-separated ranks"
+            ) from None
+        bad = sorted(r for r in ranks if not 0 <= r < world)
+        if bad:
+            raise RecoveryConfigError(
+                f"--replace-ranks={args.replace_ranks}: rank {rank_list(bad)} does not exist "
+                f"(world size {world}: ranks 0..{world - 1}); name existing ranks"
+            )
+        if args.replace == "never":
+            raise RecoveryConfigError(
+                f"--replace-ranks={args.replace_ranks} has no effect with --replace never; add "
+                "--replace immediately or --replace after:SECONDS"
+            )
+        args.replace_ranks = ranks
+    for flag, value in (("--max-replacements", args.max_replacements),
+                        ("--standby", args.standby)):  # fmt: skip
+        if value < 0:
+            raise RecoveryConfigError(f"{flag}={value}: must be >= 0; pass 0 or more")
+    if not 0 <= args.store_port <= 65535:
+        raise RecoveryConfigError(
+            f"--store-port={args.store_port}: not a TCP port; pass 1..65535, or 0 for any free one"
+        )
+    if args.node_rank == 0 and args.store_port:
+        _check_port_free(args.store_host, args.store_port)
+    if args.store is not None:
+        addresses = store_addresses(args.store)
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise RecoveryConfigError(
+                    f"--store {args.store}: expected HOST:PORT of node 0's membership store (as "
+                    "its supervisor prints it, or its --store-file holds)"
+                )
+        if len(addresses) > 2 or (len(addresses) == 2 and not args.rejoin):
+            raise RecoveryConfigError(
+                f"--store {args.store}: two addresses (primary,standby) are for a node that "
+                "rejoins after node 0's loss (--rejoin); pass node 0's HOST:PORT otherwise"
+            )
+    if args.store_mode == "replicated" and args.nnodes < 2:
+        raise RecoveryConfigError(
+            f"--store-mode replicated --nnodes={args.nnodes}: the standby store lives on node "
+            "1; use --store-mode single on one node"
+        )
+    if args.rejoin and not args.store:
+        raise RecoveryConfigError(
+            f"--rejoin --node-rank={args.node_rank}: a rejoining node needs --store: node 0's "
+            "HOST:PORT, or after node 0's loss (--store-mode replicated) the primary's and the "
+            "standby's HOST:PORT,HOST:PORT that node 1's --store-file holds"
+        )
+    if args.rejoin and args.node_rank == 0 and args.store_mode != "replicated":
+        raise RecoveryConfigError(
+            "--rejoin --node-rank=0: node 0 hosts the store in --store-mode single, so it "
+            "cannot be lost and come back; run every node with --store-mode replicated"
+        )
+    if args.node_rank > 0 and not args.store:
+        raise RecoveryConfigError(
+            f"--node-rank={args.node_rank} needs --store HOST:PORT (node 0's store)"
+        )
+    if args.node_rank == 0 and args.store and not args.rejoin:
+        raise RecoveryConfigError(
+            f"--store {args.store} with --node-rank 0: node 0 hosts the store (--store-host, "
+            "--store-port); drop --store, or pass the node rank of this node"
+        )
+    script = command[0]
+    if script != "-m" and script.endswith(".py") and not os.path.isfile(script):
+        raise RecoveryConfigError(
+            f"{script}: no such file (the command after --); pass the trainer's path, e.g. "
+            "-- examples/pretrain_gpt/pretrain_gpt.py"
+        )
+    for flag, path in (("--records", args.records), ("--pid-file", args.pid_file)):
+        if path:
+            check_writable_file(flag, path)
+    if args.store_file:
+        check_writable_dir("--store-file", os.path.dirname(os.path.abspath(args.store_file)))
+    return RecoveryConfig(
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        collective_timeout_s=args.collective_timeout,
+        init_timeout_s=args.init_timeout,
+        replace=args.replace,
+        orphan=args.orphan,
+        join_margin_iterations=args.join_margin,
+        records_file=os.path.abspath(args.records) if args.records else None,
+    ).validate()
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Node 0's store port, tried before torch is imported (the store's own bind error, later,
+    covers a port taken in between)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise SupervisorError(
+                    f"--store-port {port}: the address {host}:{port} is already in use "
+                    "(another job or supervisor?); pass another --store-port, or 0 for any "
+                    "free port"
+                ) from None
+            raise SupervisorError(
+                f"--store-host {host}: cannot serve the membership store at {host}:{port} "
+                f"({err.strerror}); pass a --store-host of this machine (its hostname or one "
+                "of its addresses)"
+            ) from None
+
+
+def rank_list(numbers: Iterable[int]) -> str:
+    """``0, 3, 5``: ranks or nodes in a message."""
+    return ", ".join(str(n) for n in numbers)
