@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 from megatron_mecefo.recovery.processes import kill
-
-if TYPE_CHECKING:
-    from megatron_mecefo.recovery.supervisor import Supervisor
 
 
 class Signals:
@@ -21,7 +18,8 @@ class Signals:
 
     def __init__(self) -> None:
         self.signum: Optional[int] = None
-        self.supervisor: Optional["Supervisor"] = None
+        self.supervisor: Optional[Any] = None
+        """The running ``Supervisor`` (not imported here: the supervisor imports this module)."""
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
