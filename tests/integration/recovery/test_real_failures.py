@@ -184,7 +184,7 @@ def test_dp4_second_death_while_the_world_is_built(tmp_path: Path, second: str) 
     log = job.log()
     assert log.count("died: SIGKILL") == 2, log[-4000:]
     assert "wait timeout" not in log and not left_by_timeout(log), log[-4000:]
-    check_every_sample_once(train_records(job.metrics), 8, 16)
+    check_every_sample_once(train_records(job.metrics), 8, 16, 4)
     records = job.records_of("recovery")
     # Generation 1 (rank 1 lost) never redid its iteration: one record, of generation 2.
     assert [rec["ranks_lost"] for rec in records] == [[3]], records
