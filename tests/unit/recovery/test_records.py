@@ -85,3 +85,34 @@ def test_a_missing_time_leaves_the_later_phases_unknown() -> None:
     rec = _record(times, {2: 100.0})
     assert rec["detect_s"] == 2.0
     assert rec["regroup_s"] is None and rec["redo_s"] is None and rec["total_s"] is None
+
+
+def test_a_late_record_times_the_death_its_generation_lost(store: str) -> None:
+    """Slot 2 died (incarnation 0) into generation 1, whose record is written only after its
+    replacement (incarnation 1) died too: the record is timed from incarnation 0's kill, not
+    from the slot's last one (which came after the detection: a negative detect before)."""
+    from types import SimpleNamespace
+
+    from megatron_mecefo.recovery.membership import MembershipStore
+    from megatron_mecefo.recovery.reporting import emit_record
+
+    ms = MembershipStore.connect(store)
+    members = {0: 0, 1: 0, 2: 0}
+    ms.publish(Generation(number=0, replicas=(0, 1, 2), members=members))
+    gen1 = Generation(number=1, replicas=(0, 1), members={0: 0, 1: 0}, lost=(2,))
+    ms.publish(gen1)
+    ms.set_json("inc/2", 1)
+    for inc, t in ((0, 100.0), (1, 200.0)):
+        ms.set_json(f"killed/2/{inc}", {"t": t, "spec": "2:3:backward"})
+        ms.report_dead(2, inc, {"exit_code": -9, "t": t + 0.5})
+    emitted: list = []
+    session = SimpleNamespace(
+        ms=ms, args=SimpleNamespace(global_batch_size=8), cfg=SimpleNamespace(records_file=None),
+        takeover_info=None,
+    )  # fmt: skip
+    trainer = SimpleNamespace(iteration=3, emit=emitted.append)
+    times = {s: {"detect": 101.0, "built": 104.0, "done": 105.0} for s in (0, 1)}
+    emit_record(session, trainer, gen1, times)
+    (rec,) = emitted
+    assert rec["kill_time_known"] and rec["reap_s"] == 0.5
+    assert (rec["detect_s"], rec["regroup_s"], rec["redo_s"], rec["total_s"]) == (1, 3, 1, 5)
