@@ -311,6 +311,8 @@ class Trainer:
         cpu0 = time.process_time()
         loss = self.run_schedule(self.train_iter, forward_only=False)
         cpu1 = time.process_time()
+        # What each replica read, by sample index (the exactly-once check of the tests).
+        samples = probes.gather_samples(ctrl.samples_consumed()) if ctrl is not None else None
         # All ranks agree whether a GEMM stayed bad after its recompute: then no update.
         abft = self.abft.end_step() if self.abft is not None else None
         if grad_error is not None:
@@ -364,6 +366,7 @@ class Trainer:
             "tokens_per_s": tokens / dt,
             "lr": self.optimizer.param_groups[0]["lr"],
             **({"mecefo": mecefo} if ctrl is not None else {}),
+            **({"samples": samples} if samples is not None else {}),
             **({"abft": abft} if abft is not None else {}),
             **({"rank_cpu_s": rank_cpu} if rank_cpu is not None else {}),
         }

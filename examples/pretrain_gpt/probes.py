@@ -1,6 +1,7 @@
 """Measurements taken beside training: the planner's (what ``--mecefo-policy auto`` predicted,
 measured), the gradient-error probe (``--mecefo-grad-error-interval``), every rank's CPU time
-(``--log-rank-cpu-time``) and Megatron-LM's weight-hash check across data-parallel replicas.
+(``--log-rank-cpu-time``), the sample indices each replica processed, and Megatron-LM's
+weight-hash check across data-parallel replicas.
 
 Torch and megatron-core are imported inside the functions (see ``building.py``).
 """
@@ -132,6 +133,24 @@ def gather_dp_ranks(dp_rank: int) -> list[int]:
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, dp_rank)
     return [int(r) for r in every]
+
+
+def gather_samples(consumed: dict[int, list[list[int]]]) -> dict[str, list[list[int]]]:
+    """Collective over the data-parallel group: the sample indices every replica processed
+    this iteration (``MecefoController.samples_consumed``: replica -> runs ``[start, stop)``),
+    keyed by replica (a string, for JSON); one small object per rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    every: list[Any] = [consumed]
+    if dist.get_world_size(group) > 1:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, consumed, group=group)
+    merged: dict[int, list[list[int]]] = {}
+    for part in every:
+        merged.update(part)
+    return {str(r): merged[r] for r in sorted(merged)}
 
 
 def gather_rank_cpu(cpu: tuple[float, float], dp_ranks: list[int]) -> dict[str, list[Any]]:

@@ -14,9 +14,12 @@ for review; CI (CPU only) cannot run it.
 from __future__ import annotations
 
 import gc
+import ipaddress
+import os
+import socket
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from megatron_mecefo.recovery import abortable_waits
 
@@ -52,6 +55,12 @@ class WorldAborter:
     tears the world down once the caller has dropped its references."""
 
     name = "base"
+
+    def open_world(self) -> None:
+        """A world is about to be built (before its store client and ``init_process_group``)."""
+
+    def seal_world(self) -> None:
+        """The world's groups are built (default: nothing to note)."""
 
     def arm(self) -> None:
         """A new world exists (after ``init_process_group``)."""
@@ -94,28 +103,97 @@ class WorldAborter:
         self.last_split = {"destroy_pg": t0 - t_pg, "gc": time.time() - t0}
 
 
+def _socket_inodes() -> Dict[int, int]:
+    """This process's sockets: inode -> file descriptor (from ``/proc/self/fd``)."""
+    inodes: Dict[int, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (or listdir's own descriptor)
+        if target.startswith("socket:["):
+            inodes[int(target[len("socket:[") : -1])] = int(fd)
+    return inodes
+
+
+def _normalized_ip(ip: str) -> str:
+    """``ip`` in one spelling: an IPv4-mapped IPv6 address (``::ffff:a.b.c.d``, what an
+    AF_INET6 socket reports for an IPv4 peer) as its IPv4 address; no zone index."""
+    address = ipaddress.ip_address(ip.split("%", 1)[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
+
+
+def store_endpoints(addresses: Sequence[str]) -> Set[Tuple[str, int]]:
+    """The ``(ip, port)`` pairs a connection to one of the stores ``HOST:PORT`` can show as
+    its peer: every address ``HOST`` resolves to, and, only where ``HOST`` is a loopback
+    address, this machine's loopback spellings (``127.0.0.1``, ``::1``, what ``localhost``
+    resolves to), since a client of ``localhost`` may reach the store through either.
+
+    A host that does not resolve contributes nothing (its connections cannot exist).
+    """
+    endpoints: Set[Tuple[str, int]] = set()
+    for address in addresses:
+        host, port_text = address.rsplit(":", 1)
+        port = int(port_text)
+        ips = _resolve(host.strip("[]"), port)
+        if any(ipaddress.ip_address(ip).is_loopback for ip in ips):
+            ips |= {"127.0.0.1", "::1"} | _resolve("localhost", port)
+        endpoints |= {(ip, port) for ip in ips}
+    return endpoints
+
+
+def _resolve(host: str, port: int) -> Set[str]:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return set()
+    return {_normalized_ip(str(info[4][0])) for info in infos}
+
+
 class GlooRelease(WorldAborter):
     """gloo: no abort API exists. ``abort()`` shuts down (without closing: gloo owns them)
-    this process's TCP sockets except those to the membership store; gloo's pair loop then
-    sees the connection end and fails every pending operation, as when a peer dies. That
-    does not wake a send of an unbound buffer (a gloo bug), so ``abort()`` then releases the
-    training thread from its wait (:mod:`.abortable_waits`); before that change such a rank
-    waited for the backstop timeout (measured: 25-31 s at TP2xPP2xDP2). Dropping every
-    reference afterwards (``destroy``) closes the sockets, except those of an aborted world's
-    groups, kept until the backstop has released gloo's threads.
+    the world's TCP sockets; gloo's pair loop then sees the connection end and fails every
+    pending operation, as when a peer dies. That does not wake a send of an unbound buffer
+    (a gloo bug), so ``abort()`` then releases the training thread from its wait
+    (:mod:`.abortable_waits`); before that change such a rank waited for the backstop
+    timeout (measured: 25-31 s at TP2xPP2xDP2). Dropping every reference afterwards
+    (``destroy``) closes the sockets, except those of an aborted world's groups, kept until
+    the backstop has released gloo's threads.
+
+    The world's sockets are those this process opened (or accepted) while the world was
+    being built, between :meth:`open_world` and :meth:`seal_world`, less the connections to
+    a membership store (same host *and* port), which must stay up. Any other socket of the
+    process (a metrics logger's, an upload's, opened before or after) is left alone.
 
     Args:
-        store_ports: Ports of the membership store (and of its standby), whose connections
-            stay up.
+        store_addresses: ``HOST:PORT`` of the membership store (and of its standby).
         hold_s: How long an aborted world's groups are kept (the collective timeout and a
             margin).
     """
 
     name = "gloo"
 
-    def __init__(self, store_ports: Sequence[int] = (), hold_s: float = 60.0) -> None:
-        self.store_ports = set(store_ports)
+    def __init__(self, store_addresses: Sequence[str] = (), hold_s: float = 60.0) -> None:
+        self.store_endpoints = store_endpoints(store_addresses)
         self.hold_s = hold_s
+        self._before: Optional[Set[int]] = None
+        """Sockets open before the world was being built; None: no world opened."""
+        self._world: Optional[Set[int]] = None
+        """The world's sockets once sealed; None: still being built (or none opened)."""
+
+    def open_world(self) -> None:
+        """Before the world's store client and ``init_process_group``: every socket open now
+        is someone else's."""
+        self._before, self._world = set(_socket_inodes()), None
+
+    def seal_world(self) -> None:
+        """After the world's groups exist (their connections are made when a group is
+        built): the sockets opened since :meth:`open_world` are the world's; later ones are
+        not."""
+        if self._before is not None:
+            self._world = set(_socket_inodes()) - self._before
 
     def arm(self) -> None:
         abortable_waits.STATE.arm()
@@ -129,30 +207,42 @@ class GlooRelease(WorldAborter):
         waits.retain(groups, self.hold_s)
 
     def abort(self) -> None:
-        self._shutdown_sockets()
+        self.shutdown_world_sockets()
         # After the sockets: the training thread, once released, leaves and closes them.
         abortable_waits.STATE.abort()
 
-    def _shutdown_sockets(self) -> None:
-        import os
-        import socket
+    def is_store_peer(self, peer: Tuple[Any, ...]) -> bool:
+        """Whether a socket's peer address is one of the membership stores."""
+        return (_normalized_ip(str(peer[0])), int(peer[1])) in self.store_endpoints
 
-        for fd in os.listdir("/proc/self/fd"):
+    def shutdown_world_sockets(self) -> List[Tuple[str, int]]:
+        """Shut down the world's sockets (see the class doc); returns their peers.
+
+        Without :meth:`open_world` (a caller that does not mark the world), every TCP socket
+        but the stores' counts as the world's. Before :meth:`seal_world`, those opened since
+        :meth:`open_world`.
+        """
+        shut: List[Tuple[str, int]] = []
+        for inode, fd in _socket_inodes().items():
+            if self._world is not None and inode not in self._world:
+                continue
+            if self._world is None and self._before is not None and inode in self._before:
+                continue
             try:
-                if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                    continue
-                sock = socket.socket(fileno=int(fd))
+                sock = socket.socket(fileno=fd)
             except OSError:
                 continue
             try:
                 if sock.family in (socket.AF_INET, socket.AF_INET6):
                     peer = sock.getpeername()
-                    if peer[1] not in self.store_ports:
+                    if not self.is_store_peer(peer):
                         sock.shutdown(socket.SHUT_RDWR)
+                        shut.append((str(peer[0]), int(peer[1])))
             except OSError:
-                pass
+                pass  # a listener (no peer) or already closed
             finally:
                 sock.detach()  # the fd stays gloo's (or the store's)
+        return shut
 
 
 class NcclAbort(WorldAborter):
@@ -179,9 +269,9 @@ class NcclAbort(WorldAborter):
 
 
 def build_aborter(
-    backend: str, store_ports: Sequence[int] = (), hold_s: float = 60.0
+    backend: str, store_addresses: Sequence[str] = (), hold_s: float = 60.0
 ) -> WorldAborter:
-    return NcclAbort() if backend == "nccl" else GlooRelease(store_ports, hold_s)
+    return NcclAbort() if backend == "nccl" else GlooRelease(store_addresses, hold_s)
 
 
 class GenerationWatchdog:

@@ -4,11 +4,13 @@ Every member of a new generation writes its own timestamps (``rt/<g>/<slot>``: w
 detected the failure, left the old world, had the new one built, finished the first
 iteration). After that iteration the new rank 0 assembles one record:
 
-* ``detect_s``: kill (or reap) -> the last survivor noticed;
+* ``detect_s``: kill (unknown: its first report, a reap or a detection) -> the last
+  survivor noticed;
 * ``regroup_s``: -> every member had the new world and model built (release, rendezvous,
   ``init_process_group``, Megatron parallel state, GPTModel/DDP/optimizer, state restored);
 * ``redo_s``: -> every member finished the redone iteration (committed);
-* ``total_s``: kill -> every member finished the redone iteration;
+* ``total_s``: kill -> every member finished the redone iteration, the sum of the three
+  (none is negative: see :func:`phases`);
 * for a rejoin, ``heal_s`` (state copy + checksum) and ``rejoin_s`` (boundary -> first step).
 
 Times are wall clock (``time.time``) of processes on one machine; across machines they
@@ -102,19 +104,54 @@ def build_record(
         rec["rejoin_s"] = _diff(done, left)
         return rec
     reaped = [d["t"] for d in deaths.values() if d.get("t")]
-    t0 = min(kills.values()) if kills else (min(reaped) if reaped else earliest("detect"))
-    detect = latest("detect")
+    detects = [t["detect"] for t in times.values() if t.get("detect")]
+    reports = reaped + detects
+    # From the kill; unknown, from its first report (the supervisor's reap or a survivor's
+    # detection, whichever came first).
+    t0 = min(kills.values()) if kills else (min(reports) if reports else None)
     rec["kill_time_known"] = bool(kills)
+    if kills and reports and min(reports) < t0:
+        # Reported before it happened: another process's clock (or a stale timestamp).
+        rec["kill_after_first_report_s"] = round(t0 - min(reports), 4)
     heals = [t["healed"] - t["constructed"] for t in times.values() if t.get("healed")]
     if generation.joined and heals:  # a replacement that joined the failure's own world
         rec["heal_s"] = round(max(heals), 4)
-    rec["detect_s"] = _diff(detect, t0)
-    rec["regroup_s"] = _diff(built, detect)
-    rec["redo_s"] = _diff(done, built)
-    rec["total_s"] = _diff(done, t0)
+    rec.update(phases(t0, latest("detect"), built, done))
     if reaped and t0 is not None:
-        rec["reap_s"] = _diff(min(reaped), t0)
+        rec["reap_s"] = max(0.0, _diff(min(reaped), t0) or 0.0)
     return rec
+
+
+def phases(
+    t0: Optional[float], detect: Optional[float], built: Optional[float], done: Optional[float]
+) -> Dict[str, Optional[float]]:
+    """``detect_s``, ``regroup_s``, ``redo_s`` and ``total_s`` from the failure's origin
+    ``t0`` (the kill, or its first report) and the last member's ``detect``, ``built`` and
+    ``done`` times.
+
+    The timestamps come from several processes (and clocks), so they need not be ordered: a
+    phase end earlier than the one before it (e.g. a kill time stamped later than the
+    detection) counts as that one, and the phase as 0 s. So no part is negative, and the
+    parts sum to the total. A missing time leaves its phase, and those after it, unknown
+    (``None``); the total then spans whatever end is known.
+    """
+    out: Dict[str, Optional[float]] = {
+        "detect_s": None, "regroup_s": None, "redo_s": None, "total_s": None
+    }  # fmt: skip
+    if t0 is None:
+        return out
+    start, parts = t0, []
+    for key, end in (("detect_s", detect), ("regroup_s", built), ("redo_s", done)):
+        if end is None:
+            break
+        end = max(end, start)
+        parts.append(round(end - start, 4))
+        out[key], start = parts[-1], end
+    if len(parts) == 3:
+        out["total_s"] = round(sum(parts), 4)
+    elif done is not None:
+        out["total_s"] = round(max(done, start) - t0, 4)
+    return out
 
 
 def _diff(a: Optional[float], b: Optional[float]) -> Optional[float]:

@@ -35,8 +35,14 @@ def emit_record(
 ) -> None:
     """Build the record of generation ``gen``, store it, log it and append it to the records."""
     kills, deaths = {}, {}
+    # The incarnations this generation lost: those of the generation before it. (The slot's
+    # last dead incarnation may be a later death, when this record is written late: a
+    # failure generation superseded before it formed.)
+    previous = f"gen/{gen.number - 1}"
+    known = gen.number > 0 and session.ms.store.check([previous])
+    before = session.ms.generation(gen.number - 1).members if known else {}
     for s in gen.lost:
-        inc = last_inc(session, s)
+        inc = before[s] if s in before else last_inc(session, s)
         k = session.ms.get_json(f"killed/{s}/{inc}")
         if k:
             kills[s] = k["t"]

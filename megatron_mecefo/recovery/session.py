@@ -42,13 +42,15 @@ from megatron_mecefo.recovery.membership import Generation, JobLayout, Membershi
 from megatron_mecefo.recovery.membership_schedule import MembershipSchedule
 from megatron_mecefo.recovery.restore import take_over_from_snapshot
 from megatron_mecefo.recovery.state_transfer import (
+    ShardLost,
     boundary_snapshot,
     export_state,
     heal,
+    heal_source,
     import_state,
 )
 from megatron_mecefo.recovery.step_hooks import install_commit_vote
-from megatron_mecefo.recovery.store_failover import store_ports
+from megatron_mecefo.recovery.store_failover import store_addresses
 from megatron_mecefo.recovery.world_store import BuildAborter, WorldBuildAborted, WorldStore
 
 
@@ -153,7 +155,7 @@ class RecoverySession:
         """CPU seconds of the finished generations' watchdog threads."""
         self.backend = "gloo" if args.device == "cpu" else "nccl"
         self.aborter = build_aborter(
-            self.backend, store_ports(config.store), config.collective_timeout_s + 30.0
+            self.backend, store_addresses(config.store), config.collective_timeout_s + 30.0
         )
         self.watchdog: Optional[GenerationWatchdog] = None
         self.rank = -1
@@ -255,6 +257,8 @@ class RecoverySession:
             import torch
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Sockets opened from here until on_built are the world's (the abort shuts them).
+        self.aborter.open_world()
         # The watchdog runs from before the world's rendezvous: a member that dies while the
         # world is built (in init_process_group's or a new group's store wait, or in the
         # heal) must not leave the others waiting for the store timeout (world_store.py).
@@ -334,8 +338,10 @@ class RecoverySession:
         # Agree on the state: the members with valid state at the highest iteration are the
         # sources; everyone else in their data-parallel group is healed from them.
         mine = (self.slot, self.valid, trainer.iteration if self.valid else -1)
+        dp_group = ps.get_data_parallel_group()
+        dp_ranks = dist.get_process_group_ranks(dp_group)
         every: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (mine, self.schedule.real if self.schedule else []))
+        dist.all_gather_object(every, (mine, self.schedule.real if self.schedule else [], dp_ranks))
         infos = [e[0] for e in every]
         target = max(it for _, ok, it in infos)
         if target < 0:
@@ -343,15 +349,19 @@ class RecoverySession:
         authority = next(i for i, (_, ok, it) in enumerate(infos) if ok and it == target)
         if self.schedule is not None:
             self.schedule.real = [list(e) for e in every[authority][1]]
-        dp_group = ps.get_data_parallel_group()
-        dp_ranks = dist.get_process_group_ranks(dp_group)
-        needs = [not (infos[r][1] and infos[r][2] == target) for r in dp_ranks]
+        # Every group's source, on every rank: a lost shard stops every rank with the same
+        # message (one group stopping alone would leave the others in their broadcast).
+        try:
+            sources = {tuple(e[2]): heal_source(infos, e[2], target) for e in every}
+        except ShardLost as err:
+            self.fatal(str(err))
+        src = sources[tuple(dp_ranks)]
         any_heal = [not (ok and it == target) for _, ok, it in infos]
         if any(any_heal):
             # Every data-parallel group runs the same number of broadcasts (one, or none).
-            if any(needs):
-                src = next(r for r, need in zip(dp_ranks, needs, strict=True) if not need)
-                receiving = needs[dp_ranks.index(dist.get_rank())]
+            if src is not None:
+                _, ok, iteration = infos[dist.get_rank()]
+                receiving = not (ok and iteration == target)
                 if receiving:
                     self.injector.phase("heal", target + 1)
                 state = None
@@ -369,6 +379,8 @@ class RecoverySession:
             for line in self.schedule.apply_generation(gen.replicas, trainer.iteration + 1):
                 self.log(f"> MeCeFO recovery: {line}")
         self._hook(trainer)
+        # Every group (and its connections) exists now: later sockets are not the world's.
+        self.aborter.seal_world()
         self.times["built"] = time.time()
         self.record_pending = gen.number > 0
 

@@ -11,7 +11,7 @@ TP/PP coordinates (``heal``) and checks it against the sender's SHA-256 digest.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -121,6 +121,46 @@ def state_digest(trainer: Any) -> str:
         repr([(g["lr"], g.get("weight_decay")) for g in trainer.optimizer.param_groups]).encode()
     )
     return h.hexdigest()
+
+
+class ShardLost(Exception):
+    """No member of a data-parallel group holds the newest committed state: the model shard
+    of those TP/PP coordinates is lost (e.g. every replica's rank of it died). Its ranks
+    cannot heal from an older iteration (their shard would not match the others'), so the
+    job stops with this message."""
+
+
+def heal_source(
+    infos: Sequence[Tuple[int, bool, int]], group: Sequence[int], target: int
+) -> Optional[int]:
+    """The rank that heals the data-parallel ``group`` (global ranks) to iteration ``target``.
+
+    Args:
+        infos: Per global rank, ``(slot, holds valid state, its iteration or -1)``.
+        group: The global ranks of one data-parallel group.
+        target: The newest iteration any member of the world holds.
+
+    Returns:
+        The first rank of ``group`` at ``target`` if some member is not; ``None`` if every
+        member is at ``target`` (nothing to heal).
+
+    Raises:
+        ShardLost: No member of ``group`` is at ``target`` (a one-line message).
+    """
+    current = [infos[r][1] and infos[r][2] == target for r in group]
+    if all(current):
+        return None
+    if any(current):
+        return group[current.index(True)]
+    held = ", ".join(
+        f"slot {infos[r][0]}: " + (f"iteration {infos[r][2]}" if infos[r][1] else "none")
+        for r in group
+    )
+    raise ShardLost(
+        f"no member of data-parallel group {list(group)} holds the state of iteration "
+        f"{target}, which the other groups hold ({held}): that model shard is lost; resume "
+        "from the last checkpoint (--load)"
+    )
 
 
 def heal(trainer: Any, state: Any, src: int, group: Any, receiving: bool) -> float:

@@ -22,7 +22,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_mecefo.takeover.data_remap import GlobalBatchLayout, ReplicaMicrobatches, draw_own
+from megatron_mecefo.takeover.data_remap import (
+    GlobalBatchLayout,
+    ReplicaMicrobatches,
+    draw_own,
+    index_ranges,
+)
 from megatron_mecefo.takeover.failure_schedule import FailureSchedule
 from megatron_mecefo.takeover.plan import MicrobatchWork, StepPlan
 from megatron_mecefo.takeover.policies import TakeoverPolicy
@@ -78,6 +83,7 @@ class MecefoController:
         """Forget the current plan and the run's counters (e.g. for an in-process restart)."""
         self.plan: Optional[StepPlan] = None
         self.consumed_samples = 0
+        self._handed: Dict[int, ReplicaMicrobatches] = {}  # replica -> this iteration's
         self._counts: Dict[str, int] = {}
         self._announced: tuple = ((), ())  # (failed, notes) of the last plan announced
         self._decisions_announced = 0  # planner decisions (auto) announced so far
@@ -107,6 +113,7 @@ class MecefoController:
         plan = self.plan_for(iteration, failure_free)
         counts = self._counts = self.layout.account(plan, consumed_samples)
         self.plan = plan
+        self._handed = {}
         self.consumed_samples = consumed_samples
         modes = plan.modes(self.replica) or [MicrobatchMode.EXACT]
         self.state.start_step(iteration, modes)
@@ -140,6 +147,14 @@ class MecefoController:
         if planner is not None:
             fields["planner"] = planner()
         return fields
+
+    def samples_consumed(self) -> Dict[int, List[List[int]]]:
+        """Per replica run in this process this iteration, the sample indices of the planned
+        micro-batches its schedule took (the first data iterator's, in order), as
+        :func:`.data_remap.index_ranges`. A failed replica took none (its zero-weight
+        micro-batch, if any, is not counted)."""
+        return {r: index_ranges([i for mb in it.processed for i in mb]) for r, it in
+                self._handed.items()}  # fmt: skip
 
     def announcements(self) -> List[str]:
         """Run-log lines for the current plan when its failed set or its fallbacks differ
@@ -178,16 +193,19 @@ class MecefoController:
         work = plan.work[self.replica]
         samples = functools.partial(self.layout.samples, self.consumed_samples)
 
-        def one(it: Any) -> ReplicaMicrobatches:
+        def one(it: Any, first: bool) -> ReplicaMicrobatches:
             own = draw_own(it, self.layout.microbatches)
             self.check_sampler(own, fetch)
             # A failed replica that must still fire its hooks runs its first own micro-batch.
             planned = list(work) or [MicrobatchWork(self.replica, 0, MicrobatchMode.EXACT)]
-            return ReplicaMicrobatches(planned, own, fetch, samples, self.replica)
+            handed = ReplicaMicrobatches(planned, own, fetch, samples, self.replica)
+            if first and work:  # the samples consumed (samples_consumed): one chunk's view
+                self._handed[self.replica] = handed
+            return handed
 
         if isinstance(data_iterator, list):
-            return [one(it) for it in data_iterator]
-        return one(data_iterator)
+            return [one(it, i == 0) for i, it in enumerate(data_iterator)]
+        return one(data_iterator, True)
 
     def check_sampler(
         self, own: Sequence[Any], fetch: Optional[Callable[[List[int]], Any]]

@@ -108,6 +108,24 @@ class ReplicaMicrobatches:
         return None if self._fetch is None else self._fetch(indices)
 
 
+def index_ranges(indices: Sequence[int]) -> List[List[int]]:
+    """``indices`` as runs ``[start, stop)`` of consecutive numbers, in order (the compact form
+    of the sample indices a replica processed in an iteration): ``[0, 1, 4, 5, 2]`` ->
+    ``[[0, 2], [4, 6], [2, 3]]``."""
+    runs: List[List[int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return runs
+
+
+def expand_ranges(runs: Sequence[Sequence[int]]) -> List[int]:
+    """The inverse of :func:`index_ranges`."""
+    return [i for start, stop in runs for i in range(start, stop)]
+
+
 def draw_own(iterator: Optional[Iterator[Any]], count: int) -> List[Any]:
     """The next ``count`` micro-batches of ``iterator`` (``None`` x count for no iterator)."""
     if iterator is None:

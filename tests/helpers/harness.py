@@ -9,12 +9,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 from conftest import REPO
 from conftest import child_env as env
+
+from megatron_mecefo.data.sampler import samples_of_global_batch
+from megatron_mecefo.takeover.data_remap import expand_ranges
 
 DUMP_TRAINER = REPO / "tests" / "workers" / "dump_trainer.py"
 
@@ -24,9 +28,12 @@ TIMEOUTS = [
     "--collective-timeout", "25", "--init-timeout", "50",
 ]  # fmt: skip
 
+MICRO_BATCH = 2
+"""SMALL_MODEL's micro-batch size (the sampler's order in :func:`check_every_sample_once`)."""
+
 SMALL_MODEL = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--micro-batch-size", "2", "--lr", "3e-3",
+    "--seq-length", "64", "--micro-batch-size", str(MICRO_BATCH), "--lr", "3e-3",
     "--lr-decay-style", "constant", "--split", "90,10,0", "--make-vocab-size-divisible-by",
     "256", "--eval-iters", "0", "--log-interval", "1", "--mecefo-rank", "16",
 ]  # fmt: skip
@@ -179,13 +186,42 @@ def train_records(metrics: Path) -> List[Dict[str, Any]]:
     return [r for r in recs if r["type"] == "train"]
 
 
-def check_every_sample_once(records: List[Dict[str, Any]], iters: int, gbs: int) -> None:
-    """Each iteration 1..iters logged once, its whole global batch processed, none skipped."""
+def check_every_sample_once(
+    records: List[Dict[str, Any]], iters: int, gbs: int, replicas: int, mbs: int = MICRO_BATCH
+) -> None:
+    """Each iteration 1..iters logged once, and its global batch processed exactly once, by
+    sample index: the indices the replicas processed (the ``samples`` of each ``train``
+    record) are Megatron's sampler's micro-batches of that batch (``replicas`` data-parallel
+    ranks of ``mbs`` samples), each replica's own ones in the sampler's order, every index
+    of the batch once (none twice, none missing); nothing skipped."""
     assert [r["iteration"] for r in records] == list(range(1, iters + 1))
     for r in records:
-        assert r["consumed_samples"] == r["iteration"] * gbs
+        it, start = r["iteration"], (r["iteration"] - 1) * gbs
+        assert r["consumed_samples"] == start + gbs, r
         assert r["mecefo"]["samples_processed"] == gbs, r
         assert r["mecefo"]["samples_skipped"] == 0, r
+        assert "samples" in r, f"iteration {it}: no sample indices recorded"
+        sampler = {
+            tuple(mb): (source, index)
+            for source in range(replicas)
+            for index, mb in enumerate(samples_of_global_batch(start, gbs, mbs, replicas, source))
+        }
+        seen: Counter = Counter()
+        for replica, runs in r["samples"].items():
+            indices = expand_ranges(runs)
+            batches = [tuple(indices[k : k + mbs]) for k in range(0, len(indices), mbs)]
+            strange = [mb for mb in batches if mb not in sampler]
+            assert (
+                not strange
+            ), f"iteration {it}: replica {replica} read {strange}, not the sampler's"
+            own = [sampler[mb][1] for mb in batches if sampler[mb][0] == int(replica)]
+            assert own == sorted(own), f"iteration {it}: replica {replica}'s order {own}"
+            seen.update(indices)
+        twice = sorted(i for i, n in seen.items() if n > 1)
+        missing = [i for i in range(start, start + gbs) if i not in seen]
+        assert (
+            not twice and not missing
+        ), f"iteration {it}: samples processed more than once {twice}, never {missing}"
 
 
 def left_by_timeout(log: str) -> List[str]:

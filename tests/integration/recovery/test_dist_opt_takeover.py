@@ -77,7 +77,7 @@ def _kill_one(tmp_path: Path, optimizer: List[str]) -> tuple:
     assert failure["recovery_path"] == "peers+parity" and failure["rolled_back_to"] == s
     assert failure["ranks_lost"] == [2]
     final = _final_records(job, restore)
-    check_every_sample_once(final, ITERS, GBS)
+    check_every_sample_once(final, ITERS, GBS, 4)
     # Replica 2 is failed (taken over) from s+1 on in the kept records, not before.
     assert [r["mecefo"]["degraded"] for r in final] == [i > s for i in range(1, ITERS + 1)]
     checks = job.records_of("dp_weight_check")
@@ -162,7 +162,7 @@ def test_dp4_two_members_lost_falls_back_to_disk(tmp_path: Path) -> None:
     assert failure["recovery_path"] == "disk" and failure["rolled_back_to"] == CKPT, failure
     assert failure["ranks_lost"] == [1, 2]
     final = _final_records(job, restore)
-    check_every_sample_once(final, ITERS, GBS)
+    check_every_sample_once(final, ITERS, GBS, 4)
     assert [r["mecefo"]["degraded"] for r in final] == [i > CKPT for i in range(1, ITERS + 1)]
     checks = job.records_of("dp_weight_check")
     assert checks and all(c["identical"] for c in checks)
@@ -211,7 +211,7 @@ def test_replacement_rejoins_and_the_optimizer_is_resharded(tmp_path: Path, pp: 
     assert rejoin["recovery_path"] == "regrow", rejoin
     back = rejoin["iteration"]
     final = _final_records(job, restore)
-    check_every_sample_once(final, iters, GBS)
+    check_every_sample_once(final, iters, GBS, 4)
     assert [r["mecefo"]["degraded"] for r in final] == [s < i < back for i in range(1, iters + 1)]
     checks = job.records_of("dp_weight_check")
     assert [c["iteration"] for c in checks if c["iteration"] >= back][-1] == iters

@@ -78,7 +78,7 @@ def test_two_nodes_node0_lost_matches_simulated(tmp_path: Path) -> None:
     log = job.log()
     assert rc == [-9, 0], (rc, log[-5000:])
     assert "the standby store at" in log and "takes over" in log
-    check_every_sample_once(train_records(job.metrics), iters, gbs)
+    check_every_sample_once(train_records(job.metrics), iters, gbs, 4)
     assert all(c["identical"] for c in job.records_of("dp_weight_check"))
     (failure,) = [r for r in job.records_of("recovery") if r["ranks_lost"]]
     assert sorted(failure["ranks_lost"]) == [0, 1] and sorted(failure["replicas"]) == [2, 3]
@@ -101,7 +101,7 @@ def test_two_nodes_node1_lost_node0_trains_on_without_a_standby(tmp_path: Path) 
               MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
     rc = _run_losing(job, 1, "iteration        5/")
     assert rc == [0, -9], (rc, job.log()[-5000:])
-    check_every_sample_once(train_records(job.metrics), iters, gbs)
+    check_every_sample_once(train_records(job.metrics), iters, gbs, 4)
     (failure,) = [r for r in job.records_of("recovery") if r["ranks_lost"]]
     assert sorted(failure["ranks_lost"]) == [2, 3] and sorted(failure["replicas"]) == [0, 1]
 
@@ -124,7 +124,7 @@ def test_three_nodes_node0_lost_then_a_new_node0_rejoins(tmp_path: Path) -> None
     log = job.log()
     assert rc == [-9, 0, 0, 0], (rc, log[-5000:])
     assert "takes over" in log
-    check_every_sample_once(train_records(job.metrics), iters, gbs)
+    check_every_sample_once(train_records(job.metrics), iters, gbs, 3)
     kinds = [(r["kind"], r["ranks_lost"], r["ranks_joined"]) for r in job.records_of("recovery")]
     assert kinds[0][:2] == ("failure", [0]), kinds
     # The hot spare's process joins in a rejoin generation, or in the failure's own when it is

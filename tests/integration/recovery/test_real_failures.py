@@ -78,7 +78,7 @@ def _kill_and_compare(
     assert first == iteration + (phase in ("optimizer", "between")), failure
     assert failure["ranks_lost"] == [rank] and failure["samples_redone"] == gbs
     assert failure["total_s"] is not None and failure["total_s"] < 60
-    check_every_sample_once(train_records(job.metrics), iters, gbs)
+    check_every_sample_once(train_records(job.metrics), iters, gbs, dp)
     checks = job.records_of("dp_weight_check")
     assert checks and all(c["identical"] for c in checks)
     schedule = f"{replica}:{first}"
@@ -151,7 +151,7 @@ def test_a_death_after_the_last_iteration_starts_no_replacement(tmp_path: Path) 
     log = job.log()
     assert "died: SIGKILL" in log
     assert "replacement for rank 2" not in log and "replaces rank 2" not in log
-    check_every_sample_once(train_records(job.metrics), 6, 16)
+    check_every_sample_once(train_records(job.metrics), 6, 16, 4)
 
 
 @pytest.mark.slow
@@ -162,7 +162,7 @@ def test_dp4_two_replicas_lost(tmp_path: Path, second: str) -> None:
     args = _layout(1, 1, 4, 8, 16) + ["--optimizer", "sgd", "--lr", "0.05"]
     kills = ["--mecefo-kill", "1:3:backward", "--mecefo-kill", f"2:3:{second}"]
     job = _run_job(tmp_path / "real", 4, args + kills)
-    check_every_sample_once(train_records(job.metrics), 8, 16)
+    check_every_sample_once(train_records(job.metrics), 8, 16, 4)
     assert job.log().count("died: SIGKILL") == 2
     sim = run_torchrun(tmp_path / "sim", 4, args + ["--mecefo-fail", "1:3", "--mecefo-fail", "2:3"])
     diff = max_param_diff(job.params(), sim)
@@ -184,7 +184,7 @@ def test_dp4_second_death_while_the_world_is_built(tmp_path: Path, second: str) 
     log = job.log()
     assert log.count("died: SIGKILL") == 2, log[-4000:]
     assert "wait timeout" not in log and not left_by_timeout(log), log[-4000:]
-    check_every_sample_once(train_records(job.metrics), 8, 16)
+    check_every_sample_once(train_records(job.metrics), 8, 16, 4)
     records = job.records_of("recovery")
     # Generation 1 (rank 1 lost) never redid its iteration: one record, of generation 2.
     assert [rec["ranks_lost"] for rec in records] == [[3]], records
@@ -206,7 +206,7 @@ def test_dp4_kill_during_rejoin(tmp_path: Path) -> None:
     kills = ["--mecefo-kill", "1:3:backward", "--mecefo-kill", "1:3:heal"]
     sup = ["--replace", "after:1", "--standby", "1"]
     job = _run_job(tmp_path, 4, args + kills, sup, MECEFO_TEST_STEP_SLEEP="0.3")
-    check_every_sample_once(train_records(job.metrics), 60, 16)
+    check_every_sample_once(train_records(job.metrics), 60, 16, 4)
     log = job.log()
     assert log.count("died: SIGKILL") == 2
     assert "healed; parameters and optimizer state identical" in log
@@ -233,7 +233,7 @@ def test_two_supervisors_kill_a_node(tmp_path: Path) -> None:
     finally:
         job.stop()
     assert rc[0] == 0 and rc[1] == -9, (rc, job.log()[-4000:])
-    check_every_sample_once(train_records(job.metrics), 200, 16)
+    check_every_sample_once(train_records(job.metrics), 200, 16, 4)
     (failure,) = [r for r in job.records_of("recovery") if r["ranks_lost"]]
     assert sorted(failure["replicas"]) == [0, 1] and set(failure["ranks_lost"]) >= {2, 3}
 
@@ -351,7 +351,7 @@ def test_dp4_rank_killed_before_the_first_iteration(tmp_path: Path) -> None:
     finally:
         job.stop()
     assert "no member holds trained state" not in job.log()
-    check_every_sample_once(train_records(job.metrics), 8, 16)
+    check_every_sample_once(train_records(job.metrics), 8, 16, 4)
     sim = run_torchrun(tmp_path / "sim", 4, args + ["--mecefo-fail", "2:1"])
     diff = max_param_diff(job.params(), sim)
     print(f"killed at start-up vs simulated 2:1: max |param diff| = {diff:.2e}")

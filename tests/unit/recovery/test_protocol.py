@@ -286,8 +286,12 @@ def test_committed_iterations_leave_no_vote_keys(store: str) -> None:
     for iteration in range(1, 7):
         futures = [v.start(0, iteration, slot, [0, 1]) for slot, v in enumerate(voters)]
         assert [f.result(10)[0] for f in futures] == [True, True]
-    deadline = time.monotonic() + 5  # the deletion follows the result on the voter thread
-    while ms.store.check(["votes/0/5"]) and time.monotonic() < deadline:
+    # The deletion follows the result on the voter thread, one key after the other: wait for
+    # both keys of iteration 5 (waiting for the first alone raced the second's deletion).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(
+        ms.store.check([f"{kind}/0/5"]) for kind in ("votes", "commit")
+    ):
         time.sleep(0.01)
     left = [f"{kind}/0/{i}" for i in range(1, 7) for kind in ("votes", "commit")
             if ms.store.check([f"{kind}/0/{i}"])]  # fmt: skip
@@ -296,13 +300,15 @@ def test_committed_iterations_leave_no_vote_keys(store: str) -> None:
 
 def test_async_vote_overlaps_and_a_member_that_fails_aborts_everyone(store: str) -> None:
     """The worker-thread vote decides like :func:`vote` while the caller keeps computing, and
-    leaves the store client's timeout as it was; a member whose optimizer step failed before
-    the count completed aborts, which the waiting peer finds at its next look at the counter
-    (``10 * poll``, not after its ``50 * poll`` look for a newer generation), and which stands
-    against a late vote."""
+    leaves the store client's timeout as it was (its waits are longer than the vote's); a
+    member whose optimizer step failed before the count completed aborts, which the waiting
+    peer finds at its next look at the counter (``10 * poll``, not after its ``50 * poll``
+    look for a newer generation), and which stands against a late vote."""
     ms = MembershipStore.connect(store)
     ms.publish(Generation(number=0, replicas=(), members={0: 0, 1: 0}))
-    voters = [AsyncVoter(store, 0.02), AsyncVoter(store, 0.02)]
+    # poll 0.2 s: the counter looks are 2 s apart, the generation looks 10 s, far enough apart
+    # for a bound between them that load does not break.
+    voters = [AsyncVoter(store, 0.2), AsyncVoter(store, 0.2)]
     futures = [v.start(0, 1, slot, [0, 1]) for slot, v in enumerate(voters)]
     spins = 0
     while not all(f.done() for f in futures):  # the caller is not blocked meanwhile
@@ -316,10 +322,19 @@ def test_async_vote_overlaps_and_a_member_that_fails_aborts_everyone(store: str)
     assert not waiting.done()
     t0 = time.perf_counter()
     assert abort(ms, 0, 2, 2) is False
-    assert waiting.result(10)[0] is False
-    assert time.perf_counter() - t0 < 0.5  # found at a 0.2 s look, not at its 1 s one
-    assert voters[1].start(0, 2, 1, [0, 1]).result(10)[0] is False  # the late vote adopts it
-    assert voters[0]._ms.store.timeout.total_seconds() > 1  # restored after the short waits
+    assert waiting.result(30)[0] is False
+    assert time.perf_counter() - t0 < 6  # found at a 2 s look, not at its 10 s one
+    assert voters[1].start(0, 2, 1, [0, 1]).result(30)[0] is False  # the late vote adopts it
+    # Its short waits pass their timeout per call: the client keeps its own (60 s), so a
+    # blocking wait longer than them (a key set 0.5 s later) still succeeds on it.
+    later = threading.Timer(0.5, lambda: MembershipStore.connect(store).store.set("later", "1"))
+    later.daemon = True  # a failed wait must not leave the test process waiting for it
+    later.start()
+    try:
+        voters[0]._ms.store.wait(["later"])
+    finally:
+        later.cancel()
+        later.join(10)
     assert voters[0].cpu_s > 0
 
 
