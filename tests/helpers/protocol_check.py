@@ -61,7 +61,7 @@ from typing import (
     Tuple,
 )
 
-from fake_etcd import Compare, FakeEtcd, Get, Put, Range
+from fake_etcd import KV, Compare, FakeEtcd, Get, Put, Range
 
 from megatron_mecefo.recovery.commit import (
     ABORT,
@@ -690,15 +690,24 @@ def canonical(st: EState) -> EState:
     used.discard(0)
     new = {r: i + 2 for i, r in enumerate(sorted(used))}  # 1: the other keys' revision
     new[0] = 0
-    kvs = tuple(
+    out = []
+    for kv in kvs:  # most keys are canonical already (a new KV only for the ones that change)
+        if kv.key in KEYS_WITH_REVISIONS:
+            c, m = new[kv.create_revision], new[kv.mod_revision]
+            if (c, m) != (kv.create_revision, kv.mod_revision):
+                kv = KV(kv.key, kv.value, c, m, kv.version, kv.lease)
+        elif (kv.create_revision, kv.mod_revision, kv.version) != (1, 1, 1):
+            kv = KV(kv.key, kv.value, 1, 1, 1, kv.lease)
+        out.append(kv)
+    kvs = tuple(out)
+    leaders = tuple(
         (
-            kv._replace(create_revision=new[kv.create_revision], mod_revision=new[kv.mod_revision])
-            if kv.key in KEYS_WITH_REVISIONS
-            else kv._replace(create_revision=1, mod_revision=1, version=1)
+            ld
+            if (new[ld.term], new[ld.seen_mod]) == (ld.term, ld.seen_mod)
+            else ld._replace(term=new[ld.term], seen_mod=new[ld.seen_mod])
         )
-        for kv in kvs
+        for ld in st.leaders
     )
-    leaders = tuple(ld._replace(term=new[ld.term], seen_mod=new[ld.seen_mod]) for ld in st.leaders)
     published = frozenset((n, c, new[t], h) for n, c, t, h in st.published)
     return st._replace(etcd=(new[revision], kvs, leases, next_lease), leaders=leaders,
                        published=published)  # fmt: skip

@@ -167,9 +167,10 @@ def test_old_mirror_rollback_leads_to_a_second_generation_with_the_same_number()
     "config",
     [
         dict(n_members=3, faults=1, iterations=1),
+        dict(n_members=3, faults=1, iterations=2),
         dict(n_members=2, faults=2, iterations=1),
     ],
-    ids=["3-members-1-fault", "2-members-2-faults"],
+    ids=["3-members-1-fault", "3-members-1-fault-2-iterations", "2-members-2-faults"],
 )
 def test_etcd_design_holds_every_invariant_in_every_state(config: dict) -> None:
     report = explore(EtcdDesign(**config))
@@ -198,6 +199,7 @@ def test_etcd_design_without_the_outcome_claim_splits_a_vote() -> None:
 
 @pytest.mark.slow
 def test_etcd_design_three_members_two_faults() -> None:
+    """1.1 million states: minutes, and a few GB of memory."""
     report = explore(EtcdDesign(n_members=3, faults=2), max_states=5_000_000)
     _show(report)
     assert report.violation is None, report.trace
