@@ -199,7 +199,7 @@ def test_etcd_design_without_the_outcome_claim_splits_a_vote() -> None:
 
 @pytest.mark.slow
 def test_etcd_design_three_members_two_faults() -> None:
-    """1.1 million states: minutes, and a few GB of memory."""
+    """1.1 million states: about 3 minutes and 1.7 GB here."""
     report = explore(EtcdDesign(n_members=3, faults=2), max_states=5_000_000)
     _show(report)
     assert report.violation is None, report.trace
