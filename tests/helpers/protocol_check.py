@@ -1,0 +1,1210 @@
+"""An explicit-state model checker of the recovery control plane: every interleaving, crash and
+hang of a small job, over in-memory stores.
+
+Two designs are configurations of it:
+
+* :class:`MirrorDesign` (``old``): the primary/standby TCPStore mirror of ``--store-mode
+  replicated`` as the code has it (:mod:`~megatron_mecefo.recovery.store_mirror`,
+  :mod:`~megatron_mecefo.recovery.store_failover`, the coordinator's ``set_durable`` publish,
+  the vote of :mod:`~megatron_mecefo.recovery.commit` with its standby claim and
+  ``_after_failover``).
+* :class:`EtcdDesign` (``new``, issue 43 item 1): the control state on etcd v3
+  (:mod:`fake_etcd`): a leader elected with a lease, every leader write a transaction fenced on
+  its leader key, generation ``n + 1`` written only if ``gen`` was not changed since the leader
+  read ``n`` (compare on ``mod_revision``), the outcome of an iteration claimed once with a
+  create-if-absent transaction, every member write conditioned on the member's own lease, leases
+  that expire when their holder hangs or dies.
+
+**What is real code and what is a model.** Real: :class:`~megatron_mecefo.recovery.membership.
+Generation` (every published generation is its JSON, parsed back with ``from_json``),
+:class:`~megatron_mecefo.recovery.membership.JobLayout` and :class:`~megatron_mecefo.recovery.
+membership.CompleteReplicas` (the coordinator's next membership), the commit vote's constants
+and keys (``ABORT_WEIGHT``, ``COMMIT``/``ABORT``, ``_votes_key`` ...) and
+``store_failover.PRIMARY_KEY``. Models (step machines written from the code, one store request
+per step, so that the explorer owns the interleaving): the coordinator's scan/decide/publish,
+the standby's copy thread and takeover, the failover client, the vote (``vote``, ``abort``,
+``_outcome``, ``_commit``, ``resolve_after_failover``, ``AsyncVoter._after_failover``), the
+rendezvous and the heal's choice of a source, the gradient all-reduce (a pool of
+contributions per world and iteration, not a store request), and the samples (each member
+processes the samples its view of the generation assigns it; a committed step holds the
+samples of every contribution it reduced). Abstractions: a multi-key read of the mirror
+(``_copy``'s reads, ``_rescan``) is one step; a member reads ``gen`` and its record in one step;
+a store wait that can time out is a nondeterministic choice; time is abstract (a lease may
+expire, a call to a hung store may time out, whenever the holder or the store is hung).
+
+**Faults.** Any running actor may crash or hang after any of its steps (a hung one may resume
+later: SIGCONT, a healed partition; a partitioned actor is a hung one as far as the store
+sees), within a budget of ``faults`` crashes and hangs per run; the old design also has node
+faults (node 0: its rank, its coordinator and the primary store at once). Every order of the
+actors' requests is explored (each store is linearizable, so the orders of requests are the
+orders of messages).
+
+**Invariants**, checked on every transition (:data:`INVARIANTS`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import (
+    Dict,
+    FrozenSet,
+    Hashable,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+)
+
+from fake_etcd import KV, Compare, FakeEtcd, Get, Put, Range
+
+from megatron_mecefo.recovery.commit import (
+    ABORT,
+    ABORT_WEIGHT,
+    COMMIT,
+    _commit_key,
+    _decision_key,
+    _outcome_key,
+    _votes_key,
+)
+from megatron_mecefo.recovery.membership import CompleteReplicas, Generation, JobLayout
+from megatron_mecefo.recovery.store_failover import PRIMARY_KEY
+
+INVARIANTS = {
+    "generations_only_increase": "the generation number of every store, and every generation "
+    "number a member reads, never goes down",
+    "one_leader_per_term": "every generation number is written with one content by one leader, "
+    "which holds the leadership when its write lands",
+    "agreement": "no member applies the step of an iteration that another member of the same "
+    "generation aborts",
+    "same_state": "members at the same committed iteration hold the same state (after a regroup "
+    "every member is at the target iteration or healed to it)",
+    "samples_exactly_once": "every applied step holds each sample of its iteration exactly once, "
+    "and no member applies an iteration twice",
+    "fenced_changes_nothing": "a member whose lease has ended (declared dead) lands no write and "
+    "applies no step (etcd design)",
+    "progress": "when no step is possible, every running member has finished or exited (checked "
+    "only while some coordinator can still lead)",
+}
+
+
+# ---------------------------------------------------------------------------------- explorer
+@dataclass
+class Report:
+    """What one exploration found."""
+
+    design: str
+    states: int
+    transitions: int
+    violation: Optional[str]
+    trace: List[str]
+    complete: bool
+    """Every reachable state explored (no violation and no state bound hit)."""
+    seconds: float
+    detail: str = ""
+
+    def summary(self) -> str:
+        what = f"violation {self.violation!r}" if self.violation else "no violation"
+        scope = "all reachable states" if self.complete else "stopped early"
+        return (
+            f"{self.design}: {what}; {self.states} distinct states, {self.transitions} "
+            f"transitions ({scope}), {self.seconds:.1f} s"
+        )
+
+
+def explore(
+    model: "Design",
+    check: Optional[Sequence[str]] = None,
+    max_states: int = 2_000_000,
+) -> Report:
+    """Breadth-first search of ``model``'s states with a visited set; stops at the first
+    violation of an invariant named in ``check`` (all by default) and returns its trace, the
+    shortest one."""
+    names = set(INVARIANTS if check is None else check)
+    t0 = time.perf_counter()
+    init = model.initial()
+    parent: Dict[Hashable, Tuple[Optional[Hashable], str]] = {init: (None, "start")}
+    queue = deque([init])
+    transitions = 0
+
+    def trace(state: Hashable) -> List[str]:
+        steps = []
+        while state is not None:
+            state, label = parent[state]
+            steps.append(label)
+        return steps[::-1][1:]
+
+    while queue:
+        state = queue.popleft()
+        progress = False
+        for label, nxt, is_fault in model.successors(state):
+            transitions += 1
+            progress = progress or not is_fault
+            if nxt in parent:
+                continue
+            parent[nxt] = (state, label)
+            bad = [v for v in model.violations(state, nxt) if v in names]
+            if bad:
+                return Report(model.name, len(parent), transitions, bad[0], trace(nxt), False,
+                              time.perf_counter() - t0, model.describe(nxt))  # fmt: skip
+            if len(parent) >= max_states:
+                return Report(model.name, len(parent), transitions, None, [], False,
+                              time.perf_counter() - t0)  # fmt: skip
+            queue.append(nxt)
+        if not progress and "progress" in names and not model.finished(state):
+            return Report(model.name, len(parent), transitions, "progress", trace(state), False,
+                          time.perf_counter() - t0, model.describe(state))  # fmt: skip
+    return Report(model.name, len(parent), transitions, None, [], True, time.perf_counter() - t0)
+
+
+class Design:
+    """The interface :func:`explore` drives."""
+
+    name = "design"
+
+    def initial(self) -> Hashable:
+        raise NotImplementedError
+
+    def successors(self, state: Hashable) -> Iterator[Tuple[str, Hashable, bool]]:
+        """(label, next state, whether the step is a fault) for every enabled step."""
+        raise NotImplementedError
+
+    def violations(self, prev: Hashable, state: Hashable) -> List[str]:
+        raise NotImplementedError
+
+    def finished(self, state: Hashable) -> bool:
+        """Whether a state without progress steps is fine (see ``progress``)."""
+        raise NotImplementedError
+
+    def describe(self, state: Hashable) -> str:
+        return repr(state)
+
+
+# ---------------------------------------------------------------------------------- shared
+@lru_cache(maxsize=None)
+def parse(text: str) -> Generation:
+    """The real ``Generation.from_json`` (cached: the explorer parses the same few often)."""
+    return Generation.from_json(text)
+
+
+def next_generation(layout: JobLayout, gen: Generation, alive: Sequence[int]) -> Generation:
+    """The coordinator's failure generation after ``gen`` for the ``alive`` slots: the real
+    ``CompleteReplicas`` assignment (as ``Coordinator._publish_change`` makes it)."""
+    replicas, spares = CompleteReplicas().assign(layout, sorted(alive))
+    members = {s: 0 for r in replicas for s in layout.replica_slots(r)}
+    return Generation(
+        number=gen.number + 1,
+        replicas=tuple(replicas),
+        members=members,
+        spares=tuple(spares),
+        lost=tuple(sorted(set(gen.members) - set(alive))),
+        reason="death",
+        abort=None if replicas else "every data-parallel replica has lost a rank",
+        published_at=0.0,
+        layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+    )
+
+
+def first_generation(layout: JobLayout) -> Generation:
+    slots = list(range(layout.world_size))
+    replicas, _ = CompleteReplicas().assign(layout, slots)
+    return Generation(number=0, replicas=tuple(replicas), members={s: 0 for s in slots},
+                      reason="start", published_at=0.0,
+                      layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp})  # fmt: skip
+
+
+def my_samples(slot: int, gen: Generation, n_samples: int) -> Tuple[int, ...]:
+    """The samples of an iteration that ``slot`` processes in ``gen`` (a model of the takeover
+    plan: a replica's own sample, and those of missing replicas spread over the members)."""
+    replicas = list(gen.replicas)
+    owner = {s: (s if s in replicas else replicas[s % len(replicas)]) for s in range(n_samples)}
+    return tuple(s for s in range(n_samples) if owner[s] == slot)
+
+
+RUN, HUNG, CRASHED, DONE, EXITED = "run", "hung", "crashed", "done", "exited"
+
+
+def member_violations(members: Sequence, n_samples: int) -> List[str]:
+    """State invariants on the members (both designs)."""
+    out = []
+    full = tuple(range(n_samples))
+    for m in members:
+        if m.lastread < m.maxseen:
+            out.append("generations_only_increase")
+        if len(m.ledger) != m.committed or any(step != full for step in m.ledger):
+            out.append("samples_exactly_once")
+    live = [m for m in members if m.status in (RUN, HUNG, DONE)]
+    by_it: Dict[int, tuple] = {}
+    for m in live:
+        if by_it.setdefault(m.committed, m.ledger) != m.ledger:
+            out.append("same_state")
+    return out
+
+
+def decision_violations(decisions: FrozenSet[Tuple[int, int, str]]) -> List[str]:
+    outcomes: Dict[Tuple[int, int], set] = {}
+    for g, i, what in decisions:
+        outcomes.setdefault((g, i), set()).add(what)
+    return ["agreement"] if any(len(v) > 1 for v in outcomes.values()) else []
+
+
+def publish_violations(published: FrozenSet[tuple], seen: FrozenSet[tuple]) -> List[str]:
+    """``published``: (number, content, writer, whether the writer held the leadership when
+    its write landed); ``seen``: (number, content) of every generation a member adopted."""
+    contents: Dict[int, str] = {}
+    for number, content in seen:
+        if contents.setdefault(number, content) != content:
+            return ["one_leader_per_term"]  # members run two different generations ``number``
+    for number, content, _, held in published:
+        if not held:
+            return ["one_leader_per_term"]  # a deposed leader's write landed
+        if contents.get(number, content) != content:
+            return ["one_leader_per_term"]  # a generation in use rewritten by another leader
+    return []
+
+
+def heal(arrivals: Dict[int, Tuple[int, tuple]]) -> Tuple[int, tuple]:
+    """The heal's choice (``RecoverySession.on_built``): the highest committed iteration among
+    the world's members, and the state of the first member (in rank order) at it."""
+    target = max(c for c, _ in arrivals.values())
+    source = min(s for s, (c, _) in arrivals.items() if c == target)
+    return target, arrivals[source][1]
+
+
+# ================================================================================== new design
+class EMember(NamedTuple):
+    status: str
+    pc: str
+    lease: int
+    cur: int = -1
+    """The generation this member is in (or waits to leave)."""
+    gen: str = ""
+    """Its JSON."""
+    committed: int = 0
+    ledger: tuple = ()
+    grads: tuple = ()
+    want: str = ""
+    maxseen: int = -1
+    lastread: int = -1
+
+
+class ELeader(NamedTuple):
+    status: str
+    pc: str
+    lease: int = 0
+    term: int = 0
+    watch: tuple = ()
+    pending: str = ""
+    seen_mod: int = 0
+
+
+class EState(NamedTuple):
+    etcd: tuple
+    members: Tuple[EMember, ...]
+    leaders: Tuple[ELeader, ...]
+    pool: FrozenSet[tuple]
+    """All-reduce contributions: (generation, iteration, slot, samples)."""
+    published: FrozenSet[tuple]
+    decisions: FrozenSet[tuple]
+    seen: FrozenSet[tuple]
+    faults: int
+    fenced_acted: bool = False
+    """A member whose lease had ended wrote to the store or advanced its state."""
+
+
+@dataclass
+class EtcdDesign(Design):
+    """The new design (module docstring); the switches turn one of its rules off, to show the
+    checker catches what each rule prevents."""
+
+    n_members: int = 3
+    n_candidates: int = 2
+    iterations: int = 1
+    faults: int = 2
+    fencing: bool = True
+    """Leader writes compare the leader key's create revision with the leader's term."""
+    gen_compare: bool = True
+    """Generation ``n + 1`` is written only if ``gen``'s mod revision is the one read with ``n``."""
+    outcome_claim: bool = True
+    """The outcome is claimed with a create-if-absent transaction (else: decided locally)."""
+    member_fencing: bool = True
+    """Every member request compares the member's key with its lease."""
+    name: str = "etcd"
+    layout: JobLayout = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.layout = JobLayout(tp=1, pp=1, dp=self.n_members)
+
+    # ------------------------------------------------------------------ states
+    def initial(self) -> EState:
+        """Generation 0's world formed, every member in iteration 1's all-reduce, coordinator 0
+        elected (the other candidates campaign when the leader key goes)."""
+        etcd = FakeEtcd()
+        gen0 = first_generation(self.layout)
+        st = EState((), (), (), frozenset(), frozenset(), frozenset(),
+                    frozenset({(0, gen0.to_json())}), 0)  # fmt: skip
+        members = []
+        for m in range(self.n_members):
+            lease = etcd.grant(10.0)
+            etcd.put(f"member/{m}", "up", lease)
+            members.append(EMember(RUN, "allreduce", lease, cur=0, gen=gen0.to_json(),
+                                   maxseen=0, lastread=0))  # fmt: skip
+            st = st._replace(pool=st.pool | {(0, 1, m, my_samples(m, gen0, self.n_members))})
+        etcd.put("gen", gen0.to_json())
+        lease = etcd.grant(5.0)
+        term = etcd.put("leader", "0", lease)
+        leaders = [ELeader(RUN, "lead", lease, term, _ewatch(etcd))]
+        leaders += [ELeader(RUN, "campaign") for _ in range(1, self.n_candidates)]
+        st = st._replace(etcd=etcd.freeze(), members=tuple(members), leaders=tuple(leaders))
+        return canonical(st)
+
+    def describe(self, state: EState) -> str:
+        etcd = FakeEtcd.thaw(state.etcd)
+        gen = parse(etcd.get("gen").value)
+        return (
+            f"gen {gen.number} members {sorted(gen.members)}; members "
+            + ", ".join(f"{i}:{m.status}/{m.pc}@{m.committed}" for i, m in enumerate(state.members))
+            + "; leaders "
+            + ", ".join(f"{i}:{c.status}/{c.pc}" for i, c in enumerate(state.leaders))
+        )
+
+    def finished(self, state: EState) -> bool:
+        if not any(c.status == RUN for c in state.leaders):
+            return True  # nobody left to lead (every candidate crashed, hung or deposed)
+        return all(m.status != RUN for m in state.members)
+
+    def violations(self, prev: EState, state: EState) -> List[str]:
+        out = member_violations(state.members, self.n_members)
+        if _egen(state.etcd) < _egen(prev.etcd):
+            out.append("generations_only_increase")
+        out += decision_violations(state.decisions)
+        if state.fenced_acted:
+            out.append("fenced_changes_nothing")
+        return out + publish_violations(state.published, state.seen)
+
+    # ------------------------------------------------------------------ successors
+    def successors(self, st: EState) -> Iterator[Tuple[str, EState, bool]]:
+        for label, nxt, fault in self._successors(st):
+            yield label, canonical(nxt), fault
+
+    def _successors(self, st: EState) -> Iterator[Tuple[str, EState, bool]]:
+        live = FakeEtcd.thaw(st.etcd)
+        ended = {me.lease for me in st.members if not live.alive(me.lease)}
+        for m, me in enumerate(st.members):
+            if me.status == RUN:
+                for label, nxt in self._member(st, m):
+                    if me.lease in ended and (nxt.etcd[1] != st.etcd[1]
+                                              or nxt.members[m].ledger != me.ledger):  # fmt: skip
+                        nxt = nxt._replace(fenced_acted=True)
+                    yield f"member {m}: {label}", nxt, False
+        for c, ld in enumerate(st.leaders):
+            if ld.status == RUN:
+                step = self._leader(st, c)
+                if step is not None:
+                    yield f"coordinator {c}: {step[0]}", step[1], False
+        # Faults: crash or hang a running actor; resume or crash a hung one; a lease expires
+        # when its holder has crashed or hangs.
+        etcd = FakeEtcd.thaw(st.etcd)
+        actors = [("member", m, a) for m, a in enumerate(st.members)] + [
+            ("coordinator", c, a) for c, a in enumerate(st.leaders)
+        ]
+        for kind, i, a in actors:
+            if a.status in (CRASHED, HUNG) and a.lease and etcd.alive(a.lease):
+                e = etcd.copy()
+                e.expire(a.lease)
+                yield f"{kind} {i}: its lease {a.lease} expires", st._replace(
+                    etcd=e.freeze()
+                ), False
+            if a.status == HUNG:
+                yield f"{kind} {i}: resumes", self._set(st, kind, i, a._replace(status=RUN)), True
+            if a.status in (RUN, HUNG) and st.faults < self.faults:
+                for what, status in (("crashes", CRASHED), ("hangs", HUNG)):
+                    if status == HUNG and a.status == HUNG:
+                        continue
+                    nxt = self._set(st, kind, i, a._replace(status=status))
+                    yield f"{kind} {i}: {what}", nxt._replace(faults=st.faults + 1), True
+
+    @staticmethod
+    def _set(st: EState, kind: str, i: int, actor: tuple) -> EState:
+        if kind == "member":
+            return st._replace(members=st.members[:i] + (actor,) + st.members[i + 1 :])
+        return st._replace(leaders=st.leaders[:i] + (actor,) + st.leaders[i + 1 :])
+
+    # ------------------------------------------------------------------ a member
+    def _member(self, st: EState, m: int) -> Iterator[Tuple[str, EState]]:
+        """One store request of member ``m`` (a transaction conditioned on its lease: a member
+        declared dead changes nothing and exits)."""
+        me = st.members[m]
+        etcd = FakeEtcd.thaw(st.etcd)
+        mine = [Compare(f"member/{m}", "lease", "==", me.lease)] if self.member_fencing else []
+        fenced = not etcd.alive(me.lease)
+        gen_now = _egen(st.etcd)
+
+        def done(new: EMember, e: FakeEtcd = etcd, **changes) -> EState:
+            return _eset(st, m, new, e, **changes)
+
+        def exited(why: str) -> Tuple[str, EState]:
+            return f"finds its lease gone; exits ({why})", done(me._replace(status=EXITED))
+
+        if me.pc == "read_gen":  # wait for a generation newer than the current one
+            if not (fenced or gen_now > me.cur):
+                return
+            r = etcd.txn(mine, [Get("gen")])
+            if not r.succeeded:
+                yield exited("read gen")
+                return
+            text = r.responses[0].value
+            gen = parse(text)
+            seen = me._replace(maxseen=max(me.maxseen, gen.number), lastread=gen.number)
+            if gen.abort or m not in gen.members:
+                yield f"reads generation {gen.number}: not a member; exits", done(
+                    seen._replace(status=EXITED)
+                )
+                return
+            yield f"reads generation {gen.number}", done(
+                seen._replace(pc="arrive", cur=gen.number, gen=text),
+                seen=st.seen | {(gen.number, text)},
+            )
+        elif me.pc == "arrive":
+            state = json.dumps([me.committed, me.ledger])
+            r = etcd.txn(mine, [Put(f"arrive/{me.cur}/{m}", state)])
+            if not r.succeeded:
+                yield exited("arrive")
+                return
+            yield f"arrives in generation {me.cur}", done(me._replace(pc="await_world"), etcd)
+        elif me.pc == "await_world":
+            gen = parse(me.gen)
+            arrived = {kv.key for kv in etcd.range(f"arrive/{me.cur}/")}
+            complete = all(f"arrive/{me.cur}/{s}" in arrived for s in gen.members)
+            if not (fenced or complete or gen_now > me.cur):
+                return
+            r = etcd.txn(mine, [Range(f"arrive/{me.cur}/"), Get("gen")])
+            if not r.succeeded:
+                yield exited("rendezvous")
+                return
+            if parse(r.responses[1].value).number > me.cur:
+                yield "sees a newer generation before its world formed", done(
+                    me._replace(pc="read_gen")
+                )
+                return
+            arrivals = {int(kv.key.rsplit("/", 1)[1]): json.loads(kv.value)
+                        for kv in r.responses[0]}  # fmt: skip
+            target, ledger = heal({s: (c, tuple(tuple(x) for x in ld))
+                                   for s, (c, ld) in arrivals.items()})  # fmt: skip
+            new = me._replace(committed=target, ledger=ledger)
+            yield f"world {me.cur} formed; healed to iteration {target}", self._train(
+                st, m, new, etcd
+            )
+        elif me.pc == "allreduce":
+            gen = parse(me.gen)
+            i = me.committed + 1
+            got = {c for c in st.pool if c[0] == me.cur and c[1] == i and c[2] in gen.members}
+            if len(got) == len(gen.members):  # the all-reduce completes: vote
+                grads = tuple(sorted(s for c in got for s in c[3]))
+                r = etcd.txn(mine, [Put(f"vote/{me.cur}/{i}/{m}", "1")])
+                if not r.succeeded:
+                    yield exited("vote")
+                else:
+                    yield f"all-reduce of iteration {i} done; votes", done(
+                        me._replace(pc="count", grads=grads), etcd
+                    )
+            if fenced or gen_now > me.cur:  # the watchdog: a newer generation ends the world
+                e = FakeEtcd.thaw(st.etcd)
+                r = e.txn(mine, [Get("gen")])
+                if not r.succeeded:
+                    yield exited("watchdog")
+                    return
+                yield "watchdog: a newer generation; aborts the iteration", _eset(
+                    st, m, me._replace(pc="claim", want=ABORT), e
+                )
+        elif me.pc == "count":
+            gen = parse(me.gen)
+            i = me.committed + 1
+            votes = etcd.range(f"vote/{me.cur}/{i}/")
+            claimed = etcd.get(_outcome_key(me.cur, i)) is not None
+            if not (fenced or claimed or gen_now > me.cur or len(votes) == len(gen.members)):
+                return
+            r = etcd.txn(mine, [Range(f"vote/{me.cur}/{i}/"), Get(_outcome_key(me.cur, i)),
+                                  Get("gen")])  # fmt: skip
+            if not r.succeeded:
+                yield exited("count")
+                return
+            votes, outcome, now = r.responses
+            if outcome is not None:
+                yield f"reads the outcome {outcome.value}", self._decide(
+                    st, m, me, outcome.value, etcd
+                )
+            elif len(votes) == len(gen.members):
+                yield "finds every vote in", done(me._replace(pc="claim", want=COMMIT))
+            else:
+                yield "finds a newer generation", done(me._replace(pc="claim", want=ABORT))
+        elif me.pc == "claim":
+            i = me.committed + 1
+            key = _outcome_key(me.cur, i)
+            if not self.outcome_claim:  # the broken variant: each decides on its own
+                r = etcd.txn(mine, [Put(key, me.want)])
+                if not r.succeeded:
+                    yield exited("claim")
+                    return
+                yield f"decides {me.want} alone", self._decide(st, m, me, me.want, etcd)
+                return
+            absent = Compare(key, "create", "==", 0)
+            r = etcd.txn(mine + [absent], [Put(key, me.want)], [Get(f"member/{m}"), Get(key)])
+            if r.succeeded:
+                yield f"claims {me.want}", self._decide(st, m, me, me.want, etcd)
+                return
+            holder, outcome = r.responses
+            if self.member_fencing and (holder is None or holder.lease != me.lease):
+                yield exited("claim")
+                return
+            yield f"finds {outcome.value} claimed", self._decide(st, m, me, outcome.value, etcd)
+
+    def _train(self, st: EState, m: int, me: EMember, etcd: FakeEtcd) -> EState:
+        """Start the next iteration (or finish): this member's contribution to the world's
+        all-reduce (the collective, not a store request)."""
+        if me.committed >= self.iterations:
+            return _eset(st, m, me._replace(status=DONE), etcd)
+        i = me.committed + 1
+        samples = my_samples(m, parse(me.gen), self.n_members)
+        pool = st.pool | {(me.cur, i, m, samples)}
+        return _eset(st, m, me._replace(pc="allreduce"), etcd, pool=pool)
+
+    def _decide(self, st: EState, m: int, me: EMember, outcome: str, etcd: FakeEtcd) -> EState:
+        i = me.committed + 1
+        decisions = st.decisions | {(me.cur, i, outcome)}
+        if outcome == COMMIT:
+            new = me._replace(committed=i, ledger=me.ledger + (me.grads,), grads=())
+            return self._train(st._replace(decisions=decisions), m, new, etcd)
+        return _eset(st, m, me._replace(pc="read_gen", grads=()), etcd, decisions=decisions)
+
+    # ------------------------------------------------------------------ a coordinator
+    def _leader(self, st: EState, c: int) -> Optional[Tuple[str, EState]]:
+        ld = st.leaders[c]
+        etcd = FakeEtcd.thaw(st.etcd)
+
+        def put(new: ELeader, **changes) -> EState:
+            return st._replace(leaders=st.leaders[:c] + (new,) + st.leaders[c + 1 :],
+                               etcd=etcd.freeze(), **changes)  # fmt: skip
+
+        # A deposed leader does not know it before a request tells it (its keepalive may not
+        # have failed yet when it sends a write): the transactions' compares are the fencing.
+        if ld.pc == "campaign":  # no leader: get a lease and try to become the leader
+            if etcd.get("leader") is not None:
+                return None
+            # Two requests in one step: a crash between them leaves an unused lease, harmless.
+            lease = etcd.grant(5.0)
+            r = etcd.txn([Compare("leader", "create", "==", 0)], [Put("leader", str(c), lease)])
+            return f"is elected (lease {lease}, term {r.revision})", put(
+                ld._replace(pc="lead", lease=lease, term=r.revision, watch=())
+            )
+        if ld.pc == "lead":  # read the generation and the members; publish if one is lost
+            watch = _ewatch(etcd)
+            if watch == ld.watch:
+                return None
+            r = etcd.txn([Compare("leader", "lease", "==", ld.lease)],
+                         [Get("gen"), Range("member/")])  # fmt: skip
+            if not r.succeeded:
+                return "finds its leadership gone; exits", put(ld._replace(status=EXITED))
+            kv, members = r.responses
+            gen = parse(kv.value)
+            if gen.abort:
+                return "sees the abort generation; stops", put(ld._replace(status=DONE))
+            alive = [int(k.key.split("/")[1]) for k in members]
+            if set(gen.members) <= set(alive):
+                return f"reads generation {gen.number}: nothing lost", put(ld._replace(watch=watch))
+            new = next_generation(self.layout, gen, [s for s in alive if s in gen.members])
+            return f"decides generation {new.number} {sorted(new.members)}", put(
+                ld._replace(
+                    pc="publish", watch=watch, pending=new.to_json(), seen_mod=kv.mod_revision
+                )
+            )
+        if ld.pc == "publish":
+            compares = []
+            if self.fencing:
+                compares.append(Compare("leader", "create", "==", ld.term))
+            if self.gen_compare:
+                compares.append(Compare("gen", "mod", "==", ld.seen_mod))
+            holder = etcd.get("leader")
+            held = holder is not None and holder.create_revision == ld.term
+            r = etcd.txn(compares, [Put("gen", ld.pending)], [Get("leader")])
+            number = parse(ld.pending).number
+            if r.succeeded:
+                published = st.published | {(number, ld.pending, ld.term, held)}
+                return f"publishes generation {number}", put(
+                    ld._replace(pc="lead", watch=()), published=published
+                )
+            leader = r.responses[0]
+            if leader is None or leader.create_revision != ld.term:
+                return "finds its leadership gone; exits", put(ld._replace(status=EXITED))
+            return f"generation {number} lost a race; reads again", put(
+                ld._replace(pc="lead", watch=())
+            )
+        raise AssertionError(ld.pc)
+
+
+def _egen(frozen: tuple) -> int:
+    for kv in frozen[1]:
+        if kv.key == "gen":
+            return parse(kv.value).number
+    return -1
+
+
+def _ewatch(etcd: FakeEtcd) -> tuple:
+    """What a leader watches: the generation key and the member keys."""
+    gen = etcd.get("gen")
+    return (gen.mod_revision if gen else 0, tuple(kv.key for kv in etcd.range("member/")))
+
+
+def _eset(st: EState, m: int, me: EMember, etcd: FakeEtcd, **changes) -> EState:
+    return st._replace(members=st.members[:m] + (me,) + st.members[m + 1 :], etcd=etcd.freeze(),
+                       **changes)  # fmt: skip
+
+
+KEYS_WITH_REVISIONS = ("gen", "leader")
+"""The keys whose revisions an actor compares (the leader's term, the generation it read)."""
+
+
+def canonical(st: EState) -> EState:
+    """``st`` with revisions nobody reads forgotten and the rest renumbered in order.
+
+    The actors compare revisions only for equality and order, and only those of
+    :data:`KEYS_WITH_REVISIONS` and the ones they hold (a leader's term and the ``gen`` revision
+    it read): an order-preserving renumbering of those, and a constant for the other keys'
+    (nonzero: they exist), changes no step's outcome, and merges the states that differ only
+    in the order in which unrelated keys were written.
+    """
+    revision, kvs, leases, next_lease = st.etcd
+    used = {revision}
+    for kv in kvs:
+        if kv.key in KEYS_WITH_REVISIONS:
+            used.update((kv.create_revision, kv.mod_revision))
+    for ld in st.leaders:
+        used.update((ld.term, ld.seen_mod))
+    for p in st.published:
+        used.add(p[2])
+    used.discard(0)
+    new = {r: i + 2 for i, r in enumerate(sorted(used))}  # 1: the other keys' revision
+    new[0] = 0
+    out = []
+    for kv in kvs:  # most keys are canonical already (a new KV only for the ones that change)
+        if kv.key in KEYS_WITH_REVISIONS:
+            c, m = new[kv.create_revision], new[kv.mod_revision]
+            if (c, m) != (kv.create_revision, kv.mod_revision):
+                kv = KV(kv.key, kv.value, c, m, kv.version, kv.lease)
+        elif (kv.create_revision, kv.mod_revision, kv.version) != (1, 1, 1):
+            kv = KV(kv.key, kv.value, 1, 1, 1, kv.lease)
+        out.append(kv)
+    kvs = tuple(out)
+    leaders = tuple(
+        (
+            ld
+            if (new[ld.term], new[ld.seen_mod]) == (ld.term, ld.seen_mod)
+            else ld._replace(term=new[ld.term], seen_mod=new[ld.seen_mod])
+        )
+        for ld in st.leaders
+    )
+    published = frozenset((n, c, new[t], h) for n, c, t, h in st.published)
+    return st._replace(etcd=(new[revision], kvs, leases, next_lease), leaders=leaders,
+                       published=published)  # fmt: skip
+
+
+# ================================================================================== old design
+class AMember(NamedTuple):
+    status: str
+    pc: str
+    store: str = "P"
+    """The store its failover client talks to: the primary ``P`` or, after a failover, ``S``."""
+    cur: int = 0
+    gen: str = ""
+    committed: int = 0
+    ledger: tuple = ()
+    grads: tuple = ()
+    count: int = 0
+    want: str = ""
+    standby_lost: bool = False
+    maxseen: int = 0
+    lastread: int = 0
+
+
+class ACoord(NamedTuple):
+    status: str
+    pc: str
+    gen: str = ""
+    dead: Tuple[int, ...] = ()
+    pending: str = ""
+    standby_lost: bool = False
+
+
+class ACopy(NamedTuple):
+    status: str
+    pc: str
+    gen: Optional[str] = None
+    rest: tuple = ()
+
+
+class AState(NamedTuple):
+    P: tuple
+    S: tuple
+    nodes: Tuple[str, str]
+    """Node 0 (the primary store) and node 1 (the standby): run, hung or crashed."""
+    members: Tuple[AMember, ...]
+    coords: Tuple[ACoord, ACoord]
+    """Node 0's coordinator; node 1's, started by the takeover."""
+    copy: ACopy
+    pool: FrozenSet[tuple]
+    published: FrozenSet[tuple]
+    decisions: FrozenSet[tuple]
+    seen: FrozenSet[tuple]
+    reported: FrozenSet[int]
+    faults: int
+
+
+VOTE_PCS = ("vote_add", "vote_wait", "vote_look", "superseded", "abort_add", "set_decision",
+            "outcome_poll", "commit_set")  # fmt: skip
+"""Requests of the vote worker's client, made with ``raise_on_failover``."""
+
+STANDBY_PCS = ("commit_claim", "after_failover", "resolve")
+"""Requests made to the standby (``on_standby``, or after the failover)."""
+
+
+def _get(store: tuple, key: str) -> Optional[object]:
+    for k, v in store:
+        if k == key:
+            return v
+    return None
+
+
+def _set(store: tuple, key: str, value: object) -> tuple:
+    d = dict(store)
+    d[key] = value
+    return tuple(sorted(d.items()))
+
+
+def _gen_of(store: tuple) -> Tuple[int, str]:
+    """A member's read of the current generation (``generation_number`` and its record)."""
+    number = int(_get(store, "gen"))
+    return number, str(_get(store, f"gen/{number}"))
+
+
+@dataclass
+class MirrorDesign(Design):
+    """The old design: node 0 serves the primary store and the coordinator; node 1 the standby,
+    its copy thread and, after a takeover, a second coordinator (module docstring)."""
+
+    n_members: int = 3
+    iterations: int = 1
+    faults: int = 2
+    kinds: Tuple[str, ...] = ("rank crash", "rank hang", "node crash", "node hang")
+    """The faults drawn (each counts against ``faults``; a resume is free)."""
+    name: str = "mirror"
+    layout: JobLayout = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.layout = JobLayout(tp=1, pp=1, dp=self.n_members)
+
+    def initial(self) -> AState:
+        """Generation 0 published on both stores (the copy ran once), its world formed, every
+        member in iteration 1's all-reduce."""
+        gen0 = first_generation(self.layout)
+        store = tuple(sorted({"gen": "0", "gen/0": gen0.to_json()}.items()))
+        members = tuple(AMember(RUN, "allreduce", gen=gen0.to_json())
+                        for _ in range(self.n_members))  # fmt: skip
+        pool = frozenset((0, 1, m, my_samples(m, gen0, self.n_members))
+                         for m in range(self.n_members))  # fmt: skip
+        coords = (ACoord(RUN, "scan", gen0.to_json()), ACoord("idle", "resume"))
+        return AState(store, store, (RUN, RUN), members, coords, ACopy(RUN, "c_read_gen"), pool,
+                      frozenset(), frozenset(), frozenset({(0, gen0.to_json())}), frozenset(),
+                      0)  # fmt: skip
+
+    def describe(self, st: AState) -> str:
+        return (
+            f"primary gen {_get(st.P, 'gen')}, standby gen {_get(st.S, 'gen')}, nodes {st.nodes}; "
+            + ", ".join(f"{i}:{m.status}/{m.pc}@{m.committed} on {m.store}"
+                        for i, m in enumerate(st.members))  # fmt: skip
+        )
+
+    def finished(self, st: AState) -> bool:
+        return True  # the old design's hangs are known (issue 43); only safety is checked
+
+    def violations(self, prev: AState, st: AState) -> List[str]:
+        out = member_violations(st.members, self.n_members)
+        for store in ("P", "S"):
+            if int(_get(getattr(st, store), "gen")) < int(_get(getattr(prev, store), "gen")):
+                out.append("generations_only_increase")
+        return out + decision_violations(st.decisions) + publish_violations(st.published, st.seen)
+
+    # ------------------------------------------------------------------ successors
+    def _up(self, st: AState, store: str) -> str:
+        return st.nodes[0 if store == "P" else 1]
+
+    def successors(self, st: AState) -> Iterator[Tuple[str, AState, bool]]:
+        for m, me in enumerate(st.members):
+            if me.status == RUN:
+                for label, nxt in self._member(st, m):
+                    yield f"member {m}: {label}", nxt, False
+        for c, co in enumerate(st.coords):
+            if co.status == RUN:
+                step = self._coord(st, c)
+                if step is not None:
+                    yield f"coordinator on node {c}: {step[0]}", step[1], False
+        if st.copy.status == RUN:
+            for label, nxt in self._copy(st):
+                yield f"standby copy thread: {label}", nxt, False
+        yield from self._environment(st)
+
+    def _environment(self, st: AState) -> Iterator[Tuple[str, AState, bool]]:
+        # A dead or hung rank is reported dead (its supervisor, or the coordinator's heartbeat
+        # check) on the store that serves.
+        serving = "P" if st.nodes[0] == RUN else ("S" if _get(st.S, PRIMARY_KEY) else None)
+        for m, me in enumerate(st.members):
+            if me.status in (CRASHED, HUNG) and m not in st.reported and serving:
+                if serving == "S" and st.nodes[1] != RUN:
+                    continue
+                nxt = st._replace(reported=st.reported | {m})
+                nxt = nxt._replace(**{serving: _set(getattr(st, serving), f"dead/{m}", "1")})
+                yield f"rank {m} is reported dead on {serving}", nxt, False
+        budget = st.faults < self.faults
+        for m, me in enumerate(st.members):
+            if me.status == HUNG and (m > 1 or st.nodes[m] == RUN):
+                yield f"member {m}: resumes", self._member_set(st, m, me._replace(status=RUN)), True
+            if budget and me.status in (RUN, HUNG) and (m > 1 or st.nodes[m] == RUN):
+                for what, status, kind in (("crashes", CRASHED, "rank crash"),
+                                           ("hangs", HUNG, "rank hang")):  # fmt: skip
+                    if me.status == status or kind not in self.kinds:
+                        continue
+                    nxt = self._member_set(st, m, me._replace(status=status))
+                    yield f"member {m}: {what}", nxt._replace(faults=st.faults + 1), True
+        for node in (0, 1):
+            if st.nodes[node] == HUNG:
+                yield f"node {node}: resumes", self._node(st, node, RUN), True
+            if budget and st.nodes[node] in (RUN, HUNG) and "node crash" in self.kinds:
+                yield f"node {node}: crashes", self._node(st, node, CRASHED, True), True
+            if budget and st.nodes[node] == RUN and node == 0 and "node hang" in self.kinds:
+                yield f"node {node}: hangs", self._node(st, node, HUNG, True), True
+
+    def _node(self, st: AState, node: int, status: str, fault: bool = False) -> AState:
+        """Node ``node``'s store and every actor on it change to ``status``."""
+
+        def move(a):
+            if status == RUN:
+                return a._replace(status=RUN) if a.status == HUNG else a
+            return a._replace(status=status) if a.status in (RUN, HUNG) else a
+
+        nodes = (status, st.nodes[1]) if node == 0 else (st.nodes[0], status)
+        members = st.members[:node] + (move(st.members[node]),) + st.members[node + 1 :]
+        coords = st.coords[:node] + (move(st.coords[node]),) + st.coords[node + 1 :]
+        copy = move(st.copy) if node == 1 else st.copy
+        return st._replace(nodes=nodes, members=members, coords=coords, copy=copy,
+                           faults=st.faults + fault)  # fmt: skip
+
+    @staticmethod
+    def _member_set(st: AState, m: int, me: AMember, **changes) -> AState:
+        return st._replace(members=st.members[:m] + (me,) + st.members[m + 1 :], **changes)
+
+    # ------------------------------------------------------------------ a member
+    def _member(self, st: AState, m: int) -> Iterator[Tuple[str, AState]]:
+        me = st.members[m]
+        # The standby's outcome claim and the failover's resolution talk to the standby only:
+        # the primary's loss is noticed by the next request to it.
+        node = self._up(st, "S" if me.pc in STANDBY_PCS else me.store)
+        if node == HUNG:
+            return  # its requests wait on the silent store (the hang issue 43 reports)
+        if node == CRASHED:
+            # FailoverStore: a network error; wait for the standby's takeover, then go on there
+            # (the vote worker's client raises StoreFailedOver instead: _after_failover).
+            if me.store == "S" or me.pc in STANDBY_PCS or st.nodes[1] != RUN:
+                yield "its store is lost; exits", self._member_set(
+                    st, m, me._replace(status=EXITED)
+                )
+                return
+            if _get(st.S, PRIMARY_KEY) is None:
+                return
+            pc = "after_failover" if me.pc in VOTE_PCS else me.pc
+            yield "fails over to the standby", self._member_set(
+                st, m, me._replace(store="S", pc=pc)
+            )
+            return
+        store = getattr(st, me.store)
+        g, i = me.cur, me.committed + 1
+        votes = _votes_key(g, i)
+
+        def put(new: AMember, key: Optional[str] = None, value: object = None, **changes) -> AState:
+            nxt = self._member_set(st, m, new, **changes)
+            if key is not None:
+                nxt = nxt._replace(**{new.store: _set(store, key, value)})
+            return nxt
+
+        def seen(new: AMember, number: int) -> AMember:
+            return new._replace(lastread=number, maxseen=max(new.maxseen, number))
+
+        if me.pc == "read_gen":  # wait_for_membership: a generation above the current one
+            number, text = _gen_of(store)
+            if number <= me.cur:
+                return
+            gen = parse(text)
+            new = seen(me, number)
+            if gen.abort or m not in gen.members:
+                yield f"reads generation {number}: not a member; exits", put(
+                    new._replace(status=EXITED)
+                )
+                return
+            yield f"reads generation {number}", put(
+                new._replace(pc="arrive", cur=number, gen=text), seen=st.seen | {(number, text)}
+            )
+        elif me.pc == "arrive":
+            yield f"arrives in generation {g}", put(
+                me._replace(pc="await_world"),
+                f"arrive/{g}/{m}",
+                json.dumps([me.committed, me.ledger]),
+            )
+        elif me.pc == "await_world":
+            gen = parse(me.gen)
+            number, _ = _gen_of(store)
+            arrivals = {s: _get(store, f"arrive/{g}/{s}") for s in gen.members}
+            if number != g:
+                yield "sees another generation before its world formed", put(
+                    seen(me, number)._replace(pc="read_gen")
+                )
+            elif all(a is not None for a in arrivals.values()):
+                target, ledger = heal(
+                    {
+                        s: (json.loads(a)[0], tuple(tuple(x) for x in json.loads(a)[1]))
+                        for s, a in arrivals.items()
+                    }
+                )
+                new = me._replace(committed=target, ledger=ledger)
+                yield f"world {g} formed; healed to iteration {target}", self._train(st, m, new)
+        elif me.pc == "allreduce":
+            gen = parse(me.gen)
+            got = {c for c in st.pool if c[0] == g and c[1] == i and c[2] in gen.members}
+            if len(got) == len(gen.members):
+                grads = tuple(sorted(s for c in got for s in c[3]))
+                yield f"all-reduce of iteration {i} done", put(
+                    me._replace(pc="vote_add", grads=grads)
+                )
+            number, _ = _gen_of(store)
+            if number != g:  # the generation watchdog aborts the world
+                yield f"watchdog: generation {number}; leaves the world", put(
+                    seen(me, number)._replace(pc="read_gen")
+                )
+        elif me.pc == "vote_add":  # commit.vote
+            n = len(parse(me.gen).members)
+            count = int(_get(store, votes) or 0) + 1
+            new = me._replace(count=count, pc="commit_claim" if count == n else "vote_wait")
+            yield f"votes ({count} of {n})", put(new, votes, count)
+        elif me.pc == "vote_wait":
+            if _get(store, _commit_key(g, i)) is not None:
+                yield "sees the commit key", self._decide(st, m, me, COMMIT)
+            yield "its wait times out", put(me._replace(pc="vote_look"))
+        elif me.pc == "vote_look":
+            n = len(parse(me.gen).members)
+            count = int(_get(store, votes) or 0)
+            yield f"reads the count {count}", put(
+                me._replace(count=count, pc="outcome" if count >= n else "superseded")
+            )
+        elif me.pc == "superseded":  # _superseded: another (failure) generation is current
+            number, _ = _gen_of(store)
+            new = seen(me, number)._replace(pc="abort_add" if number != g else "vote_wait")
+            yield f"reads generation {number}", put(new)
+        elif me.pc == "abort_add":  # commit.abort
+            n = len(parse(me.gen).members)
+            total = int(_get(store, votes) or 0)
+            new = me._replace(count=total)
+            if total < ABORT_WEIGHT:
+                want = COMMIT if total == n else ABORT
+                new = new._replace(pc="set_decision", want=want)
+            else:
+                new = new._replace(pc="outcome")
+            yield "adds an abort", put(new, votes, total + ABORT_WEIGHT)
+        elif me.pc == "set_decision":
+            nxt = put(me._replace(pc="commit_claim"), _decision_key(g, i), me.want)
+            if me.want == COMMIT:
+                yield "writes the decision commit", nxt
+            else:
+                yield "writes the decision abort", self._decide(nxt, m, me, ABORT)
+        elif me.pc == "outcome":  # commit._outcome, on the count read
+            n = len(parse(me.gen).members)
+            if me.count < ABORT_WEIGHT:
+                yield "every vote in", put(me._replace(pc="commit_claim"))
+            elif me.count % ABORT_WEIGHT < n:
+                yield "an abort came first", self._decide(st, m, me, ABORT)
+            else:
+                yield "an abort raced the last vote", put(me._replace(pc="outcome_poll"))
+        elif me.pc == "outcome_poll":
+            if _get(store, _commit_key(g, i)) is not None:
+                yield "finds the commit key", self._decide(st, m, me, COMMIT)
+            elif _get(store, _decision_key(g, i)) is not None:
+                what = str(_get(store, _decision_key(g, i)))
+                yield f"finds the decision {what}", self._decide(st, m, me, what)
+            else:
+                yield "neither key within decision_wait_s: aborts", self._decide(st, m, me, ABORT)
+        elif me.pc == "commit_claim":  # commit._commit: the standby's outcome claim first
+            if me.store == "S" or me.standby_lost:
+                yield "no standby to claim on", put(me._replace(pc="commit_set"))
+            elif st.nodes[1] == CRASHED:
+                yield "the standby is unreachable: marked lost for good", put(
+                    me._replace(pc="commit_set", standby_lost=True)
+                )
+            elif st.nodes[1] == RUN:
+                key = _outcome_key(g, i)
+                won = _get(st.S, key) or COMMIT
+                nxt = put(me._replace(pc="commit_set"))._replace(S=_set(st.S, key, won))
+                if won != COMMIT:
+                    yield f"finds the outcome {won} on the standby", self._decide(nxt, m, me, ABORT)
+                else:
+                    yield "claims commit on the standby", nxt
+        elif me.pc == "commit_set":
+            yield "sets the commit key", self._decide(put(me, _commit_key(g, i), ""), m, me, COMMIT)
+        elif me.pc == "after_failover":  # AsyncVoter._after_failover
+            taken = int(_get(st.S, PRIMARY_KEY))
+            if g <= taken:
+                yield f"vote of generation {g} cut off (taken at {taken}): resolves", put(
+                    me._replace(pc="resolve")
+                )
+            else:
+                yield f"generation {g} is above the takeover's {taken}: votes again", put(
+                    me._replace(pc="vote_add")
+                )
+        elif me.pc == "resolve":  # resolve_after_failover
+            key = _outcome_key(g, i)
+            value = _get(st.S, key) or ABORT
+            nxt = put(me)._replace(S=_set(st.S, key, value))
+            yield f"resolves the cut-off vote: {value}", self._decide(nxt, m, me, str(value))
+
+    def _train(self, st: AState, m: int, me: AMember) -> AState:
+        if me.committed >= self.iterations:
+            return self._member_set(st, m, me._replace(status=DONE))
+        i = me.committed + 1
+        samples = my_samples(m, parse(me.gen), self.n_members)
+        return self._member_set(st, m, me._replace(pc="allreduce"),
+                                pool=st.pool | {(me.cur, i, m, samples)})  # fmt: skip
+
+    def _decide(self, st: AState, m: int, me: AMember, outcome: str) -> AState:
+        i = me.committed + 1
+        st = st._replace(decisions=st.decisions | {(me.cur, i, outcome)})
+        if outcome == COMMIT:
+            new = me._replace(committed=i, ledger=me.ledger + (me.grads,), grads=(), count=0)
+            return self._train(st, m, new)
+        return self._member_set(st, m, me._replace(pc="read_gen", grads=(), count=0))
+
+    # ------------------------------------------------------------------ the coordinators
+    def _coord(self, st: AState, c: int) -> Optional[Tuple[str, AState]]:
+        co = st.coords[c]
+        own = "P" if c == 0 else "S"
+        if self._up(st, own) != RUN:
+            return None
+        store = getattr(st, own)
+
+        def put(new: ACoord, where: Optional[str] = None, key: str = "", value: str = "",
+                **changes) -> AState:  # fmt: skip
+            nxt = st._replace(coords=st.coords[:c] + (new,) + st.coords[c + 1 :], **changes)
+            if where is not None:
+                nxt = nxt._replace(**{where: _set(getattr(st, where), key, value)})
+            return nxt
+
+        if co.pc == "resume":  # Coordinator.start(resume=True) on the standby
+            number, text = _gen_of(store)
+            return f"starts from generation {number}", put(co._replace(pc="scan", gen=text))
+        if co.pc == "scan":  # _rescan + _decide: a member of the generation died?
+            dead = tuple(s for s in range(self.n_members) if _get(store, f"dead/{s}"))
+            if dead == co.dead:
+                return None
+            gen = parse(co.gen)
+            if gen.abort:
+                return None
+            lost = set(dead) & set(gen.members)
+            if not lost:
+                return "reads the deaths: nothing lost", put(co._replace(dead=dead))
+            new = next_generation(self.layout, gen, [s for s in gen.members if s not in dead])
+            return f"decides generation {new.number} {sorted(new.members)}", put(
+                co._replace(dead=dead, pc="pub1", pending=new.to_json())
+            )
+        gen = parse(co.pending)
+        writer = f"coordinator on node {c}"
+        published = st.published | {(gen.number, co.pending, writer, True)}
+        standby = c == 0 and not co.standby_lost
+        if co.pc in ("pub1", "pub3") and not standby:
+            return "no standby", put(co._replace(pc="pub2" if co.pc == "pub1" else "pub4"))
+        if co.pc in ("pub1", "pub3") and st.nodes[1] == CRASHED:
+            return "the standby is unreachable: marked lost for good", put(
+                co._replace(standby_lost=True, pc="pub2" if co.pc == "pub1" else "pub4")
+            )
+        if co.pc in ("pub1", "pub3") and st.nodes[1] == HUNG:
+            return None
+        if co.pc == "pub1":  # set_durable: the standby first
+            return f"writes gen/{gen.number} on the standby", put(
+                co._replace(pc="pub2"), "S", f"gen/{gen.number}", co.pending, published=published
+            )
+        if co.pc == "pub2":
+            return f"writes gen/{gen.number} on its store", put(
+                co._replace(pc="pub3"), own, f"gen/{gen.number}", co.pending, published=published
+            )
+        if co.pc == "pub3":
+            return f"sets gen = {gen.number} on the standby", put(
+                co._replace(pc="pub4"), "S", "gen", str(gen.number)
+            )
+        if co.pc == "pub4":
+            return f"sets gen = {gen.number} on its store", put(
+                co._replace(pc="scan", gen=co.pending), own, "gen", str(gen.number)
+            )
+        raise AssertionError(co.pc)
+
+    # ------------------------------------------------------------------ the standby's copy
+    def _copy(self, st: AState) -> Iterator[Tuple[str, AState]]:
+        cp = st.copy
+
+        def put(new: ACopy, key: Optional[str] = None, value: object = None, **changes):
+            nxt = st._replace(copy=new, **changes)
+            if key is not None:
+                nxt = nxt._replace(S=_set(st.S, key, value))
+            return nxt
+
+        if cp.pc in ("c_read_gen", "c_read_rest"):
+            if st.nodes[0] == CRASHED:
+                yield "the primary's socket closed: takes over", put(cp._replace(pc="takeover"))
+                return
+            if st.nodes[0] == HUNG:
+                yield "no answer from the primary within the heartbeat timeout: takes over", put(
+                    cp._replace(pc="takeover")
+                )
+                return
+        if cp.pc == "c_read_gen":
+            yield f"reads gen = {_get(st.P, 'gen')} on the primary", put(
+                cp._replace(pc="c_read_rest", gen=str(_get(st.P, "gen")))
+            )
+        elif cp.pc == "c_read_rest":
+            keys = [f"dead/{s}" for s in range(self.n_members)]
+            keys += [f"gen/{k}" for k in range(int(cp.gen) + 1)]
+            rest = tuple((k, _get(st.P, k)) for k in keys if _get(st.P, k) is not None)
+            yield "reads the deaths and generations on the primary", put(
+                cp._replace(pc="c_write_gen", rest=rest)
+            )
+        elif cp.pc == "c_write_gen":
+            yield f"writes gen = {cp.gen} on the standby", put(
+                cp._replace(pc="c_write_rest"), "gen", cp.gen
+            )
+        elif cp.pc == "c_write_rest":
+            store = st.S
+            for k, v in cp.rest:
+                store = _set(store, k, v)
+            yield "writes the deaths and generations on the standby", st._replace(
+                copy=ACopy(RUN, "c_read_gen"), S=store
+            )
+        elif cp.pc == "takeover":  # StandbyStore._take_over
+            yield f"takeover: reads gen = {_get(st.S, 'gen')} on the standby", put(
+                cp._replace(pc="t_dead", gen=str(_get(st.S, "gen")))
+            )
+        elif cp.pc == "t_dead":
+            yield "takeover: declares node 0's rank dead", put(
+                cp._replace(pc="t_primary"), "dead/0", "1"
+            )
+        elif cp.pc == "t_primary":
+            coords = (st.coords[0], st.coords[1]._replace(status=RUN))
+            yield f"takeover: sets {PRIMARY_KEY} (generation {cp.gen}); starts a coordinator", put(
+                cp._replace(status=DONE), PRIMARY_KEY, cp.gen, coords=coords
+            )
