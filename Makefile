@@ -246,7 +246,8 @@ lint: venv
 	$(VENV)/bin/ruff check megatron_mecefo examples tests benchmarks patches
 	$(VENV)/bin/black --check megatron_mecefo examples tests benchmarks patches
 	@if command -v shellcheck > /dev/null; then \
-	    shellcheck examples/slurm/*.sh examples/slurm/*.sbatch tests/integration/slurm/*.sh; \
+	    shellcheck examples/slurm/*.sh examples/slurm/*.sbatch tests/integration/slurm/*.sh \
+	        scripts/*.sh; \
 	else echo "make lint: shellcheck not installed; make test-slurm installs it and checks the Slurm scripts"; fi
 
 # results/ holds committed benchmark outputs (see .gitignore); only the run folders go.
