@@ -143,6 +143,8 @@ class EtcdControl:
         """Become the leader: create ``leader`` with a fresh lease if it is absent; else wait
         (a watch) until it is deleted (its lease expired or was revoked) and try again.
 
+        Ends within ``timeout_s`` plus a few call bounds (the last try's grant, txn, revoke).
+
         Returns:
             The term, whose lease a thread now keeps alive every TTL/3.
 
@@ -156,8 +158,9 @@ class EtcdControl:
         key = self.leader_key
         holder = "?"
         while True:
-            lease, ttl = self.conn.lease_grant(self.ttl_s)
+            # The lease's TTL runs on etcd from the grant: count it from before the request.
             granted_at = time.monotonic()
+            lease, ttl = self.conn.lease_grant(self.ttl_s)
             r = self.conn.txn(
                 f"campaign of {candidate_id}",
                 [cmp_create(key, 0)],
@@ -194,7 +197,7 @@ class EtcdControl:
             events = self.conn.watch_once(key, revision, min(left, self._watch_slice_s))
             if any(e is None or e.type == e.DELETE for e in events):
                 return
-            kv, rev = self.conn.get(key)
+            kv, _ = self.conn.get(key)
             if kv is None:
                 return
             revision = max(revision, kv.mod_revision + 1)
