@@ -11,7 +11,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-errors test-slurm test-goodput bench bench-convergence bench-goodput bench-long lint clean
+.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-errors test-slurm test-goodput etcd bench bench-convergence bench-goodput bench-long lint clean
 
 # torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
 $(VENV)/.installed: setup.py constraints.txt
@@ -119,6 +119,19 @@ test-all: venv
 # script fully only with MEGATRON_LM_DIR set. Every daemon is stopped on exit.
 test-slurm: venv
 	tests/integration/slurm/run_slurm_test.sh
+
+# etcd (Debian's etcd-server and etcdctl) for the etcd control plane's tests and
+# benchmarks/etcd_client.py (scripts/etcd_cluster.sh starts a private 3-member cluster): installs
+# them with apt when `etcd` is missing (needs root, as test-slurm's packages).
+etcd:
+	@if command -v etcd > /dev/null; then etcd --version | head -1; \
+	elif [ "$$(id -u)" -eq 0 ] && command -v apt-get > /dev/null; then \
+	    echo "make etcd: installing etcd-server etcd-client with apt-get"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	        etcd-server etcd-client > /dev/null && etcd --version | head -1; \
+	else echo "make etcd: no etcd, and installing it needs root and apt-get" \
+	    "(Debian/Ubuntu: apt-get install etcd-server etcd-client)" >&2; exit 1; fi
 
 # The goodput benchmark's --quick mode end to end (about 5 minutes; CI runs it): every system,
 # torchft from .venv-tft, on a schedule of real kills.
@@ -233,7 +246,8 @@ lint: venv
 	$(VENV)/bin/ruff check megatron_mecefo examples tests benchmarks patches
 	$(VENV)/bin/black --check megatron_mecefo examples tests benchmarks patches
 	@if command -v shellcheck > /dev/null; then \
-	    shellcheck examples/slurm/*.sh examples/slurm/*.sbatch tests/integration/slurm/*.sh; \
+	    shellcheck examples/slurm/*.sh examples/slurm/*.sbatch tests/integration/slurm/*.sh \
+	        scripts/*.sh; \
 	else echo "make lint: shellcheck not installed; make test-slurm installs it and checks the Slurm scripts"; fi
 
 # results/ holds committed benchmark outputs (see .gitignore); only the run folders go.

@@ -19,8 +19,12 @@ setup(
         # what the megatron-lm extra lists).
         "test": [
             "pytest>=8", "pytest-timeout", "tensorboard", "zfec>=1.5", "pyeclib>=1.6",
-            "six", "regex", "pyyaml", "pydantic",
+            "six", "regex", "pyyaml", "pydantic", "etcd-sdk-python>=0.0.7", "protobuf>=5.27.2",
         ],  # fmt: skip
+        # The recovery control plane on etcd v3 (recovery/etcd_control.py): etcd's gRPC API
+        # from etcd-sdk-python (chosen over etcd3gw by benchmarks/etcd_client.py). Its
+        # generated code needs protobuf >= 5.27.2, which it does not declare.
+        "etcd": ["etcd-sdk-python>=0.0.7", "protobuf>=5.27.2"],
         # In-memory snapshots' Reed-Solomon parity (m >= 2): zfec, the fastest measured here
         # (benchmarks/snapshot_overhead.py); pyeclib (its wheel bundles ISA-L) the alternative.
         "snapshot": ["zfec>=1.5", "pyeclib>=1.6"],
