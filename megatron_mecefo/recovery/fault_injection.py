@@ -27,7 +27,8 @@ PHASES = (
 RECOVERY_PHASES = ("regroup", "heal", "world", "groups")
 """Phases inside a recovery, for tests of a failure during a failure: ``regroup`` fires in a
 survivor that has just left a world whose iteration ITERATION (or later) failed; ``world`` in
-such a survivor once every member of the next generation arrived in the store, just before
+a rank that left a world at iteration ITERATION or later (a failure, or a planned switch such
+as a rejoin) once every member of the next generation arrived in the store, just before
 ``init_process_group`` (the others then wait in its rendezvous for this rank); ``groups`` in
 it once that world exists, before the trainer builds Megatron's groups (the others wait in a
 ``new_group``'s rendezvous); ``heal`` in a joiner about to receive its state at a rejoin at

@@ -61,8 +61,9 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
     gc.freeze()
     session.ms.mark_ready(session.slot, session.inc, {"pid": os.getpid(), "t": time.time()})
     after = -1
-    # The iteration the last failure cut off, while its recovery lasts (the recovery-phase
-    # kills of fault_injection.py): kept when a world fails before its trainer was built.
+    # The iteration the last world left off at (a failure or a planned rejoin), for the
+    # recovery-phase kills of fault_injection.py: kept when a world fails before its trainer
+    # was built.
     recovering = 0
     while True:
         gen = session.wait_for_membership(after)
@@ -120,7 +121,7 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
                 flush=True,
             )
         failed_iteration = trainer.iteration + 1 if getattr(trainer, "built", False) else 0
-        recovering = (failed_iteration or recovering) if outcome == "failed" else 0
+        recovering = failed_iteration or recovering
         session.leave(trainer, planned=outcome == "planned")
         trainer = None
         if outcome == "failed":
