@@ -37,17 +37,39 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="Degree of tensor model parallelism (ranks that split each layer).",
+    )
+    g.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="Degree of pipeline model parallelism (stages the layers are split into).",
+    )
     g.add_argument(
         "--num-layers-per-virtual-pipeline-stage",
         type=int,
         default=None,
         help="Layers per virtual pipeline stage (interleaved 1F1B schedule).",
     )
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Split norm/dropout activations along the sequence over the TP ranks (needs TP > 1).",
+    )
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard the optimizer state over the data-parallel ranks (ZeRO-1; Adam only).",
+    )
+    g.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="Overlap the data-parallel gradient reduction with the backward pass.",
+    )
     g.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -56,58 +78,157 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("model (LLaMA-style by default)")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-layers", type=int, default=4, help="Number of transformer layers.")
+    g.add_argument("--hidden-size", type=int, default=128, help="Transformer hidden size.")
     g.add_argument(
         "--ffn-hidden-size",
         type=int,
         default=None,
         help="Default: 4*hidden, or Megatron's SwiGLU size int(8*hidden/3/64)*64.",
     )
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=1)
-    g.add_argument("--kv-channels", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default="RMSNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument(
+        "--num-attention-heads",
+        type=int,
+        default=4,
+        help="Number of attention heads (must divide --hidden-size).",
+    )
+    g.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        help="Use grouped-query attention with --num-query-groups key/value groups.",
+    )
+    g.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=1,
+        help="Key/value head groups with --group-query-attention (otherwise one per head).",
+    )
+    g.add_argument(
+        "--kv-channels",
+        type=int,
+        default=None,
+        help="Projection size of each attention head. Default: hidden size / attention heads.",
+    )
+    g.add_argument(
+        "--seq-length",
+        type=int,
+        default=128,
+        help="Maximum sequence length to process, in tokens (each training sample's length).",
+    )
+    g.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="Largest position the position embedding covers. Default: --seq-length.",
+    )
+    g.add_argument(
+        "--normalization",
+        choices=("RMSNorm", "LayerNorm"),
+        default="RMSNorm",
+        help="Normalization layer used in the transformer layers and the final norm.",
+    )
+    g.add_argument(
+        "--norm-epsilon", type=float, default=1e-5, help="Epsilon for LayerNorm and RMSNorm."
+    )
     g.add_argument(
         "--swiglu", action=argparse.BooleanOptionalAction, default=True, help="SwiGLU MLP."
     )
-    g.add_argument("--add-bias-linear", dest="add_bias_linear", action="store_true")
-    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument(
+        "--add-bias-linear",
+        dest="add_bias_linear",
+        action="store_true",
+        help="Add a bias to every linear layer (attention and MLP).",
+    )
+    g.add_argument(
+        "--disable-bias-linear",
+        dest="add_bias_linear",
+        action="store_false",
+        help="No bias in the linear layers (the default).",
+    )
     g.set_defaults(add_bias_linear=False)
     g.add_argument(
-        "--position-embedding-type", choices=("rope", "learned_absolute"), default="rope"
+        "--position-embedding-type",
+        choices=("rope", "learned_absolute"),
+        default="rope",
+        help="Position embedding: rotary (rope) or learned absolute.",
     )
-    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument(
+        "--rotary-base",
+        type=int,
+        default=10000,
+        help="Base of the rotary position embedding's frequencies.",
+    )
     g.add_argument(
         "--untie-embeddings-and-output-weights",
         dest="untie_embeddings_and_output_weights",
         action="store_true",
+        help="Separate weights for the input embedding and the output layer (the default).",
     )
     g.add_argument(
         "--tie-embeddings-and-output-weights",
         dest="untie_embeddings_and_output_weights",
         action="store_false",
+        help="Share one weight between the input embedding and the output layer.",
     )
     g.set_defaults(untie_embeddings_and_output_weights=True)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument(
+        "--init-method-std",
+        type=float,
+        default=0.02,
+        help="Standard deviation of the zero-mean normal weight initialization.",
+    )
+    g.add_argument(
+        "--hidden-dropout",
+        type=float,
+        default=0.0,
+        help="Dropout probability on the transformer's hidden state.",
+    )
+    g.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=0.0,
+        help="Dropout probability on the attention probabilities.",
+    )
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="Pad the vocabulary to a multiple of this times --tensor-model-parallel-size.",
+    )
     g.add_argument(
         "--transformer-impl",
         choices=("auto", "local", "transformer_engine"),
         default="auto",
         help="auto: transformer_engine on GPU when it is installed, else local.",
     )
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
+    g.add_argument(
+        "--recompute-granularity",
+        choices=("full", "selective"),
+        default=None,
+        help="Activation recomputation: full layers, or only the attention core (selective).",
+    )
+    g.add_argument(
+        "--recompute-method",
+        choices=("uniform", "block"),
+        default=None,
+        help="Full recompute: uniform (N-layer chunks) or block (first N layers per stage).",
+    )
+    g.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=None,
+        help="N of --recompute-method: layers per chunk (uniform) or per stage (block); default 1.",
+    )
+    g.add_argument(
+        "--bf16",
+        action="store_true",
+        help="Train in bfloat16 mixed precision (fp32 main weights and gradient reduction).",
+    )
+    g.add_argument(
+        "--fp16",
+        action="store_true",
+        help="Train in float16 mixed precision with dynamic loss scaling.",
+    )
     g.add_argument(
         "--layout-invariant-init",
         action=argparse.BooleanOptionalAction,
@@ -116,22 +237,88 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=2,
+        help="Samples per micro-batch on each data-parallel replica.",
+    )
     g.add_argument("--global-batch-size", type=int, default=None, help="Default: micro-batch × DP.")
-    g.add_argument("--train-iters", type=int, default=100)
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    g.add_argument("--calculate-per-token-loss", action="store_true")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument(
+        "--train-iters",
+        type=int,
+        default=100,
+        help="Total iterations (global batches) to train for.",
+    )
+    g.add_argument(
+        "--lr",
+        type=float,
+        default=1e-3,
+        help="Peak learning rate (after --lr-warmup-iters), then decayed by --lr-decay-style.",
+    )
+    g.add_argument(
+        "--min-lr",
+        type=float,
+        default=0.0,
+        help="Learning rate the decay ends at (a floor for it).",
+    )
+    g.add_argument(
+        "--lr-warmup-iters",
+        type=int,
+        default=0,
+        help="Iterations of linear learning-rate warmup from 0 to --lr.",
+    )
+    g.add_argument(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="Iterations to decay the learning rate over. Default: --train-iters.",
+    )
+    g.add_argument(
+        "--lr-decay-style",
+        choices=("constant", "linear", "cosine"),
+        default="cosine",
+        help="Learning-rate decay from --lr to --min-lr after the warmup.",
+    )
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.01,
+        help="Weight-decay coefficient for L2 regularization (constant over the run).",
+    )
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam's first-moment coefficient.")
+    g.add_argument(
+        "--adam-beta2", type=float, default=0.999, help="Adam's second-moment coefficient."
+    )
+    g.add_argument(
+        "--adam-eps",
+        type=float,
+        default=1e-8,
+        help="Term added to Adam's denominator for numerical stability.",
+    )
+    g.add_argument(
+        "--clip-grad",
+        type=float,
+        default=1.0,
+        help="Clip gradients to this global L2 norm; 0 turns clipping off.",
+    )
+    g.add_argument(
+        "--optimizer",
+        choices=("adam", "sgd"),
+        default="adam",
+        help="Optimizer (megatron-core's Adam, i.e. AdamW, or SGD).",
+    )
+    g.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="Average the loss over all tokens of the global batch, not per micro-batch.",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="Random seed for init, dropout and data shuffling (also --mecefo-seed's default).",
+    )
 
     g = p.add_argument_group("data")
     g.add_argument(
@@ -141,16 +328,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="Megatron indexed dataset prefix(es), optionally weighted: [W1] P1 [W2] P2 ...",
     )
     g.add_argument("--mock-data", action="store_true", help="Megatron's MockGPTDataset.")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--tokenizer-type", choices=("ByteTokenizer",), default="ByteTokenizer")
+    g.add_argument(
+        "--split",
+        default="969,30,1",
+        help="Comma-separated weights of the train, validation and test splits, e.g. 969,30,1.",
+    )
+    g.add_argument(
+        "--data-cache-path",
+        default=None,
+        help="Dataset index cache directory. Default: cache/ beside the last --data-path prefix.",
+    )
+    g.add_argument(
+        "--tokenizer-type",
+        choices=("ByteTokenizer",),
+        default="ByteTokenizer",
+        help="Tokenizer the dataset was built with; it sets the vocabulary size.",
+    )
 
     g = p.add_argument_group("evaluation and logging")
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument(
+        "--log-interval",
+        type=int,
+        default=10,
+        help="Print a training log line (means over the window) every N iterations.",
+    )
+    g.add_argument(
+        "--eval-interval",
+        type=int,
+        default=1000,
+        help="Evaluate on the validation split every N iterations (and after the last).",
+    )
+    g.add_argument(
+        "--eval-iters",
+        type=int,
+        default=10,
+        help="Global batches per evaluation; 0 turns evaluation off.",
+    )
     g.add_argument("--metrics-file", default=None, help="JSON lines: one per step and eval.")
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument(
+        "--tensorboard-dir",
+        default=None,
+        help="Write loss, grad norm, LR, tokens/s and perplexity here for TensorBoard (rank 0).",
+    )
     g.add_argument(
         "--log-rank-cpu-time",
         action="store_true",
@@ -167,11 +386,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--no-save-optim", action="store_true")
-    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument(
+        "--save",
+        default=None,
+        help="Directory to save checkpoints to (Megatron-Core dist_checkpointing, iter_NNNNNNN/).",
+    )
+    g.add_argument(
+        "--load",
+        default=None,
+        help="Directory to resume from (the iteration latest_checkpointed_iteration.txt names).",
+    )
+    g.add_argument(
+        "--save-interval",
+        type=int,
+        default=None,
+        help="Save a checkpoint every N iterations (needs --save). Default: at the end only.",
+    )
+    g.add_argument(
+        "--no-save-optim",
+        action="store_true",
+        help="Do not save the optimizer state into checkpoints.",
+    )
+    g.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="Do not load the optimizer state on --load (fresh optimizer moments).",
+    )
     g.add_argument(
         "--exit-interval",
         type=int,
