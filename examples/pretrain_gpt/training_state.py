@@ -32,6 +32,9 @@ def save(trainer: Any) -> None:
     from checkpointing import layout_name, save_checkpoint
 
     a = trainer.args
+    recovery = getattr(trainer, "recovery", None)
+    if recovery is not None:  # kill injection (--mecefo-kill R:I:save): the save starts
+        recovery.injector.phase("save", trainer.iteration)
     path = save_checkpoint(
         a.save,
         trainer.iteration,
@@ -46,6 +49,8 @@ def save(trainer: Any) -> None:
     trainer.saved.append(trainer.iteration)
     trainer.saved_layouts[trainer.iteration] = layout_name()
     trainer.log.print(f"saved checkpoint at iteration {trainer.iteration} to {path}")
+    if recovery is not None:  # --mecefo-kill R:I:saved: the save ended
+        recovery.injector.phase("saved", trainer.iteration)
 
 
 def load(trainer: Any) -> None:

@@ -80,7 +80,20 @@ class TrainingLoopHooks:
         # The low-rank basis V (and its refresh step) in the checkpoints.
         from megatron_mecefo.megatron_lm import basis_checkpoint
 
-        training.save_checkpoint = basis_checkpoint.wrap_save(training.save_checkpoint)
+        save = basis_checkpoint.wrap_save(training.save_checkpoint)
+
+        @functools.wraps(save)
+        def save_checkpoint(iteration: int, *a: Any, **kw: Any) -> Any:
+            # Kill injection (--mecefo-kill R:I:save, R:I:saved): as the save of iteration I
+            # starts (the others then wait in its collectives for this rank) and once it ended.
+            if self.recovery is not None:
+                self.recovery.phase("save", iteration)
+            result = save(iteration, *a, **kw)
+            if self.recovery is not None:
+                self.recovery.phase("saved", iteration)
+            return result
+
+        training.save_checkpoint = save_checkpoint
         training.load_checkpoint = basis_checkpoint.wrap_load(training.load_checkpoint)
         self._hooks_installed = True
 

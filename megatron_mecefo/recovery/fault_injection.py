@@ -3,7 +3,8 @@
 PHASE is one of :data:`PHASES`: ``forward`` (the first micro-batch's forward starts),
 ``backward`` (the first backward starts), ``grad-sync`` (the data-parallel gradient sync is
 about to start), ``optimizer`` (the commit vote passed, the update is about to run) or
-``between`` (after iteration ITERATION committed, before the next one starts); and, for tests
+``between`` (after iteration ITERATION committed, before the next one starts), ``save`` and
+``saved`` (the checkpoint save of iteration ITERATION starts, or has ended); and, for tests
 of a failure during a recovery, ``regroup``, ``world``, ``groups`` and ``heal``
 (:data:`RECOVERY_PHASES`). Any field may be
 ``?``: it is drawn from a ``random.Random(seed)``, so every rank draws the same kill. Each kill
@@ -22,7 +23,7 @@ from typing import Callable, List, Optional, Sequence
 
 PHASES = (
     "forward", "backward", "grad-sync", "optimizer", "between", "regroup", "heal", "world",
-    "groups",
+    "groups", "save", "saved",
 )  # fmt: skip
 RECOVERY_PHASES = ("regroup", "heal", "world", "groups")
 """Phases inside a recovery, for tests of a failure during a failure: ``regroup`` fires in a

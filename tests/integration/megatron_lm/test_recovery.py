@@ -265,6 +265,26 @@ def test_external_signals(megatron_lm: Path, tmp_path: Path, how: str) -> None:
     assert lost == ([1, 3] if how == "two_200ms_apart" else [2]), schedule
 
 
+@pytest.mark.parametrize("first", ["save", pytest.param("saved", marks=pytest.mark.slow)])
+def test_deaths_around_a_save(megatron_lm: Path, tmp_path: Path, first: str) -> None:
+    """``--save-interval 3``: rank 1 dies as the save of iteration 3 starts (the others are in
+    its collectives) or once it ended; rank 2 dies as the recovered world's save of iteration 6
+    starts. Each death costs one regroup of seconds, no generation forms without a lost rank,
+    and the run equals its simulated twin (which saves at the same iterations)."""
+    argv = ["--train-iters", "9", "--save-interval", "3"]
+    save = tmp_path / "real"
+    kills = ["--mecefo-kill", f"1:3:{first}", "--mecefo-kill", "2:6:save"]
+    rc, real = supervised(megatron_lm, [*argv, *MECEFO, *kills, "--save", str(save)], tmp_path)
+    assert rc == 0, real[-6000:]
+    assert "timed out" not in real and "loading checkpoint" not in real, real[-6000:]
+    records = _records(tmp_path)
+    assert [(r["ranks_lost"], r["iteration"]) for r in records] == [([1], 4), ([2], 7)], records
+    assert all(r["total_s"] is not None and r["total_s"] < 10 for r in records), records
+    print(f"deaths at {first} and save: kill -> redone {[r['total_s'] for r in records]} s")
+    schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
+    assert sorted(schedule) == ["1:4", "2:7"], schedule
+
+
 def test_data_loader_worker_killed(megatron_lm: Path, tmp_path: Path) -> None:
     """``--num-workers 1``: rank 1's data-loader worker is SIGKILLed from outside mid-run. The
     rank exits at once (exit code 75) and its replica is taken over as after the rank's own

@@ -198,6 +198,31 @@ def test_dp4_second_death_while_the_world_is_built(tmp_path: Path, second: str) 
     assert sorted(job.params()) == [0, 2] and diff <= PARAM_ATOL
 
 
+def test_dp4_deaths_around_a_save(tmp_path: Path) -> None:
+    """``--save-interval 3``: rank 1 dies as the save of iteration 3 starts (the others are in
+    its collectives); rank 2 dies as the recovered world's save of iteration 6 starts. Each
+    costs one regroup of seconds, no generation forms without a lost rank, and the final
+    parameters equal the simulated run (which saves at the same iterations)."""
+    args = _layout(1, 1, 4, 9, 16) + ["--optimizer", "sgd", "--lr", "0.05", "--save-interval", "3"]
+    kills = ["--mecefo-kill", "1:3:save", "--mecefo-kill", "2:6:save"]
+    job = _run_job(tmp_path / "real", 4, args + kills + ["--save", str(tmp_path / "ckpt")])
+    log = job.log()
+    assert log.count("died: SIGKILL") == 2 and not left_by_timeout(log), log[-4000:]
+    check_every_sample_once(train_records(job.metrics), 9, 16, replicas=4)
+    records = job.records_of("recovery")
+    assert [(r["ranks_lost"], r["iteration"]) for r in records] == [([1], 4), ([2], 7)], records
+    assert all(r["total_s"] is not None and r["total_s"] < 10 for r in records), records
+    sim_args = args + ["--save", str(tmp_path / "sim_ckpt")]
+    sim = run_torchrun(
+        tmp_path / "sim", 4, sim_args + ["--mecefo-fail", "1:4", "--mecefo-fail", "2:7"]
+    )
+    diff = max_param_diff(job.params(), sim)
+    print(
+        f"deaths around saves: kill -> redone {[r['total_s'] for r in records]} s, diff {diff:.2e}"
+    )
+    assert sorted(job.params()) == [0, 3] and diff <= PARAM_ATOL
+
+
 @pytest.mark.slow
 def test_dp4_kill_during_rejoin(tmp_path: Path) -> None:
     """The replacement dies while it receives its state: the survivors regroup again, a second
