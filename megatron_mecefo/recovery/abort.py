@@ -318,14 +318,23 @@ class GenerationWatchdog:
 
     def _run(self) -> None:
         fired = False
+        checked = self.generation  # every generation up to this one was looked at
         while not self._stop.is_set():
             try:
                 self.wait_after(self.latest, self.interval_s)
                 now = self.current()
                 self.latest = now
                 self.cpu_s = time.thread_time()
-                if fired or now == self.generation or not self.is_failure(now):
+                if fired:
                     continue  # after firing: only keep ``latest`` fresh
+                # Every generation since the last look, not only the latest: a failure ends
+                # this world even when a planned one (a rejoin) was published right after it
+                # (measured: a member that saw only the rejoin waited out the 30 s store
+                # timeout in the world's rendezvous).
+                failure = any(self.is_failure(n) for n in range(checked + 1, now + 1))
+                checked = max(checked, now)
+                if not failure:
+                    continue
             except Exception:
                 return
             with self._lock:

@@ -186,7 +186,11 @@ class RecoverySession:
         """Whether a failure generation has been announced since this world was built (a
         rank waiting on its peers, e.g. for a snapshot commit, stops waiting)."""
         latest = self.watchdog.latest if self.watchdog is not None else self.generation
-        return latest != self.generation and self.ms.generation(latest).at_iteration is None
+        # Any failure since this world's generation (a rejoin may have been published after it).
+        return any(
+            self.ms.generation(n).at_iteration is None
+            for n in range(self.generation + 1, latest + 1)
+        )
 
     def fatal(self, message: str) -> None:
         """End the job with one message (every rank: the store's ``fatal`` key)."""

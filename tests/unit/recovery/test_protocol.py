@@ -404,3 +404,31 @@ def test_watchdog_wakes_on_the_generation_key(store: str) -> None:
         ms.publish(Generation(number=6, replicas=(0,), members={0: 0}))  # wake its last wait
         dog.thread.join(5)
     assert not dog.thread.is_alive() and dog.fired == 5
+
+
+def test_watchdog_fires_on_a_failure_hidden_behind_a_rejoin(store: str) -> None:
+    """A failure generation and a rejoin right after it, both published before the watchdog
+    looks: the latest generation is the planned one, and the failure still ends the world
+    (before, the watchdog read only the latest, and a member waited out the store timeout)."""
+    fired: list = []
+
+    class Recorder(WorldAborter):
+        def abort(self) -> None:
+            fired.append(time.time())
+
+    ms = MembershipStore.connect(store)
+    ms.publish(Generation(number=3, replicas=(0, 1, 2), members={0: 0, 1: 0, 2: 0}))
+    ms.publish(Generation(number=4, replicas=(0, 1), members={0: 0, 1: 0}, lost=(2,)))
+    ms.publish(Generation(number=5, replicas=(0, 1, 2), members={0: 0, 1: 0, 2: 1}, at_iteration=9))
+    watch = MembershipStore.connect(store)
+    dog = GenerationWatchdog(watch.generation_number, 3, Recorder(), 30.0,
+                             is_failure=lambda n: watch.generation(n).at_iteration is None,
+                             wait_after=watch.wait_generation_after).start()  # fmt: skip
+    try:
+        deadline = time.time() + 5
+        while not fired:
+            assert time.time() < deadline, "the failure behind the rejoin did not fire"
+            time.sleep(0.01)
+        assert dog.fired == 5 and dog.latest == 5
+    finally:
+        dog.stop()
