@@ -50,6 +50,36 @@ parts:
    checkpoint loaded (Megatron-LM's "after model, optimizer ... built" time) -> replayed.
 
 Writes ``results/recovery_latency_megatron_lm.json``.
+
+``--scenarios`` measures the tails (issue 44): for each trainer (``--trainers``, default
+both) and scenario, one supervised DP4 run with ``--tail-kills`` (default 10; ``--quick``: 3)
+kill events from a seeded plan (:func:`tail_schedule`), each in its own window of iterations:
+
+* ``regroup-kill``: a first death, then a survivor killed while the next world is built
+  (``--mecefo-kill`` phases ``world`` and ``groups``, or the benchmark's own SIGKILL right
+  after the first death's generation is published);
+* ``save``: ``--save-interval 5``; a rank killed as a save starts (``save``), after it ended
+  (``saved``), or by the benchmark at a random moment just after a save's iteration committed;
+* ``rejoin-kill``: ``--standby 1``; a rank dies, and a survivor dies as the world of its
+  replacement's rejoin is built (``world`` with the iteration after the failure);
+* ``loader-worker``: Megatron-LM only (``--num-workers 1``; the example trainer has no
+  data-loader workers): the benchmark SIGKILLs a data-loader worker of a rank (a child of the
+  rank's pid in the supervisor's ``--pid-file``, found with psutil); the rank exits with 75;
+* ``chaos``: seeded SIGKILLs of random trainer processes (ranks, and Megatron-LM's loader
+  workers) at random moments.
+
+Every event is timed from its first kill (``kill_time_source``: ``benchmark``, the
+benchmark's ``time.time()`` before ``os.kill``; ``injected``, the rank's own timestamp; or
+``reap``, the supervisor's) to the last member's redone iteration, from the absolute
+timestamps in the membership store: detect, regroup, redo and total (:func:`event_timing`).
+Each run also counts spurious generations (a failure generation with no rank lost; the goal
+is 0) and ranks that left by a timeout (an ``err/`` message with a timeout, a heartbeat kill),
+and samples the load average. The JSON keeps every event and record; the summary prints p50
+and max per scenario with the load during the run. Writes ``results/recovery_tails.json``.
+The full run (10 kill events per scenario, both trainers, on a quiet machine; the smoke run
+adds ``--quick``):
+
+``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/recovery_latency.py --scenarios all``
 """
 
 from __future__ import annotations
@@ -1031,6 +1061,489 @@ def main_megatron_lm(a: argparse.Namespace) -> None:
           f"wrote {a.output}")  # fmt: skip
 
 
+# ---------------------------------------------------------------- --scenarios (the tails)
+
+TAIL_LEFT = re.compile(r"MeCeFO recovery: rank (\d+)( \(incarnation \d+\))? left generation "
+                       r"(\d+): (.*)")  # fmt: skip
+"""A rank's line as it leaves a generation on an error (its slot, generation, message)."""
+TAIL_GENERATION = re.compile(r"\[coordinator\] generation (\d+) \(([^)]*)\):.* lost \[\],")
+"""The coordinator's line of a generation that lost no rank (a failure one says ``now``)."""
+SCENARIOS = ("regroup-kill", "save", "rejoin-kill", "loader-worker", "chaos")
+"""The tail scenarios of ``--scenarios`` (issue 44, item 5)."""
+TAIL_SAVE_INTERVAL = 5
+"""``--save-interval`` of the save scenario: a save every 5 iterations, so that every kill
+window holds saves."""
+TAIL_EVENT_TIMEOUT_S = 120.0
+"""How long an event may take from its window to its last failure record before the
+benchmark records it as lost and goes on (a kill that hit nothing, or a stuck recovery)."""
+TAIL_SPACING = {"example": 250, "megatron-lm": 100}
+"""Iterations between kill windows (about 25-40 s here for either trainer at load 10): a
+replacement started cold (once the warm standbys are used up) rejoins within it, so that the
+next event starts from a full world. The external kills also wait for a full world; the
+injected ones fire at their iteration whatever the world is then."""
+
+
+def tail_schedule(scenario: str, trainer: str, kills: int, seed: int, spacing: int,
+                  world: int = 4) -> List[Dict[str, Any]]:  # fmt: skip
+    """The seeded plan of one scenario run: ``kills`` events, event ``k`` in the window that
+    opens at iteration ``8 + k * spacing``.
+
+    Each event is a dict: ``window`` (the iteration it waits for), ``action`` and its
+    victims. ``internal`` events are ``--mecefo-kill`` values (``specs``) fired by the ranks
+    themselves at an exact phase; ``external`` ones are SIGKILLs the benchmark sends (a rank,
+    ``pair``: a second rank right after the first death's report, ``worker``: a data-loader
+    worker of a rank, ``save``: a rank once a save's iteration committed) after ``delay_s``.
+    """
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r} (one of {', '.join(SCENARIOS)})")
+    if scenario == "loader-worker" and trainer != "megatron-lm":
+        raise ValueError("loader-worker needs Megatron-LM (the example trainer has no workers)")
+    rng = random.Random(f"{seed}/{scenario}/{trainer}")
+    plan: List[Dict[str, Any]] = []
+    for k in range(kills):
+        w = 8 + k * spacing
+        a, b = rng.sample(range(world), 2)
+        ev: Dict[str, Any] = {"event": k, "window": w, "victims": [a]}
+        if scenario == "regroup-kill":
+            # A first death, then a survivor dies while the survivors build the next world:
+            # before its rendezvous (world), during the groups' creation (groups), or at a
+            # moment the benchmark picks just after the first death's report (pair).
+            kind = ("world", "groups", "pair")[k % 3]
+            ev["victims"] = [a, b]
+            if kind == "pair":
+                ev |= {"action": "external", "target": "pair", "delay_s": rng.uniform(0, 1)}
+            else:
+                ev |= {"action": "internal", "phase": kind,
+                       "specs": [f"{a}:{w}:forward", f"{b}:{w}:{kind}"]}  # fmt: skip
+        elif scenario == "save":
+            it = -(-w // TAIL_SAVE_INTERVAL) * TAIL_SAVE_INTERVAL  # the first save in the window
+            kind = ("save", "saved", "during")[k % 3]
+            if kind == "during":
+                ev |= {"action": "external", "target": "save", "save_iteration": it,
+                       "delay_s": rng.uniform(0, 0.3)}  # fmt: skip
+            else:
+                ev |= {"action": "internal", "phase": kind, "specs": [f"{a}:{it}:{kind}"]}
+        elif scenario == "rejoin-kill":
+            # Rank a dies at w; b (a survivor) dies as the world of a's replacement's rejoin
+            # is built: the first world left at iteration w + 1 or later (the failure's world
+            # is left at w).
+            ev |= {"action": "internal", "phase": "world", "victims": [a, b],
+                   "specs": [f"{a}:{w}:forward", f"{b}:{w + 1}:world"]}  # fmt: skip
+        elif scenario == "loader-worker":
+            ev |= {"action": "external", "target": "worker", "delay_s": rng.uniform(0, 1)}
+        else:  # chaos: random process (workers only where there are any), random moment
+            target = "rank"
+            if trainer == "megatron-lm" and rng.random() < 0.5:
+                target = "worker"
+            ev |= {"action": "external", "target": target, "delay_s": rng.uniform(0, 2),
+                   "window": w + rng.randrange(spacing // 3)}  # fmt: skip
+        plan.append(ev)
+    return plan
+
+
+def tail_specs(plan: List[Dict[str, Any]]) -> List[str]:
+    """The ``--mecefo-kill`` arguments of a plan's internal events."""
+    return [x for ev in plan for s in ev.get("specs", []) for x in ("--mecefo-kill", s)]
+
+
+def event_timing(
+    kill_t: Optional[float], gens: List[Dict[str, Dict[str, float]]]
+) -> Dict[str, Optional[float]]:
+    """An event's detect, regroup, redo and total from its first kill to the last member's
+    redone iteration. ``gens`` are the member timestamps (``rt/<g>/<slot>``) of its failure
+    generations, oldest first (one for a single death; a generation superseded while it was
+    built has none). Detect ends at the last member's detection in the first generation that
+    has any, regroup at the last member's build of the last generation, redo at its last
+    member's done; so the three sum to total."""
+
+    def latest(times: Dict[str, Dict[str, float]], key: str) -> Optional[float]:
+        vals = [t[key] for t in times.values() if t.get(key)]
+        return max(vals) if vals else None
+
+    detect = next((d for g in gens if (d := latest(g, "detect")) is not None), None)
+    built = latest(gens[-1], "built") if gens else None
+    done = latest(gens[-1], "done") if gens else None
+    if kill_t is not None and detect is not None:
+        detect = max(detect, kill_t)  # a survivor that noticed before the clock started
+    return {"detect_s": _diff_s(detect, kill_t), "regroup_s": _diff_s(built, detect),
+            "redo_s": _diff_s(done, built), "total_s": _diff_s(done, kill_t)}  # fmt: skip
+
+
+def summarize_tails(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per trainer/scenario: p50 and max of each event's times, events lost, spurious
+    generations (a failure generation with no rank lost), ranks that left by a timeout, and
+    the load average during the run."""
+    table: Dict[str, Any] = {}
+    for run in runs:
+        evs = [e for e in run["events"] if e.get("total_s") is not None]
+        loads = [x[1] for x in run.get("loadavg_samples", [])]
+        table[f"{run['trainer']}/{run['scenario']}"] = {
+            key: _stats([e.get(key) for e in evs])
+            for key in ("detect_s", "regroup_s", "redo_s", "total_s")
+        } | {
+            "events_planned": len(run["plan"]),
+            "events_measured": len(evs),
+            "kills": sum(len(e.get("kills", [])) for e in run["events"]),
+            "kill_time_sources": sorted({k["source"] for e in run["events"]
+                                         for k in e.get("kills", [])}),  # fmt: skip
+            "spurious_generations": len(run["spurious_generations"]),
+            "timeouts": len(run["timeouts"]),
+            "loadavg_1m": ({"mean": round(statistics.mean(loads), 1), "max": round(max(loads), 1)}
+                           if loads else {}),  # fmt: skip
+            "error": run.get("error"),
+        }  # fmt: skip
+    return table
+
+
+def _rank_pids(pid_file: Path) -> Dict[int, Tuple[int, int]]:
+    """slot -> (incarnation, pid) of the processes that hold the slots now."""
+    out: Dict[int, Tuple[int, int]] = {}
+    if pid_file.exists():
+        for line in pid_file.read_text().splitlines():
+            s, inc, pid = map(int, line.split())
+            out[s] = (inc, pid)
+    return out
+
+
+def _loader_workers(pid: int) -> List[int]:
+    """The data-loader workers of rank ``pid``: its children (psutil), those named
+    ``pt_data_worker`` (PyTorch names its workers' threads so) if any."""
+    import psutil
+
+    try:
+        kids = psutil.Process(pid).children(recursive=False)
+    except psutil.Error:
+        return []
+    named = [c.pid for c in kids if "pt_data_worker" in (c.name() or "")]
+    return named or [c.pid for c in kids]
+
+
+def tail_run(out: Path, trainer: str, scenario: str, kills: int, seed: int,
+             tree: Optional[Path], data: str, spacing: int) -> Dict[str, Any]:  # fmt: skip
+    """One supervised DP4 run of ``trainer`` under ``scenario``'s plan (:func:`tail_schedule`);
+    every event measured from its first kill (the benchmark's ``time.time()`` before
+    ``os.kill``, or the injected kill's own timestamp) to the last member's redone iteration,
+    from the membership store's absolute timestamps, read while the run is alive."""
+    from megatron_mecefo.recovery.membership import MembershipStore
+
+    plan = tail_schedule(scenario, trainer, kills, seed, spacing)
+    rng = random.Random(f"{seed}/{scenario}/{trainer}/victims")
+    iters = 8 + (kills + 1) * spacing
+    run_dir = _fresh_dir(out / f"{trainer}_{scenario}")
+    records, pid_file, store_file = (run_dir / n for n in ("records.jsonl", "pids.txt",
+                                                           "store.txt"))  # fmt: skip
+    standby = {"rejoin-kill": "1", "regroup-kill": "4"}.get(scenario, "2")
+    supervisor = ["--replace", "after:1", "--standby", standby,
+                  "--records", str(records), "--store-file", str(store_file)]  # fmt: skip
+    extra = [*tail_specs(plan), "--train-iters", str(iters)]
+    if scenario == "save":
+        ckpt = run_dir / "ckpt"
+        if ckpt.exists():
+            for f in sorted(ckpt.rglob("*"), reverse=True):
+                f.unlink() if f.is_file() else f.rmdir()
+        extra += ["--save", str(ckpt), "--save-interval", str(TAIL_SAVE_INTERVAL)]
+    if trainer == "megatron-lm":
+        model = list(MLM_MODEL)
+        if scenario in ("loader-worker", "chaos"):  # a loader worker per rank to kill
+            model[model.index("--num-workers") + 1] = "1"
+        args = [str(MLM_LAUNCHER), "--megatron-lm-dir", str(tree), *model, *MLM_MECEFO]
+    else:
+        args = [str(TRAINER), *MODEL, "--data-path", data]
+    cmd = ["nice", "-n", "5", *_supervisor(4, pid_file), *supervisor, "--", *args, *extra]
+    load = os.getloadavg()
+    t0 = time.time()
+    proc = _start(cmd, run_dir / "log.txt")
+    events: List[Dict[str, Any]] = []
+    loads: List[Tuple[float, float]] = [(0.0, load[0])]
+    spurious: Dict[int, Dict[str, Any]] = {}
+    timeouts: Dict[str, Dict[str, Any]] = {}
+    ms: Any = None
+    error = None
+
+    def poll() -> None:
+        if time.time() - t0 - loads[-1][0] >= 5:
+            loads.append((round(time.time() - t0, 1), os.getloadavg()[0]))
+        if proc.poll() is not None:
+            raise RuntimeError(f"the run ended (rc {proc.returncode}) before the events were done")
+        time.sleep(0.02)
+
+    def store() -> Any:
+        nonlocal ms
+        while ms is None:
+            if store_file.exists() and store_file.read_text().strip():
+                ms = MembershipStore.connect(store_file.read_text().strip(), 30)
+            else:
+                poll()
+        return ms
+
+    def full_world() -> bool:
+        g = store().generation_number()
+        return g >= 0 and len(store().generation(g).members) == 4
+
+    def progress() -> int:
+        return int(store().get_str("progress") or 0)
+
+    def scan(upto: int) -> None:
+        """Spurious generations and timeouts among generations 1..upto."""
+        for g in range(1, upto + 1):
+            gen = store().generation(g)
+            if gen.at_iteration is None and not gen.lost and g not in spurious:
+                spurious[g] = {"generation": g, "reason": gen.reason}
+            for s in range(4):
+                err = store().get_json(f"err/{g}/{s}")
+                if err and re.search(r"time(d)? ?out", err.get("error", ""), re.I):
+                    timeouts.setdefault(f"{g}/{s}", {"generation": g, "slot": s,
+                                                     "error": err["error"][:200]})  # fmt: skip
+        for s, (inc, _) in _rank_pids(pid_file).items():
+            for i in range(inc + 1):
+                why = store().get_json(f"kill/{s}/{i}")
+                if why and why.get("reason") == "heartbeat":
+                    timeouts.setdefault(f"hb/{s}/{i}", {"slot": s, "incarnation": i,
+                                                        "reason": "heartbeat"})  # fmt: skip
+
+    def one_event(ev: Dict[str, Any], event: Dict[str, Any]) -> None:
+        """Wait for ``ev``'s window, kill, and time it into ``event``."""
+        t_start = time.time()  # this event's kills come later (an earlier one's do not)
+        # Generations after this one belong to the event (an internal kill may fire as
+        # soon as its window opens, before this loop sees it).
+        start_gen = max(store().generation_number(), 0)
+        incs = _rank_pids(pid_file)
+        # Every event starts from a full world at its window (internal kills fire there).
+        while True:
+            done_it = progress()
+            if ev["action"] == "internal" and done_it >= ev["window"] - 1:
+                break  # the ranks fire it themselves
+            if done_it >= ev["window"] and full_world():
+                break
+            if time.time() > deadline:
+                raise RuntimeError(f"event {ev['event']}: window {ev['window']} never reached")
+            poll()
+        t_ev = time.time()
+        if ev["action"] == "external":
+            start_gen = max(store().generation_number(), 0)
+            if ev["target"] == "save":
+                while progress() < ev["save_iteration"]:
+                    poll()
+            time.sleep(ev["delay_s"])
+            victim = ev["victims"][0]
+            inc, pid = _rank_pids(pid_file)[victim]
+            target = pid
+            if ev["target"] == "worker":
+                workers = _loader_workers(pid)
+                while not workers and time.time() < t_ev + 30:
+                    poll()
+                    workers = _loader_workers(pid)
+                if workers:
+                    target = rng.choice(workers)
+                else:  # recorded, and the rank is killed instead
+                    event["note"] = f"rank {victim} had no loader worker: killed the rank"
+            t_kill = time.time()
+            os.kill(target, signal.SIGKILL)
+            event["kills"].append({"slot": victim, "incarnation": inc, "pid": target,
+                                   "what": "loader worker" if target != pid else "rank",
+                                   "t": t_kill, "source": "benchmark"})  # fmt: skip
+            if ev["target"] == "pair":  # the second death right after the first's report
+                while store().generation_number() <= start_gen:
+                    poll()
+                time.sleep(ev["delay_s"])
+                b = ev["victims"][1]
+                inc_b, pid_b = _rank_pids(pid_file)[b]
+                t_b = time.time()
+                os.kill(pid_b, signal.SIGKILL)
+                event["kills"].append({"slot": b, "incarnation": inc_b, "pid": pid_b,
+                                       "what": "rank", "t": t_b,
+                                       "source": "benchmark"})  # fmt: skip
+        # The failure generations of this event: until one loses the last victim.
+        last_victim = ev["victims"][-1]
+        gens: List[int] = []
+        while True:
+            g = store().generation_number()
+            gens = [n for n in range(start_gen + 1, g + 1)
+                    if store().generation(n).at_iteration is None]  # fmt: skip
+            if any(last_victim in store().generation(n).lost for n in gens):
+                # ... and its redone iteration (every member's done).
+                gen = store().generation(gens[-1])
+                rt = {s: store().get_json(f"rt/{gen.number}/{s}") or {} for s in gen.members}
+                if all(t.get("done") for t in rt.values()):
+                    break
+            if time.time() > t_ev + TAIL_EVENT_TIMEOUT_S:
+                event["error"] = "no complete failure generation losing the victim"
+                break
+            poll()
+        if ev["action"] == "internal":  # the injected kills' own timestamps
+            for s in ev["victims"]:
+                first_inc = incs.get(s, (0, 0))[0]
+                for i in range(first_inc, _rank_pids(pid_file).get(s, (0, 0))[0] + 1):
+                    k = store().get_json(f"killed/{s}/{i}")
+                    # The pid file may still name the incarnation an earlier event killed.
+                    if k and k["t"] >= t_start:
+                        event["kills"].append({"slot": s, "incarnation": i, "t": k["t"],
+                                               "spec": k.get("spec"), "what": "rank",
+                                               "source": "injected"})  # fmt: skip
+                        break
+        lost = {s: i for n in gens for s, i in store().generation(n - 1).members.items()
+                if s in store().generation(n).lost}  # fmt: skip
+        for s, i in lost.items():  # deaths of this event nobody here timed: the reap
+            if not any(k["slot"] == s for k in event["kills"]):
+                d = store().dead_info(s, i) or {}
+                event["kills"].append({"slot": s, "incarnation": i, "t": d.get("t"),
+                                       "exit_code": d.get("exit_code"), "what": "rank",
+                                       "source": "reap"})  # fmt: skip
+        for k in event["kills"]:
+            if k["what"] == "rank" or k.get("exit_code") is not None:
+                continue
+            d = store().dead_info(k["slot"], k["incarnation"]) or {}
+            k["rank_exit_code"] = d.get("exit_code")  # 75: it left for its dead worker
+        times = [k["t"] for k in event["kills"] if k.get("t")]
+        event["generations"] = gens
+        if scenario == "rejoin-kill":  # the event is the survivor's death at the rejoin
+            b = ev["victims"][1]
+            times = [k["t"] for k in event["kills"] if k.get("t") and k["slot"] == b]
+            gens = [n for n in gens if b in store().generation(n).lost][:1] or gens
+        if gens and "error" not in event:
+            rts = [{str(s): store().get_json(f"rt/{n}/{s}") or {}
+                    for s in store().generation(n).members} for n in gens]  # fmt: skip
+            event |= event_timing(min(times) if times else None, rts)
+            event["member_times"] = dict(zip(map(str, gens), rts, strict=True))
+        scan(store().generation_number())
+        print(f"  {trainer} {scenario} event {ev['event'] + 1}/{len(plan)} "
+              f"({ev['action']} {ev.get('phase') or ev.get('target')}, kills "
+              f"{[(k['slot'], k['what'], k['source']) for k in event['kills']]}): "
+              f"kill -> redone {event.get('total_s')} s"
+              + (f" ({event['error']})" if event.get("error") else ""), flush=True)  # fmt: skip
+
+    try:
+        deadline = t0 + 300 + iters * 3
+        for ev in plan:
+            event: Dict[str, Any] = {"event": ev["event"], "plan": ev, "kills": []}
+            events.append(event)
+            try:
+                one_event(ev, event)
+            except (RuntimeError, OSError) as e:
+                if proc.poll() is not None or "never reached" in str(e):
+                    raise
+                # The store client failed (its connection closed, a get timed out): the
+                # event is recorded as lost and the next one gets a new client.
+                event["error"] = f"store client: {type(e).__name__}: {e}"[:300]
+                ms = None
+                print(
+                    f"  {trainer} {scenario} event {ev['event'] + 1}: {event['error']}", flush=True
+                )
+        scan(store().generation_number())
+    except (RuntimeError, OSError) as e:
+        error = str(e)
+    finally:
+        records_out = [r for r in _read_jsonl(records) if r.get("type") == "recovery"]
+        # The ranks' own lines are the backstop of the store's err/ keys (read only between
+        # events, and lost with a failed store client).
+        text = (run_dir / "log.txt").read_text(errors="replace")
+        for m in TAIL_GENERATION.finditer(text):  # a failure generation that lost nobody
+            if "now" in m.group(2) and int(m.group(1)) not in spurious:
+                spurious[int(m.group(1))] = {"generation": int(m.group(1)),
+                                             "reason": m.group(2), "from": "log"}  # fmt: skip
+        for m in TAIL_LEFT.finditer(text):
+            if re.search(r"time(d)? ?out", m.group(4), re.I):
+                timeouts.setdefault(f"{m.group(3)}/{m.group(1)}", {
+                    "generation": int(m.group(3)), "slot": int(m.group(1)),
+                    "error": m.group(4)[:200], "from": "log"})  # fmt: skip
+        pids = [int(ln.split()[2]) for ln in pid_file.read_text().splitlines()] if (
+            pid_file.exists()) else []  # fmt: skip
+        rc = proc.poll()
+        _stop(proc, pids)
+    return {
+        "trainer": trainer,
+        "scenario": scenario,
+        "layout": "dp4",
+        "rc": rc,
+        "stopped_by_benchmark": rc is None,
+        "error": error,
+        "seed": seed,
+        "spacing": spacing,
+        "train_iters": iters,
+        "plan": plan,
+        "wall_s": round(time.time() - t0, 1),
+        "loadavg_start_end": [load, os.getloadavg()],
+        "loadavg_samples": loads,
+        "events": events,
+        "spurious_generations": list(spurious.values()),
+        "timeouts": list(timeouts.values()),
+        "records": records_out,
+    }
+
+
+def print_tails(table: Dict[str, Any]) -> None:
+    print(f"{'trainer/scenario':>28} {'n':>3}  {'kill->redone':>12} {'detect':>11} "
+          f"{'regroup':>11} {'redo':>11} {'spurious':>8} {'timeouts':>8} {'load':>10}"
+          "   (p50/max s; load: 1-min mean/max)")  # fmt: skip
+    for name, row in table.items():
+        ld = row["loadavg_1m"]
+        load = f"{ld['mean']:.1f}/{ld['max']:.1f}" if ld else "-"
+        print(f"{name:>28} {row['events_measured']:>3}  {_fmt_stats(row['total_s']):>12} "
+              f"{_fmt_stats(row['detect_s']):>11} {_fmt_stats(row['regroup_s']):>11} "
+              f"{_fmt_stats(row['redo_s']):>11} {row['spurious_generations']:>8} "
+              f"{row['timeouts']:>8} {load:>10}"
+              + (f"  error: {row['error']}" if row.get("error") else ""))  # fmt: skip
+
+
+def main_tails(a: argparse.Namespace) -> None:
+    scenarios = SCENARIOS if a.scenarios == "all" else tuple(a.scenarios.split(","))
+    for s in scenarios:
+        if s not in SCENARIOS:
+            raise SystemExit(f"--scenarios: unknown {s!r} (one of {', '.join(SCENARIOS)}, all)")
+    kills = 3 if a.quick else a.tail_kills
+    out = Path(a.workdir or REPO / "results" / "recovery_tails")
+    out.mkdir(parents=True, exist_ok=True)
+    trainers = [t for t in a.trainers.split(",") if t]
+    tree = megatron_lm_tree(out, a.megatron_lm_dir) if "megatron-lm" in trainers else None
+    load_start = os.getloadavg()
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    runs, notes = [], []
+    for trainer in trainers:
+        for scenario in scenarios:
+            if scenario == "loader-worker" and trainer != "megatron-lm":
+                note = (f"{trainer}/loader-worker: not run: the example trainer has no "
+                        "data-loader workers (loader-worker is Megatron-LM only)")  # fmt: skip
+                notes.append(note)
+                print(note, flush=True)
+                continue
+            spacing = a.spacing or TAIL_SPACING[trainer]
+            run = tail_run(out, trainer, scenario, kills, a.seed, tree, a.data_path, spacing)
+            runs.append(run)
+            row = summarize_tails([run])[f"{trainer}/{scenario}"]
+            print(f"{trainer}/{scenario}: {row['events_measured']}/{kills} events, kill -> "
+                  f"redone p50 {row['total_s'].get('p50')} s max {row['total_s'].get('max')} s, "
+                  f"spurious generations {row['spurious_generations']}, timeouts "
+                  f"{row['timeouts']}, load {row['loadavg_1m']} ({run['wall_s']} s)"
+                  + (f", error: {run['error']}" if run["error"] else ""), flush=True)  # fmt: skip
+    table = summarize_tails(runs)
+    result = {
+        "benchmark": "recovery_latency --scenarios",
+        "date": started,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()},  # fmt: skip
+        "git_commit": _git_commit(),
+        "config": {"scenarios": list(scenarios), "trainers": trainers,
+                   "kills_per_scenario": kills, "quick": a.quick, "seed": a.seed,
+                   "spacing": a.spacing or TAIL_SPACING, "save_interval": TAIL_SAVE_INTERVAL,
+                   "layout": "DP4 on 4 CPU ranks (gloo)",
+                   "supervisor": ["--replace", "after:1", "--standby",
+                                  "2 (rejoin-kill: 1, regroup-kill: 4)",
+                                  *SUPERVISOR_TIMEOUTS],
+                   "example_model": MODEL, "megatron_lm_model": MLM_MODEL,
+                   "megatron_lm_num_workers": "1 in loader-worker and chaos, else 0",
+                   "nice": 5, "OMP_NUM_THREADS": 1},  # fmt: skip
+        "notes": notes,
+        "goal": "kill -> redone max <= 3 s in every scenario, no spurious generation",
+        "table": table,
+        "runs": runs,
+    }
+    Path(a.output).write_text(json.dumps(result, indent=1))
+    print_tails(table)
+    for note in notes:
+        print(note)
+    print(f"recovery_latency --scenarios: wrote {a.output}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -1084,7 +1597,12 @@ def main() -> None:
         help="megatron-lm: stock checkpoint-restart, one kill per value, in iteration "
         "10 k + value (2..9) after the checkpoint of iteration 10 k; 3 kills per torchrun run",
     )
-    p.add_argument("--seed", type=int, default=27, help="megatron-lm: victims and moments")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="megatron-lm: victims and moments (default 27; --scenarios: 44)",
+    )
     p.add_argument("--parts", default="kills,external,checkpoint",
                    help="megatron-lm: which of the three parts to run")  # fmt: skip
     p.add_argument("--merge", default=None, metavar="JSON",
@@ -1092,7 +1610,23 @@ def main() -> None:
     p.add_argument("--megatron-lm-dir", default=None,
                    help="megatron-lm: a patched core_v0.16.1 tree (default: unpack the "
                    "tarball into the workdir)")  # fmt: skip
+    p.add_argument("--scenarios", default="", metavar="LIST",
+                   help="the tails: comma-separated of " + ", ".join(SCENARIOS) + ", or all; "
+                   "runs them for --trainers and writes results/recovery_tails.json (default: "
+                   "none, the per-phase benchmark above)")  # fmt: skip
+    p.add_argument("--trainers", default="example,megatron-lm",
+                   help="--scenarios: which trainers")  # fmt: skip
+    p.add_argument("--tail-kills", type=int, default=10,
+                   help="--scenarios: kill events per scenario and trainer")  # fmt: skip
+    p.add_argument("--quick", action="store_true",
+                   help="--scenarios: a smoke run, 3 kill events per scenario")  # fmt: skip
     a = p.parse_args()
+    if a.scenarios:
+        a.seed = a.seed if a.seed is not None else 44
+        a.output = a.output or str(REPO / "results" / "recovery_tails.json")
+        main_tails(a)
+        return
+    a.seed = a.seed if a.seed is not None else 27
     mlm = a.trainer == "megatron-lm"
     name = "recovery_latency_megatron_lm" if mlm else "recovery_latency"
     a.kills_per_phase = a.kills_per_phase if a.kills_per_phase is not None else (10 if mlm else 20)
