@@ -95,6 +95,68 @@ def register_control(address: str, control: Any) -> None:
         _CONTROLS[address] = control
 
 
+WATCH_INTERVAL_S = 0.25
+"""How often each process reads ``hot_store`` (a TCPStore client blocked on a hung server
+does not return at its timeout: it is released by shutting its socket down)."""
+
+_WATCHES: Dict[str, threading.Thread] = {}
+
+
+def _watch_hot_store(address: str, control: Any) -> None:
+    """Once per process and etcd address: a thread that, when ``hot_store`` moves away from
+    an address, shuts down this process's sockets to it, so that a call blocked on a hung
+    leader's store fails now (and its client follows the new leader)."""
+    with _CONTROLS_LOCK:
+        if address in _WATCHES:
+            return
+        thread = threading.Thread(
+            target=_watch, args=(control,), name="mecefo-hot-store-watch", daemon=True
+        )
+        _WATCHES[address] = thread
+    thread.start()
+
+
+def _watch(control: Any) -> None:
+    last: Optional[str] = None
+    while True:
+        try:
+            now = hot_store(control)
+        except Exception:  # noqa: BLE001 (etcd without quorum: the supervisors end the job)
+            time.sleep(WATCH_INTERVAL_S)
+            continue
+        if last and now != last:
+            shutdown_store_sockets(last)
+        last = now or None
+        time.sleep(WATCH_INTERVAL_S)
+
+
+def shutdown_store_sockets(address: str) -> int:
+    """Shut down this process's TCP sockets whose peer is the store at ``address``; returns
+    how many (their calls fail with a network error; the descriptors stay their owners')."""
+    import socket
+
+    from megatron_mecefo.recovery.abort import _normalized_ip, _socket_inodes, store_endpoints
+
+    endpoints = store_endpoints([address])
+    shut = 0
+    for _, fd in _socket_inodes().items():
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                peer = sock.getpeername()
+                if (_normalized_ip(str(peer[0])), int(peer[1])) in endpoints:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    shut += 1
+        except OSError:
+            pass  # a listener, or closed meanwhile
+        finally:
+            sock.detach()
+    return shut
+
+
 def hot_store(control: Any) -> str:
     kv, _ = control.conn.get(control.key(HOT_STORE))
     return kv.value.decode() if kv is not None else ""
@@ -136,6 +198,7 @@ class EtcdStore:
             self.address, self._client = pinned, self._connect(pinned, timeout_s)
         else:
             self.address, self._client = self._follow("", time.monotonic() + timeout_s)
+            _watch_hot_store(address, self.control)
 
     @property
     def failed_over(self) -> bool:
