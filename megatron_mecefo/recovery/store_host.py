@@ -209,13 +209,13 @@ class StoreHost:
                 )  # fmt: skip
                 self.hot_address = f"{a.store_host}:{self.server.port}"
                 self.control.put_fenced(HOT_STORE, self.hot_address)
-                if a.store_file:
-                    _write_atomically(a.store_file, self.cfg.store)
                 self.log(
                     f"membership store at {self.hot_address}, elected leader on etcd "
                     f"{','.join(a.etcd_endpoints)} (term {self.control.term.number})"
                 )
             self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+            if a.store_file:  # any node: what a node that joins or rejoins passes as --store
+                _write_atomically(a.store_file, self.cfg.store)
         except ControlError as err:
             raise SupervisorError(f"--etcd {','.join(a.etcd_endpoints)}: {err}") from None
         except Exception as err:  # noqa: BLE001 (torch's DistNetworkError and kin)
@@ -257,7 +257,7 @@ class StoreHost:
                 continue
             except ControlError as err:
                 if not self._closing.is_set():
-                    self._control_lost(f"etcd control plane lost: {err}")
+                    self._control_lost(str(err))
                 return
             if self._closing.is_set():
                 return

@@ -189,3 +189,40 @@ def test_etcd_members_killed(tmp_path: Path, etcd: EtcdCluster) -> None:
         lines = [x for x in job.logs[node].read_text().splitlines() if "[supervisor node" in x]
         assert "etcd" in lines[-1] and "exiting" in lines[-1], lines[-3:]
     assert ended_s <= 3 * hb + 20, ended_s
+
+
+def test_leader_lost_twice_with_a_rejoin(tmp_path: Path, etcd: EtcdCluster) -> None:
+    """DP3 on three nodes (1 rank each). The leader (node 0) is SIGKILLed; another node wins
+    the next term. A new node 0 rejoins (``--rejoin``, through etcd) and is healed. Then the
+    second leader's node is SIGKILLed too: the third term's leader goes on; every sample once,
+    the survivors' replicas identical."""
+    iters, gbs = 150, 12
+    job = Job(tmp_path, 1, _layout(iters, gbs), nnodes=3, supervisor_args=_etcd_args(etcd),
+              MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
+    try:
+        job.start()
+        job.wait_for("iteration        5/")
+        _signal_node(job, 0, signal.SIGKILL)
+        job.wait_for("this node takes over")
+        second = int(job.log().split("] leader node 0 lost")[0].rsplit("[supervisor node ", 1)[1])
+        job.start_node(0, rejoin=True)
+        job.wait_for("healed; parameters and optimizer state identical")
+        _signal_node(job, second, signal.SIGKILL)
+        rc = job.wait(timeout=400)
+    finally:
+        job.stop()
+    log = job.log()
+    expect = [-9, 0, 0, 0]
+    expect[second] = -9
+    assert rc == expect, (rc, log[-5000:])
+    assert log.count("this node takes over") == 2, log[-5000:]
+    assert f"leader node {second} lost" in log
+    check_every_sample_once(train_records(job.metrics), iters, gbs, 3)
+    kinds = [(r["kind"], r["ranks_lost"], r["ranks_joined"]) for r in job.records_of("recovery")]
+    assert kinds[0][:2] == ("failure", [0]), kinds
+    assert any(joined == [0] for _, _, joined in kinds), kinds
+    assert any(k == "failure" and lost == [second] for k, lost, _ in kinds), kinds
+    params = job.params()
+    third = 3 - second  # the node neither lost
+    assert sorted(params) == sorted([0, third])
+    assert max_param_diff({0: params[0]}, {0: params[third]}) == 0.0
