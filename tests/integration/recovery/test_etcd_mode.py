@@ -207,6 +207,11 @@ def test_leader_lost_twice_with_a_rejoin(tmp_path: Path, etcd: EtcdCluster) -> N
         second = int(job.log().split("] leader node 0 lost")[0].rsplit("[supervisor node ", 1)[1])
         job.start_node(0, rejoin=True)
         job.wait_for("healed; parameters and optimizer state identical")
+        healed_at = max(_train_iterations(job), default=0)
+        deadline = time.monotonic() + 120
+        while max(_train_iterations(job), default=0) < healed_at + 5:  # the rejoin's record
+            assert time.monotonic() < deadline, job.log()[-4000:]
+            time.sleep(0.1)
         _signal_node(job, second, signal.SIGKILL)
         rc = job.wait(timeout=400)
     finally:
