@@ -24,11 +24,17 @@ up accept connections but cannot commit or serve a linearizable read).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
-import grpc
+# A supervisor forks its ranks while its etcd channels' threads run: grpc's fork handlers
+# then abort a child at random (seen: a rank died of SIGABRT, "epoll_wait error: Bad file
+# descriptor"). The children exec at once and never use the parent's channels.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import grpc  # noqa: E402
 from pyetcd import etcdrpc as rpc
 
 # Codes after which another member (or the same one, later) may answer: the member is down

@@ -147,6 +147,10 @@ class MembershipStore:
     ) -> MembershipStore:
         """A new client of the store at ``HOST:PORT``, or of a primary and its standby at
         ``HOST:PORT,HOST:PORT`` (:class:`~.store_failover.FailoverStore`)."""
+        if address.startswith("etcd://"):  # --store-mode etcd: the leader's store, via etcd
+            from megatron_mecefo.recovery.store_etcd import EtcdStore
+
+            return MembershipStore(EtcdStore(address, timeout_s, raise_on_failover))
         addresses = store_addresses(address)
         if len(addresses) > 1:
             return MembershipStore(FailoverStore(addresses, timeout_s, raise_on_failover))

@@ -155,7 +155,9 @@ class RecoverySession:
         """CPU seconds of the finished generations' watchdog threads."""
         self.backend = "gloo" if args.device == "cpu" else "nccl"
         self.aborter = build_aborter(
-            self.backend, store_addresses(config.store), config.collective_timeout_s + 30.0
+            self.backend,
+            [*store_addresses(config.store), self.ms.address()],  # etcd mode: the hot store
+            config.collective_timeout_s + 30.0,
         )
         self.watchdog: Optional[GenerationWatchdog] = None
         self.rank = -1

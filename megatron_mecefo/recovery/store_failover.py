@@ -34,7 +34,10 @@ class StoreFailedOver(RuntimeError):
 
 
 def store_addresses(address: str) -> List[str]:
-    """``"H0:P0,H1:P1"`` -> ``["H0:P0", "H1:P1"]`` (a single address: a list of one)."""
+    """``"H0:P0,H1:P1"`` -> ``["H0:P0", "H1:P1"]`` (a single address: a list of one; an
+    ``etcd://`` address of ``--store-mode etcd``: its etcd endpoints)."""
+    if address.startswith("etcd://"):
+        return [a for a in address[len("etcd://") :].split("/", 1)[0].split(",") if a]
     return [a.strip() for a in address.split(",") if a.strip()]
 
 

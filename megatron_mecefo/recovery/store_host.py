@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_mecefo.recovery.config import RecoveryConfig
 from megatron_mecefo.recovery.store_failover import store_addresses
@@ -63,6 +64,13 @@ class StoreHost:
         self.ms: Optional["MembershipStore"] = None
         self.rdzv_address = "127.0.0.1:0"
         """The ``env://`` rendezvous (``MASTER_ADDR:MASTER_PORT``) of the ranks."""
+        self.control: Optional[Any] = None
+        """``--store-mode etcd``: this node's :class:`~.etcd_control.EtcdControl`."""
+        self.hot_address = ""
+        """``--store-mode etcd``: the hot store this node serves as the leader."""
+        self._closing = threading.Event()
+        self.on_control_lost: Optional[Callable[[str], None]] = None
+        """Called once (from a background thread) when the leadership or etcd is lost."""
 
     def open(self) -> "MembershipStore":
         """Serve or reach the store, publish this node, set up the standby and the rendezvous;
@@ -75,6 +83,8 @@ class StoreHost:
             SupervisorError: The store cannot be served or reached, or a node never joined.
         """
         a = self.args
+        if a.store_mode == "etcd":
+            return self._open_etcd()
         if not self.hosts_store:  # before importing torch: a wrong address is said in a second
             self.cfg.store = a.store
             self._wait_for_store()
@@ -150,18 +160,200 @@ class StoreHost:
                 time.sleep(0.05)
 
     def close(self) -> None:
-        """Stop the coordinator and the standby store, if this node runs them."""
+        """Stop the coordinator and the standby store, if this node runs them (etcd mode:
+        the campaign, and the leadership, resigned)."""
+        self._closing.set()
         if self.coordinator is not None:
             self.coordinator.stop()
         if self.standby_store is not None:
             self.standby_store.stop()
+        if self.control is not None:
+            try:
+                if self.control.term is not None and not self.control.lost.is_set():
+                    self.control.resign()
+            except Exception:  # noqa: BLE001 (etcd gone: the lease expires by itself)
+                pass
+            self.control.close()
+
+    # ------------------------------------------------------------------ etcd mode
+    def _open_etcd(self) -> "MembershipStore":
+        """``--store-mode etcd``: node 0 campaigns first and, once elected, serves the hot
+        store and runs the coordinator; every other node joins through etcd and campaigns in
+        the background, to take over when the leader's lease expires."""
+        import torch.distributed as dist
+
+        from megatron_mecefo.recovery.etcd_control import ControlError, EtcdControl
+        from megatron_mecefo.recovery.membership import MembershipStore
+        from megatron_mecefo.recovery.store_etcd import (
+            HOT_STORE,
+            LEADER_NODE,
+            etcd_address,
+            register_control,
+        )
+
+        a = self.args
+        prefix = etcd_prefix(a)
+        ttl = self.cfg.heartbeat_timeout_s
+        self.cfg.store = etcd_address(a.etcd_endpoints, prefix, ttl)
+        self.control = EtcdControl(a.etcd_endpoints, prefix, ttl, on_lost=self._control_lost)
+        register_control(self.cfg.store, self.control)
+        try:
+            if self.hosts_store:
+                # A fresh job: nothing of an earlier run under its prefix.
+                self.control.conn.delete(self.control.key(""), prefix=True)
+                self.control.campaign(self.candidate, self.cfg.init_timeout_s)
+                self.control.put_fenced(LEADER_NODE, str(self.node))
+                self.server = dist.TCPStore(
+                    a.store_host, a.store_port, None, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=self.cfg.init_timeout_s),
+                )  # fmt: skip
+                self.hot_address = f"{a.store_host}:{self.server.port}"
+                self.control.put_fenced(HOT_STORE, self.hot_address)
+                self.log(
+                    f"membership store at {self.hot_address}, elected leader on etcd "
+                    f"{','.join(a.etcd_endpoints)} (term {self.control.term.number})"
+                )
+            self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+            if a.store_file:  # any node: what a node that joins or rejoins passes as --store
+                _write_atomically(a.store_file, self.cfg.store)
+        except ControlError as err:
+            raise SupervisorError(f"--etcd {','.join(a.etcd_endpoints)}: {err}") from None
+        except Exception as err:  # noqa: BLE001 (torch's DistNetworkError and kin)
+            raise SupervisorError(
+                f"--store-mode etcd: cannot serve or reach the membership store "
+                f"({_first_line(err)}); pass a --store-host of this machine"
+            ) from None
+        self.ms.store.set(f"node/{self.node}", socket.gethostname())
+        if self.hosts_store:
+            self.rdzv = dist.TCPStore(a.store_host, 0, None, is_master=True,
+                                      wait_for_workers=False)  # fmt: skip
+            self.ms.store.set("rdzv", f"{a.store_host}:{self.rdzv.port}")
+        deadline = time.monotonic() + self.cfg.init_timeout_s
+        while (rdzv := self.ms.get_str("rdzv")) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.rdzv_address = rdzv or "127.0.0.1:0"
+        if self.hosts_store:
+            self.ms.set_json("world_size", self.world_size)
+            self._wait_for_nodes()
+            self._start_coordinator(self.hot_address, resume=False)
+        else:
+            threading.Thread(target=self._campaign, name="mecefo-campaign", daemon=True).start()
+        return self.ms
+
+    @property
+    def candidate(self) -> str:
+        return f"node{self.node}@{socket.gethostname()}:{os.getpid()}"
+
+    def _campaign(self) -> None:
+        """A non-leader's background campaign (bounded waits, so that a lost quorum is said
+        within the TTL); the winner takes over."""
+        from megatron_mecefo.recovery.etcd_control import ControlError, NotElected
+
+        assert self.control is not None
+        while not self._closing.is_set():
+            try:
+                self.control.campaign(self.candidate, max(self.control.ttl_s, 2.0))
+            except NotElected:
+                continue
+            except ControlError as err:
+                if not self._closing.is_set():
+                    self._control_lost(str(err))
+                return
+            if self._closing.is_set():
+                return
+            try:
+                self._take_over_etcd()
+            except Exception as err:  # noqa: BLE001 (fenced or etcd lost: one line, exit)
+                import traceback
+
+                where = traceback.extract_tb(err.__traceback__)[-1]
+                self._control_lost(
+                    f"takeover failed: {type(err).__name__}: {err} "
+                    f"({os.path.basename(where.filename)}:{where.lineno})"
+                )
+            return
+
+    def _take_over_etcd(self) -> None:
+        """This node won a term: fence the old store, serve a new one with the state restored
+        from etcd, declare the old leader's ranks dead, coordinate, publish the address."""
+        import json
+
+        import torch.distributed as dist
+
+        from megatron_mecefo.recovery.membership import MembershipStore
+        from megatron_mecefo.recovery.store_etcd import (
+            HOT_STORE,
+            LEADER_NODE,
+            hot_store,
+            restore,
+        )
+        from megatron_mecefo.recovery.store_failover import PRIMARY_KEY, tcp_client
+
+        c = self.control
+        assert c is not None and c.term is not None
+        a = self.args
+        t0 = time.time()
+        old = hot_store(c)
+        c.put_fenced(HOT_STORE, "")  # from now on no client of the old store writes to etcd
+        kv, _ = c.conn.get(c.key(LEADER_NODE))
+        old_node = int(kv.value) if kv is not None else 0
+        c.put_fenced(LEADER_NODE, str(self.node))
+        self.server = dist.TCPStore(
+            a.store_host, 0, None, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=self.cfg.init_timeout_s),
+        )  # fmt: skip
+        self.hot_address = f"{a.store_host}:{self.server.port}"
+        local = MembershipStore(tcp_client(self.hot_address, self.cfg.init_timeout_s))
+        number = restore(c, local.store)
+        ended = local.get_str("done") or local.get_str("fatal") or local.get_str("stopping")
+        if ended or (number >= 0 and local.generation(number).abort):
+            self.log("elected leader after the job ended: nothing to take over")
+            return
+        self.log(
+            f"leader node {old_node} lost (its etcd lease expired; its store was {old}); "
+            f"this node takes over with a membership store at {self.hot_address} "
+            f"(term {c.term.number}, generation {number})"
+        )
+        nproc = a.nproc_per_node
+        for slot in range(old_node * nproc, (old_node + 1) * nproc):
+            inc = int(local.get_str(f"inc/{slot}") or 0)
+            if local.dead_info(slot, inc) is None:
+                info = json.dumps({"exit_code": None, "reason": f"leader node {old_node} lost",
+                                   "t": t0, "node": old_node})  # fmt: skip
+                c.put_fenced(f"kv/dead/{slot}/{inc}", info)
+                local.store.set(f"dead/{slot}/{inc}", info)
+        local.store.add("nodes_lost", 1)
+        # Past any event count a supervisor saw on an earlier store: each then looks again.
+        local.store.add("events", (c.term.number + 1) << 20)
+        takeover = {"node": self.node, "t": t0, "generation": number, "term": c.term.number}
+        local.store.set(PRIMARY_KEY, json.dumps(takeover))
+        local.notify()
+        self.hosts_store = True
+        self._start_coordinator(self.hot_address, resume=True)
+        c.put_fenced(HOT_STORE, self.hot_address)
+
+    def _control_lost(self, line: str) -> None:
+        """The leadership or etcd is lost: this node's ranks are stopped and the supervisor
+        exits with one line (:attr:`on_control_lost`), having written nothing more."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        if self.on_control_lost is not None:
+            self.on_control_lost(line)
 
     def _start_coordinator(self, address: str, resume: bool) -> None:
         from megatron_mecefo.recovery.coordinator import Coordinator
         from megatron_mecefo.recovery.membership import MembershipStore
 
+        if self.args.store_mode == "etcd":  # the leader's own client, fenced on its term
+            from megatron_mecefo.recovery.store_etcd import EtcdStore
+
+            ms = MembershipStore(EtcdStore(self.cfg.store, self.cfg.init_timeout_s,
+                                           pinned=address))  # fmt: skip
+        else:
+            ms = MembershipStore.connect(address, self.cfg.init_timeout_s)
         self.coordinator = Coordinator(
-            MembershipStore.connect(address, self.cfg.init_timeout_s),
+            ms,
             self.world_size,
             self.cfg,
             log=lambda line: print(line, flush=True),
@@ -276,6 +468,13 @@ class StoreHost:
                     f"({now - t0:.0f} of --init-timeout={self.cfg.init_timeout_s:g}s)"
                 )
             time.sleep(0.1)
+
+
+def etcd_prefix(args: argparse.Namespace) -> str:
+    """The job's key prefix on etcd: ``/mecefo/<job>`` (``MECEFO_JOB_ID``, else Slurm's job
+    id, else the store port)."""
+    job = os.environ.get("MECEFO_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    return f"/mecefo/{job or f'port{args.store_port}'}"
 
 
 def _write_atomically(path: str, text: str) -> None:

@@ -105,6 +105,7 @@ class Supervisor:
         self.pending: List[tuple] = []  # (start_at, slot, inc)
         self.replacements: Dict[int, int] = {s: 0 for s in self.slots}
         self.store_host = StoreHost(args, config, self.log)
+        self.store_host.on_control_lost = self._control_lost
         self.killed: Dict[tuple, float] = {}
         self.standby: List[Child] = []
         self._standby_count = 0
@@ -119,6 +120,20 @@ class Supervisor:
 
     def log(self, line: str) -> None:
         print(f"[supervisor node {self.node}] {line}", flush=True)
+
+    def _control_lost(self, line: str) -> None:
+        """``--store-mode etcd``, from a background thread: this node was deposed (its lease
+        expired: hung, cut off) or etcd lost its quorum. Its ranks are killed at once and the
+        supervisor exits with one line, so nothing more is written by this node."""
+        everyone = list(self.children.values()) + list(self.standby)
+        for child in everyone:
+            kill_group(child.proc.pid)
+            kill(child.proc.pid)
+        self.log(
+            f"{line}; {len(everyone)} processes of this node killed, exiting (the other nodes "
+            "go on while etcd keeps a quorum)"
+        )
+        os._exit(1)  # the main thread may be in a store call to a lost store: no unwinding
 
     def open_store(self) -> None:
         """Host, serve the standby of, or join the membership store (:mod:`.store_host`)."""

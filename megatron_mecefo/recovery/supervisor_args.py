@@ -12,7 +12,7 @@ import errno
 import os
 import socket
 import sys
-from typing import Iterable
+from typing import Iterable, List
 
 from megatron_mecefo.errors import UserError, check_writable_dir, check_writable_file
 from megatron_mecefo.recovery.config import RecoveryConfig, RecoveryConfigError
@@ -88,10 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--store-mode",
         default="single",
-        choices=("single", "replicated"),
+        choices=("single", "replicated", "etcd"),
         help="single: node 0 alone serves the membership store (its loss ends the job); "
         "replicated: node 1 serves a standby that takes over when node 0 is lost (every node "
-        "passes the same mode; needs --nnodes >= 2)",
+        "passes the same mode; needs --nnodes >= 2); etcd: the supervisors elect a leader on "
+        "the etcd cluster of --etcd, which serves the store and coordinates; any node, the "
+        "leader's included, can be lost, again and again, while etcd keeps a quorum (every "
+        "node passes the same mode and --etcd; --store is then not needed)",
+    )
+    p.add_argument(
+        "--etcd",
+        default=None,
+        metavar="HOST:PORT,...",
+        help="--store-mode etcd: the client endpoints of every etcd member (e.g. three), "
+        "comma-separated; the job's keys live under /mecefo/<MECEFO_JOB_ID, SLURM_JOB_ID or "
+        "the store port>",
     )
     d = RecoveryConfig()
     p.add_argument("--replace", default=d.replace, help="never | immediately | after:SECONDS")
@@ -211,7 +222,10 @@ def validate(args: argparse.Namespace) -> RecoveryConfig:
         )
     if args.node_rank == 0 and args.store_port:
         _check_port_free(args.store_host, args.store_port)
-    if args.store is not None:
+    args.etcd_endpoints = _etcd_endpoints(args)
+    if args.store_mode == "etcd":
+        pass  # the store's address comes from etcd: --store, if given, is not used
+    elif args.store is not None:
         addresses = store_addresses(args.store)
         for address in addresses:
             host, _, port = address.rpartition(":")
@@ -230,22 +244,22 @@ def validate(args: argparse.Namespace) -> RecoveryConfig:
             f"--store-mode replicated --nnodes={args.nnodes}: the standby store lives on node "
             "1; use --store-mode single on one node"
         )
-    if args.rejoin and not args.store:
+    if args.rejoin and not args.store and args.store_mode != "etcd":
         raise RecoveryConfigError(
             f"--rejoin --node-rank={args.node_rank}: a rejoining node needs --store: node 0's "
             "HOST:PORT, or after node 0's loss (--store-mode replicated) the primary's and the "
             "standby's HOST:PORT,HOST:PORT that node 1's --store-file holds"
         )
-    if args.rejoin and args.node_rank == 0 and args.store_mode != "replicated":
+    if args.rejoin and args.node_rank == 0 and args.store_mode == "single":
         raise RecoveryConfigError(
             "--rejoin --node-rank=0: node 0 hosts the store in --store-mode single, so it "
             "cannot be lost and come back; run every node with --store-mode replicated"
         )
-    if args.node_rank > 0 and not args.store:
+    if args.node_rank > 0 and not args.store and args.store_mode != "etcd":
         raise RecoveryConfigError(
             f"--node-rank={args.node_rank} needs --store HOST:PORT (node 0's store)"
         )
-    if args.node_rank == 0 and args.store and not args.rejoin:
+    if args.node_rank == 0 and args.store and not args.rejoin and args.store_mode != "etcd":
         raise RecoveryConfigError(
             f"--store {args.store} with --node-rank 0: node 0 hosts the store (--store-host, "
             "--store-port); drop --store, or pass the node rank of this node"
@@ -271,6 +285,36 @@ def validate(args: argparse.Namespace) -> RecoveryConfig:
         join_margin_iterations=args.join_margin,
         records_file=os.path.abspath(args.records) if args.records else None,
     ).validate()
+
+
+def _etcd_endpoints(args: argparse.Namespace) -> List[str]:
+    """``--etcd`` as a list of ``HOST:PORT`` (empty without etcd mode); one line naming the
+    flag, the value and the fix when it is missing or malformed."""
+    if args.store_mode != "etcd":
+        if args.etcd:
+            raise RecoveryConfigError(
+                f"--etcd {args.etcd} is only used with --store-mode etcd; add --store-mode "
+                "etcd, or drop --etcd"
+            )
+        return []
+    if not args.etcd:
+        raise RecoveryConfigError(
+            "--store-mode etcd needs --etcd HOST:PORT,... (the client endpoints of every etcd "
+            "member, e.g. three); pass them, or use --store-mode single"
+        )
+    endpoints = [e.strip().removeprefix("http://") for e in args.etcd.split(",") if e.strip()]
+    for e in endpoints:
+        host, _, port = e.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise RecoveryConfigError(
+                f"--etcd {args.etcd}: '{e}' is not HOST:PORT; pass every etcd member's client "
+                "address, comma-separated (e.g. --etcd n1:2379,n2:2379,n3:2379)"
+            )
+    if len(set(endpoints)) != len(endpoints):
+        raise RecoveryConfigError(
+            f"--etcd {args.etcd}: an endpoint is listed twice; list each etcd member once"
+        )
+    return endpoints
 
 
 def _check_port_free(host: str, port: int) -> None:

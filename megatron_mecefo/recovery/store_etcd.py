@@ -1,0 +1,381 @@
+"""The membership store in ``--store-mode etcd``: a TCPStore on the leader's node for the hot
+path, the state that must outlive the leader on etcd first, and a client that follows the
+leader to the next node.
+
+The store address the ranks and supervisors get is ``etcd://H:P,H:P,H:P/<prefix>?ttl=<s>``.
+:class:`EtcdStore` reads ``<prefix>/hot_store`` (the ``HOST:PORT`` of the TCPStore the
+leader serves) from etcd and talks to it. Writes of the durable keys (:data:`DURABLE_KEYS`,
+:data:`DURABLE_PREFIXES`: deaths, incarnations, the layout, the committed and logged
+iteration, records, the fatal message, ...) go to ``<prefix>/kv/<key>`` on etcd first, in a
+transaction that requires ``hot_store`` to still name this client's store: a client of a
+deposed leader's store changes nothing on etcd. A generation goes to etcd through
+:meth:`~.etcd_control.EtcdControl.publish_generation` (fenced on the leader's term, ``gen``
+== n - 1). The commit vote's outcome is claimed on etcd (create-if-absent), so the members
+that regroup after a failover apply or abort a cut-off step together.
+
+A store call that fails (the server's sockets closed) or gets no answer within the lease TTL
+(a hung node) looks ``hot_store`` up again and waits until a new leader has published
+another address; it then repeats the call there, or raises
+:class:`~.store_failover.StoreFailedOver` to a caller that must know (the commit vote), as
+the replicated mode's :class:`~.store_failover.FailoverStore` does. The new leader
+(:mod:`.store_host`) fences ``hot_store`` first, restores the state from etcd into its own
+TCPStore (:func:`restore`), declares the old leader's ranks dead, and then publishes its
+address.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Tuple
+from urllib.parse import parse_qs
+
+from megatron_mecefo.recovery.store_failover import StoreFailedOver, tcp_client
+
+SCHEME = "etcd://"
+HOT_STORE = "hot_store"
+"""etcd key: the ``HOST:PORT`` of the leader's TCPStore ("" while a takeover restores)."""
+LEADER_NODE = "leader_node"
+"""etcd key: the node whose supervisor leads (its ranks are declared dead at a takeover)."""
+
+DURABLE_KEYS = (
+    "layout", "world_size", "progress", "logged", "done", "fatal", "stopping", "rdzv",
+)  # fmt: skip
+DURABLE_PREFIXES = ("dead/", "inc/", "ready/", "node/", "record/", "outcome/")
+
+FAILOVER_WAIT_MIN_S = 10.0
+"""At least this long a client waits for a new leader's address after its store failed."""
+
+
+class Fenced(RuntimeError):
+    """A write of a client whose store is no longer the hot one, or of a deposed leader."""
+
+
+def is_etcd_address(address: str) -> bool:
+    return address.startswith(SCHEME)
+
+
+def etcd_address(endpoints: List[str], prefix: str, ttl_s: float) -> str:
+    """``etcd://H:P,H:P/<prefix>?ttl=<s>``: what the ranks and the other supervisors get."""
+    return f"{SCHEME}{','.join(endpoints)}/{prefix.strip('/')}?ttl={ttl_s:g}"
+
+
+def parse_etcd_address(address: str) -> Tuple[List[str], str, float]:
+    """(endpoints, prefix, lease TTL in s) of an ``etcd://`` address."""
+    rest = address[len(SCHEME) :]
+    rest, _, query = rest.partition("?")
+    endpoints, _, prefix = rest.partition("/")
+    ttl = float(parse_qs(query).get("ttl", ["10"])[0])
+    return [e for e in endpoints.split(",") if e], "/" + prefix.strip("/"), ttl
+
+
+def durable(key: str) -> bool:
+    return key in DURABLE_KEYS or key.startswith(DURABLE_PREFIXES)
+
+
+_CONTROLS: Dict[str, Any] = {}
+_CONTROLS_LOCK = threading.Lock()
+
+
+def control_for(address: str) -> Any:
+    """This process's :class:`~.etcd_control.EtcdControl` for ``address`` (one connection per
+    process; the leader's supervisor registers its own, which holds the term)."""
+    from megatron_mecefo.recovery.etcd_control import EtcdControl
+
+    with _CONTROLS_LOCK:
+        if address not in _CONTROLS:
+            endpoints, prefix, ttl = parse_etcd_address(address)
+            _CONTROLS[address] = EtcdControl(endpoints, prefix, ttl)
+        return _CONTROLS[address]
+
+
+def register_control(address: str, control: Any) -> None:
+    with _CONTROLS_LOCK:
+        _CONTROLS[address] = control
+
+
+WATCH_INTERVAL_S = 0.25
+"""How often each process reads ``hot_store`` (a TCPStore client blocked on a hung server
+does not return at its timeout: it is released by shutting its socket down)."""
+
+_WATCHES: Dict[str, threading.Thread] = {}
+
+
+def _watch_hot_store(address: str, control: Any) -> None:
+    """Once per process and etcd address: a thread that, when ``hot_store`` moves away from
+    an address, shuts down this process's sockets to it, so that a call blocked on a hung
+    leader's store fails now (and its client follows the new leader)."""
+    with _CONTROLS_LOCK:
+        if address in _WATCHES:
+            return
+        thread = threading.Thread(
+            target=_watch, args=(control,), name="mecefo-hot-store-watch", daemon=True
+        )
+        _WATCHES[address] = thread
+    thread.start()
+
+
+def _watch(control: Any) -> None:
+    last: Optional[str] = None
+    while True:
+        try:
+            now = hot_store(control)
+        except Exception:  # noqa: BLE001 (etcd without quorum: the supervisors end the job)
+            time.sleep(WATCH_INTERVAL_S)
+            continue
+        if last and now != last:
+            shutdown_store_sockets(last)
+        last = now or None
+        time.sleep(WATCH_INTERVAL_S)
+
+
+def shutdown_store_sockets(address: str) -> int:
+    """Shut down this process's TCP sockets whose peer is the store at ``address``; returns
+    how many (their calls fail with a network error; the descriptors stay their owners')."""
+    import socket
+
+    from megatron_mecefo.recovery.abort import _normalized_ip, _socket_inodes, store_endpoints
+
+    endpoints = store_endpoints([address])
+    shut = 0
+    for _, fd in _socket_inodes().items():
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                peer = sock.getpeername()
+                if (_normalized_ip(str(peer[0])), int(peer[1])) in endpoints:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    shut += 1
+        except OSError:
+            pass  # a listener, or closed meanwhile
+        finally:
+            sock.detach()
+    return shut
+
+
+def hot_store(control: Any) -> str:
+    kv, _ = control.conn.get(control.key(HOT_STORE))
+    return kv.value.decode() if kv is not None else ""
+
+
+class EtcdStore:
+    """The subset of ``torch.distributed.Store`` this package uses, over the leader's
+    TCPStore found through etcd (see the module docstring).
+
+    Args:
+        address: The ``etcd://`` address.
+        timeout_s: How long the first connect (and a failover) may wait for a leader.
+        raise_on_failover: Raise :class:`StoreFailedOver` instead of repeating the call.
+        pinned: The leader's own client (its coordinator): talk to this ``HOST:PORT``, fence
+            durable writes on the leader's term, and never follow another leader (a deposed
+            coordinator's calls fail).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        raise_on_failover: bool = False,
+        pinned: Optional[str] = None,
+    ) -> None:
+        self.etcd_address = address
+        self.control = control_for(address)
+        self.ttl_s = parse_etcd_address(address)[2]
+        self.timeout_s = timeout_s
+        # The hot path is bounded by the lease TTL: a hung leader's store answers nothing,
+        # and a new leader is elected after the TTL.
+        self.call_timeout_s = min(timeout_s, max(self.ttl_s, 2.0))
+        self.raise_on_failover = raise_on_failover
+        self.pinned = pinned
+        self._lock = threading.Lock()
+        self.address = ""
+        self._client: Any = None
+        if pinned is not None:
+            self.address, self._client = pinned, self._connect(pinned, timeout_s)
+        else:
+            self.address, self._client = self._follow("", time.monotonic() + timeout_s)
+            _watch_hot_store(address, self.control)
+
+    @property
+    def failed_over(self) -> bool:
+        return False
+
+    def _connect(self, address: str, timeout_s: float) -> Any:
+        client = tcp_client(address, min(timeout_s, 5.0))
+        client.set_timeout(timedelta(seconds=self.call_timeout_s))
+        return client
+
+    def _follow(self, old: str, deadline: float) -> Tuple[str, Any]:
+        """The current hot store other than ``old`` and a client of it, once one answers."""
+        from torch.distributed import DistError
+
+        error = "no leader has published its store"
+        while True:
+            address = hot_store(self.control)
+            if address and address != old:
+                try:
+                    return address, self._connect(address, self.call_timeout_s)
+                except DistError as err:
+                    error = f"{address}: {str(err).splitlines()[0][:200]}"
+            if time.monotonic() > deadline:
+                raise StoreFailedOver(
+                    f"etcd mode: no membership store to fail over to ({error}); "
+                    f"hot_store={address!r}"
+                )
+            time.sleep(0.05)
+
+    def _switch(self, failed: Any) -> None:
+        """Follow the leader to its new store (or raise the fence for a pinned client)."""
+        with self._lock:
+            if self._client is not failed:
+                return  # another thread of this process switched already
+            if self.pinned is not None:
+                raise Fenced(f"etcd mode: the leader's store at {self.pinned} is no longer used")
+            wait = max(FAILOVER_WAIT_MIN_S, 3 * self.ttl_s)
+            self.address, self._client = self._follow(self.address, time.monotonic() + wait)
+
+    def _call(self, name: str, *args: Any) -> Any:
+        from torch.distributed import DistError, DistNetworkError, DistStoreError
+
+        while True:
+            client, address = self._client, self.address
+            try:
+                return getattr(client, name)(*args)
+            except DistError as err:
+                timed_out = isinstance(err, DistStoreError) and not isinstance(
+                    err, DistNetworkError
+                )
+                if name == "wait" and timed_out:
+                    raise  # a wait's own timeout: no failure
+                try:
+                    self._switch(client)
+                except StoreFailedOver:
+                    raise err from None  # nobody took over: the store's own error
+                if self.raise_on_failover:
+                    raise StoreFailedOver(
+                        f"the membership store at {address} was lost; now at {self.address}"
+                    ) from None
+
+    # ------------------------------------------------------------------ etcd first
+    def _etcd_write(self, key: str, value: str, create: bool = False) -> Optional[str]:
+        """Write ``<prefix>/kv/<key>`` (``create``: only if absent; returns what stands),
+        fenced: on hot_store naming this client's store (or the leader's term, pinned)."""
+        from megatron_mecefo.recovery.etcd_control import Fenced as TermFenced
+        from megatron_mecefo.recovery.etcd_transport import (
+            cmp_value,
+            cmp_version,
+            op_get,
+            op_put,
+            txn_kv,
+        )
+
+        c = self.control
+        k = c.key(f"kv/{key}")
+        own = [cmp_version(k, 0)] if create else []
+        while True:
+            client = self._client
+            if self.pinned is not None:
+                try:
+                    r = c._fenced_txn(f"write {key}", own, [op_put(k, value)], [op_get(k)])
+                except TermFenced as err:
+                    raise Fenced(str(err)) from None
+                if r.succeeded:
+                    return value
+                kv = txn_kv(r, 1)
+                return kv.value.decode() if kv is not None else None
+            hot = c.key(HOT_STORE)
+            r = c.conn.txn(
+                f"write {key}",
+                [cmp_value(hot, self.address)] + own,
+                [op_put(k, value)],
+                [op_get(hot), op_get(k)],
+            )
+            if r.succeeded:
+                return value
+            now = txn_kv(r, 0)
+            if now is not None and now.value.decode() == self.address:
+                kv = txn_kv(r, 1)  # hot_store stands: the key existed (create)
+                return kv.value.decode() if kv is not None else None
+            self._switch(client)  # our store is not the hot one any more
+            if self.raise_on_failover:
+                raise StoreFailedOver(f"the membership store moved to {self.address}")
+
+    def _publish_generation(self, key: str, value: Any) -> None:
+        number = int(key.split("/", 1)[1])
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        from megatron_mecefo.recovery.etcd_control import ControlError
+
+        try:
+            self.control.publish_generation(number, text)
+        except ControlError as err:
+            raise Fenced(str(err)) from None
+
+    # ------------------------------------------------------------------ Store methods
+    def on_standby(self, name: str, *args: Any) -> Any:
+        """The replicated mode's hook: the commit's outcome claim goes to etcd; the durable
+        ``set`` is done by :meth:`set` itself; outcomes stay on etcd (no delete)."""
+        if name == "compare_set":
+            return self.compare_set(*args)
+        return None
+
+    def set(self, key: str, value: Any) -> None:
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        if key.startswith("gen/"):
+            if self.pinned is not None:
+                self._publish_generation(key, text)
+        elif durable(key):
+            self._etcd_write(key, text)
+        self._call("set", key, value)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        if key.startswith("outcome/") and expected == "":
+            won = self._etcd_write(key, desired, create=True)
+            self._call("set", key, won or desired)
+            return (won or desired).encode()
+        return self._call("compare_set", key, expected, desired)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
+
+    def check(self, keys: List[str]) -> bool:
+        return self._call("check", keys)
+
+    def wait(self, keys: List[str], timeout: Optional[timedelta] = None) -> None:
+        if timeout is None:
+            self._call("wait", keys)
+        else:
+            self._call("wait", keys, timeout)
+
+    def multi_get(self, keys: List[str]) -> List[bytes]:
+        return self._call("multi_get", keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", key)
+
+    def num_keys(self) -> int:
+        return self._call("num_keys")
+
+
+def restore(control: Any, store: Any) -> int:
+    """Copy the durable state from etcd into a new leader's TCPStore ``store``: every
+    ``kv/`` key and every generation. Returns the current generation (-1: none)."""
+    base = control.key("kv/")
+    r = control.conn.range(base, prefix=True)
+    for kv in r.kvs:
+        store.set(kv.key[len(base) :].decode(), kv.value)
+    number = control.generation()
+    if number is None:
+        return -1
+    for n in range(number + 1):
+        text = control.generation_info(n)
+        if text is not None:
+            store.set(f"gen/{n}", text)
+    store.set("gen", str(number))
+    return number

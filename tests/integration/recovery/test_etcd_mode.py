@@ -1,0 +1,233 @@
+"""``--store-mode etcd``: the supervisors elect a leader on a real 3-member etcd; the leader
+serves the hot store and coordinates. Its node SIGKILLed, SIGSTOPped, lost twice; etcd members
+killed. Real processes and real signals; each test starts its own etcd cluster and ends every
+process by PID in ``finally`` (``Job.stop``, ``EtcdCluster.stop``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Iterator, List
+
+import pytest
+from etcd_cluster import EtcdCluster, running_cluster
+from harness import (
+    SMALL_MODEL,
+    Job,
+    check_every_sample_once,
+    max_param_diff,
+    run_torchrun,
+    train_records,
+)
+
+PARAM_ATOL = 2e-5  # as test_node0_loss: fp32 reassociation over the survivors' all-reduce
+
+
+@pytest.fixture()
+def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
+    yield from running_cluster(tmp_path / "etcd")
+
+
+@pytest.fixture(autouse=True)
+def _data(text_data: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MECEFO_TEST_DATA", text_data)
+
+
+def _layout(iters: int, gbs: int) -> List[str]:
+    return SMALL_MODEL + [
+        "--global-batch-size", str(gbs), "--train-iters", str(iters), "--mecefo",
+        "--data-path", os.environ["MECEFO_TEST_DATA"],
+        "--check-weight-hash-across-dp-replicas-interval", "1",
+    ]  # fmt: skip
+
+
+def _etcd_args(etcd: EtcdCluster, *extra: str) -> List[str]:
+    return ["--store-mode", "etcd", "--etcd", ",".join(etcd.endpoints), *extra]
+
+
+def _node_pids(job: Job, node: int) -> List[int]:
+    """The live ranks of node ``node`` (standbys have negative slots)."""
+    slots = range(node * job.nproc, (node + 1) * job.nproc)
+    return [pid for (slot, _), pid in job.rank_pids().items() if slot in slots]
+
+
+def _signal_node(job: Job, node: int, sig: int, proc_index: int | None = None) -> None:
+    """``sig`` to node ``node``'s supervisor (its process group) and to its ranks."""
+    index = node if proc_index is None else proc_index
+    os.killpg(job.procs[index].pid, sig)
+    for pid in _node_pids(job, node):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _simulated(tmp_path: Path, args: List[str], lost: List[int], at: int) -> dict:
+    fails = [x for s in lost for x in ("--mecefo-fail", f"{s}:{at}")]
+    return run_torchrun(tmp_path / "sim", 4, args + fails)
+
+
+def test_leader_node_sigkilled_matches_simulated(tmp_path: Path, etcd: EtcdCluster) -> None:
+    """DP4 on two nodes (2 ranks each). The leader's node (node 0: its supervisor, hot store,
+    coordinator and ranks) is SIGKILLed mid-run: node 1 wins the next term, serves a store
+    restored from etcd, and training goes on; every sample once, and the final parameters
+    equal the simulated run that drops replicas 0 and 1 there."""
+    iters, gbs = 40, 16
+    args = _layout(iters, gbs) + ["--optimizer", "sgd", "--lr", "0.05"]
+    job = Job(tmp_path / "real", 2, args, nnodes=2, supervisor_args=_etcd_args(etcd),
+              MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
+    try:
+        job.start()
+        job.wait_for("iteration        6/")
+        _signal_node(job, 0, signal.SIGKILL)
+        rc = job.wait(timeout=300)
+    finally:
+        job.stop()
+    log = job.log()
+    assert rc == [-9, 0], (rc, log[-5000:])
+    assert "this node takes over with a membership store" in log, log[-5000:]
+    check_every_sample_once(train_records(job.metrics), iters, gbs, 4)
+    assert all(c["identical"] for c in job.records_of("dp_weight_check"))
+    (failure,) = [r for r in job.records_of("recovery") if r["ranks_lost"]]
+    assert sorted(failure["ranks_lost"]) == [0, 1] and sorted(failure["replicas"]) == [2, 3]
+    real = job.params()
+    assert sorted(real) == [2, 3]
+    diff = max_param_diff(real, _simulated(tmp_path, args, [0, 1], failure["iteration"]))
+    print(f"leader lost at iteration {failure['iteration']}: max |param diff| = {diff:.2e}")
+    assert diff <= PARAM_ATOL
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _train_iterations(job: Job) -> List[int]:
+    return [r["iteration"] for r in job.records_of("train")]
+
+
+def test_leader_node_sigstopped_is_fenced_and_exits(tmp_path: Path, etcd: EtcdCluster) -> None:
+    """The leader's node (supervisor and ranks) SIGSTOPped, as a hung machine: its sockets
+    stay open. Node 1 goes on within the heartbeat timeout + 3 s. After SIGCONT, node 0's
+    supervisor finds its lease gone, kills its ranks and exits with one line, having written
+    nothing: no train record of an iteration twice, no checkpoint (dump) of its slots."""
+    hb = 4.0
+    iters, gbs = 80, 16
+    args = _layout(iters, gbs) + ["--optimizer", "sgd", "--lr", "0.05"]
+    job = Job(tmp_path, 2, args, nnodes=2,
+              supervisor_args=_etcd_args(etcd, "--heartbeat-timeout", str(hb)),
+              MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
+    try:
+        job.start()
+        job.wait_for("iteration        6/")
+        stopped = _node_pids(job, 0)
+        _signal_node(job, 0, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        at_stop = max(_train_iterations(job), default=0)
+        while max(_train_iterations(job), default=0) < at_stop + 2:
+            assert time.monotonic() - t_stop < 120, job.log()[-4000:]
+            assert job.procs[1].poll() is None, job.log()[-4000:]
+            time.sleep(0.05)
+        went_on_s = time.monotonic() - t_stop
+        print(f"SIGSTOP of the leader's node: training went on after {went_on_s:.2f} s")
+        time.sleep(2.0)  # a few more iterations on node 1 before node 0 wakes up
+        _signal_node(job, 0, signal.SIGCONT)
+        job.procs[0].wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in stopped) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in stopped if _alive(p)]
+        rc = job.wait(timeout=300)
+    finally:
+        job.stop()
+    log = job.log()
+    node0 = [line for line in job.logs[0].read_text().splitlines() if "[supervisor node 0]" in line]
+    assert rc[0] == 1 and rc[1] == 0, (rc, log[-5000:])
+    assert "lease" in node0[-1] and "exiting" in node0[-1], node0
+    assert not left, f"ranks of the stopped node still alive after SIGCONT: {left}"
+    assert went_on_s <= hb + 3.0, f"went on after {went_on_s:.2f} s (heartbeat timeout {hb})"
+    its = _train_iterations(job)
+    assert len(its) == len(set(its)) == iters, its
+    check_every_sample_once(train_records(job.metrics), iters, gbs, 4)
+    assert sorted(int(p.stem[4:]) for p in job.dump.glob("slot*.pt")) == [2, 3]
+
+
+def test_etcd_members_killed(tmp_path: Path, etcd: EtcdCluster) -> None:
+    """One etcd member (etcd's raft leader) SIGKILLed mid-run: no effect, the job ends
+    normally. A second one killed (no quorum): every supervisor ends with one line naming
+    etcd within a bound of the TTL, no hang."""
+    hb = 4.0
+    iters, gbs = 200, 16
+    job = Job(tmp_path, 2, _layout(iters, gbs), nnodes=2,
+              supervisor_args=_etcd_args(etcd, "--heartbeat-timeout", str(hb)),
+              MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
+    try:
+        job.start()
+        job.wait_for("iteration        4/")
+        first = etcd.leader()
+        etcd.signal(first, signal.SIGKILL)
+        job.wait_for("iteration       30/")
+        assert all(p.poll() is None for p in job.procs), job.log()[-4000:]
+        second = next(i for i in range(3) if i != first)
+        etcd.signal(second, signal.SIGKILL)
+        t_kill = time.monotonic()
+        rc = job.wait(timeout=3 * hb + 30)
+        ended_s = time.monotonic() - t_kill
+    finally:
+        job.stop()
+    log = job.log()
+    print(f"etcd quorum lost: every supervisor ended after {ended_s:.1f} s")
+    assert rc == [1, 1], (rc, log[-5000:])
+    assert max(_train_iterations(job)) < iters
+    for node in (0, 1):
+        lines = [x for x in job.logs[node].read_text().splitlines() if "[supervisor node" in x]
+        assert "etcd" in lines[-1] and "exiting" in lines[-1], lines[-3:]
+    assert ended_s <= 3 * hb + 20, ended_s
+
+
+def test_leader_lost_twice_with_a_rejoin(tmp_path: Path, etcd: EtcdCluster) -> None:
+    """DP3 on three nodes (1 rank each). The leader (node 0) is SIGKILLed; another node wins
+    the next term. A new node 0 rejoins (``--rejoin``, through etcd) and is healed. Then the
+    second leader's node is SIGKILLed too: the third term's leader goes on; every sample once,
+    the survivors' replicas identical."""
+    iters, gbs = 150, 12
+    job = Job(tmp_path, 1, _layout(iters, gbs), nnodes=3, supervisor_args=_etcd_args(etcd),
+              MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
+    try:
+        job.start()
+        job.wait_for("iteration        5/")
+        _signal_node(job, 0, signal.SIGKILL)
+        job.wait_for("this node takes over")
+        second = int(job.log().split("] leader node 0 lost")[0].rsplit("[supervisor node ", 1)[1])
+        job.start_node(0, rejoin=True)
+        job.wait_for("healed; parameters and optimizer state identical")
+        healed_at = max(_train_iterations(job), default=0)
+        deadline = time.monotonic() + 120
+        while max(_train_iterations(job), default=0) < healed_at + 5:  # the rejoin's record
+            assert time.monotonic() < deadline, job.log()[-4000:]
+            time.sleep(0.1)
+        _signal_node(job, second, signal.SIGKILL)
+        rc = job.wait(timeout=400)
+    finally:
+        job.stop()
+    log = job.log()
+    expect = [-9, 0, 0, 0]
+    expect[second] = -9
+    assert rc == expect, (rc, log[-5000:])
+    assert log.count("this node takes over") == 2, log[-5000:]
+    assert f"leader node {second} lost" in log
+    check_every_sample_once(train_records(job.metrics), iters, gbs, 3)
+    kinds = [(r["kind"], r["ranks_lost"], r["ranks_joined"]) for r in job.records_of("recovery")]
+    assert kinds[0][:2] == ("failure", [0]), kinds
+    assert any(joined == [0] for _, _, joined in kinds), kinds
+    assert any(k == "failure" and lost == [second] for k, lost, _ in kinds), kinds
+    params = job.params()
+    third = 3 - second  # the node neither lost
+    assert sorted(params) == sorted([0, third])
+    assert max_param_diff({0: params[0]}, {0: params[third]}) == 0.0
