@@ -163,3 +163,42 @@ def test_abort_after_the_node_voted_learns_the_outcome(store: str, sockdir: str)
     assert clients[0].abort(0, 1, 0, sorted(clients)) is True
     for s in servers:
         s.close()
+
+
+def test_node_dying_after_its_vote_leaves_the_commit(store: str, sockdir: str) -> None:
+    """Node 1's server casts its node's vote and is SIGKILLed while it waits for node 0's:
+    when node 0's last rank votes, the count is complete and nodes 0 and 2 commit; node 1's
+    ranks raise :class:`NodeVoteLost` (they do not apply the step): no rank sees ABORT while
+    another sees COMMIT."""
+    ms = MembershipStore.connect(store)
+    members = {s: 0 for s in range(3 * RANKS)}
+    ms.publish(Generation(number=0, replicas=(), members=members))
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_serve_node, args=(f"{sockdir}/n1", store, 1, ready), daemon=True)
+    proc.start()
+    try:
+        assert ready.wait(120), "node 1's server did not start"
+        servers = [
+            NodeVoteServer(f"{sockdir}/n{n}", store, node=n, poll_interval_s=0.005) for n in (0, 2)
+        ]
+        clients = {s: NodeVoteClient(f"{sockdir}/n{node_of(s)}", node_of) for s in members}
+        futures = _vote_all(clients, 1, skip=(1,))  # slot 1 (node 0) is slow
+        deadline = time.monotonic() + 30
+        while int(ms.store.add("votes/0/1", 0)) < 2:  # nodes 1 and 2 have cast
+            assert time.monotonic() < deadline, "nodes 1 and 2 did not cast"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        for s in (2, 3):
+            with pytest.raises(NodeVoteLost):
+                futures[s].result(timeout=30)
+        futures[1] = clients[1].start(0, 1, 1, sorted(members))
+        outcomes = {s: futures[s].result(timeout=30)[0] for s in (0, 1, 4, 5)}
+        assert outcomes == {0: True, 1: True, 4: True, 5: True}
+        for s in servers:
+            s.close()
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
