@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 sys.path.insert(0, str(REPO))
 
-POLL_S = 0.01  # RecoveryConfig's default: waits in slices of 0.1 s
+POLL_S = float(os.environ.get("COMMIT_AT_SCALE_POLL_S", 0.01))  # RecoveryConfig's default
 
 # The store server looks up each accepted client's name (getnameinfo of ::ffff:127.0.0.1 goes to
 # DNS here); with the resolver's 5 s timeout, a dropped query stalled every ~10th of the 2,048
@@ -265,8 +265,15 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=50)
     p.add_argument("--rank-counts", default="512,1024,2048", help="per-rank runs (voters)")
     p.add_argument("--skip-etcd", action="store_true")
+    p.add_argument("--skip-node", action="store_true", help="no node run without etcd")
+    p.add_argument(
+        "--poll-interval", type=float, default=POLL_S, help="commit.vote's (waits: 10x it)"
+    )
     p.add_argument("--output", default=str(REPO / "results" / "commit_at_scale.json"))
     a = p.parse_args()
+    global POLL_S
+    POLL_S = a.poll_interval
+    os.environ["COMMIT_AT_SCALE_POLL_S"] = str(a.poll_interval)  # the spawned voters read it
     # SIGTERM (a timeout) unwinds through the finally blocks, which end the children by PID.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ctx = mp.get_context("spawn")
@@ -288,7 +295,7 @@ def main() -> None:
             "ranks": a.nodes * a.ranks_per_node,
             "voter_processes": a.procs,
             "iterations": a.iterations,
-            "poll_interval_s": POLL_S,
+            "poll_interval_s": a.poll_interval,
             "store": "one TCPStore in its own process; voters: threads, a client each",
         },
         "runs": [],
@@ -301,13 +308,14 @@ def main() -> None:
             r = run(address, host.pid, "per_rank", n, a.procs, a.iterations, gen, 0, None)
             result["runs"].append(r)
             print(json.dumps(r), flush=True)
-        gen += 1
-        r = run(
-            address, host.pid, "node", a.nodes, a.procs, a.iterations, gen, a.ranks_per_node,
-            None,
-        )  # fmt: skip
-        result["runs"].append(r)
-        print(json.dumps(r), flush=True)
+        if not a.skip_node:
+            gen += 1
+            r = run(
+                address, host.pid, "node", a.nodes, a.procs, a.iterations, gen,
+                a.ranks_per_node, None,
+            )  # fmt: skip
+            result["runs"].append(r)
+            print(json.dumps(r), flush=True)
         if not a.skip_etcd:
             from etcd_cluster import EtcdCluster, etcd_missing_reason
 
