@@ -43,10 +43,8 @@ def test_commit_claims_the_outcome_on_etcd_and_a_prior_abort_claim_wins(
         ]
         clients = [NodeVoteClient(f"{d}/n{s}", lambda slot: slot) for s in (0, 1)]
         try:
-            outcomes = [
-                c.start(0, 1, s, [0, 1]).result(timeout=60)[0] for s, c in enumerate(clients)
-            ]
-            assert outcomes == [True, True]
+            futures = [c.start(0, 1, s, [0, 1]) for s, c in enumerate(clients)]
+            assert [f.result(timeout=60)[0] for f in futures] == [True, True]
             assert ctl.claim_outcome(0, 1, "abort") == "commit"
             assert ctl.claim_outcome(0, 2, "abort") == "abort"
             futures = [c.start(0, 2, s, [0, 1]) for s, c in enumerate(clients)]
