@@ -258,6 +258,7 @@ def run(
 
 
 def main() -> None:
+    global POLL_S
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=2048)
     p.add_argument("--ranks-per-node", type=int, default=8)
@@ -271,7 +272,6 @@ def main() -> None:
     )
     p.add_argument("--output", default=str(REPO / "results" / "commit_at_scale.json"))
     a = p.parse_args()
-    global POLL_S
     POLL_S = a.poll_interval
     os.environ["COMMIT_AT_SCALE_POLL_S"] = str(a.poll_interval)  # the spawned voters read it
     # SIGTERM (a timeout) unwinds through the finally blocks, which end the children by PID.
