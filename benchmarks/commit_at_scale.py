@@ -1,0 +1,374 @@
+"""The commit vote at 2,048 nodes: per-rank votes against node-level votes (issue 43, item 9).
+
+One ``TCPStore`` (a child process) serves every vote. Voters are threads, each with a store
+client of its own, in a few processes (``--procs``); each runs :func:`.commit.vote` (the real
+protocol: ``add``, then a wait for the commit key; the last voter ``set``s it) once per
+iteration, all released together by a barrier. Runs:
+
+* ``per_rank``: today's protocol, one voter per rank, at ``--rank-counts`` voters (16,384 ranks
+  do not fit one 2-core machine as threads; the server's CPU per vote gives the extrapolation);
+* ``node``: one voter per node (``--nodes``): the store sees what the node-level vote
+  (:mod:`.node_vote`) casts; one of the nodes is a real :class:`.node_vote.NodeVoteServer`
+  with ``--ranks-per-node`` real :class:`.node_vote.NodeVoteClient` ranks (Unix socket), so
+  the local gather is in the measured path;
+* ``node_etcd``: the same, and the commit claims its outcome on a real 3-member etcd
+  (``scripts/etcd_cluster.sh``) with :meth:`.etcd_control.EtcdControl.claim_outcome`, once per
+  iteration (:class:`.node_vote.EtcdClaimedMembership`).
+
+Per iteration: the time from the first voter's start to the last voter knowing the outcome
+(every voter, including the real node's ranks), p50 and p99; and the store server's CPU
+seconds per iteration (its cost on a real cluster, where the voters are elsewhere). On this
+machine voters and server share 2 cores, so the wall times include the emulation's own load.
+Writes JSON and one summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
+sys.path.insert(0, str(REPO))
+
+POLL_S = float(os.environ.get("COMMIT_AT_SCALE_POLL_S", 0.01))  # RecoveryConfig's default
+
+# The store server looks up each accepted client's name (getnameinfo of ::ffff:127.0.0.1 goes to
+# DNS here); with the resolver's 5 s timeout, a dropped query stalled every ~10th of the 2,048
+# connections by 5 s. Set before the spawned processes start: they inherit it.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _host(port_out: Any, stop: Any) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    port_out.put(store.port)
+    stop.wait()
+
+
+class _LockedControl:
+    """One process's etcd client, shared by its voter threads (one claim at a time)."""
+
+    def __init__(self, endpoints: List[str], prefix: str) -> None:
+        from megatron_mecefo.recovery.etcd_control import EtcdControl
+
+        self.ctl = EtcdControl(endpoints, prefix, ttl_s=5)
+        self.lock = threading.Lock()
+        self.claim_s: List[float] = []
+
+    def claim_outcome(self, g: int, i: int, outcome: str) -> str:
+        with self.lock:
+            t0 = time.perf_counter()
+            try:
+                return self.ctl.claim_outcome(g, i, outcome)
+            finally:
+                self.claim_s.append(time.perf_counter() - t0)
+
+
+class _Counted:
+    """A store client that counts its requests (what the server serves, polls included)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.ops = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.ops += 1
+            return call(*args, **kwargs)
+
+        return counted
+
+
+def _membership(address: str, control: Optional[_LockedControl]) -> Any:
+    from megatron_mecefo.recovery.membership import MembershipStore
+    from megatron_mecefo.recovery.node_vote import EtcdClaimedMembership
+    from megatron_mecefo.recovery.store_failover import tcp_client
+
+    store = _Counted(tcp_client(address, 60.0))
+    if control is None:
+        return MembershipStore(store, address)
+    return EtcdClaimedMembership(store, control, address)
+
+
+def _voters(
+    address: str,
+    clients: int,
+    voters: int,
+    generation: int,
+    iterations: int,
+    etcd: Optional[Dict[str, Any]],
+    barrier: Any,
+    out: Any,
+) -> None:
+    """A process of ``clients`` voter threads; puts, per iteration, (first start, last end,
+    every outcome commit)."""
+    from megatron_mecefo.recovery.commit import forget, vote
+
+    control = _LockedControl(**etcd) if etcd else None
+    stores = [_membership(address, control) for _ in range(clients)]
+    go = threading.Barrier(clients + 1)
+    done = threading.Barrier(clients + 1)
+    rows: List[List[Any]] = [[0.0, 0.0, True] for _ in range(clients)]
+
+    def voter(k: int) -> None:
+        ms = stores[k]
+        for it in range(1, iterations + 1):
+            go.wait()
+            outcome: Dict[str, bool] = {"last": False}
+            t0 = time.monotonic()
+            ok = vote(ms, generation, it, k, range(voters), POLL_S, outcome)
+            rows[k] = [t0, time.monotonic(), ok]
+            if outcome["last"]:  # as AsyncVoter does, after the result
+                forget(ms, generation, it - 1)
+            done.wait()
+
+    threads = [threading.Thread(target=voter, args=(k,), daemon=True) for k in range(clients)]
+    for t in threads:
+        t.start()
+    result = []
+    for _ in range(iterations):
+        barrier.wait()
+        go.wait()
+        done.wait()
+        result.append((min(r[0] for r in rows), max(r[1] for r in rows), all(r[2] for r in rows)))
+    claims = control.claim_s if control else []
+    out.put((result, sum(ms.store.ops for ms in stores), claims))
+
+
+def run(
+    address: str,
+    server_pid: int,
+    name: str,
+    voters: int,
+    procs: int,
+    iterations: int,
+    generation: int,
+    real_node_ranks: int,
+    etcd: Optional[Dict[str, Any]],
+) -> Dict[str, Any]:
+    """One configuration: ``voters`` store voters, of which one is a real node (a
+    :class:`NodeVoteServer` with ``real_node_ranks`` ranks) when ``real_node_ranks``."""
+    from megatron_mecefo.recovery.membership import Generation, MembershipStore
+    from megatron_mecefo.recovery.node_vote import NodeVoteClient, NodeVoteServer
+
+    ms = MembershipStore.connect(address)
+    ms.publish(Generation(number=generation, replicas=(), members={0: 0}))
+    emulated = voters - (1 if real_node_ranks else 0)
+    per = [emulated // procs + (1 if p < emulated % procs else 0) for p in range(procs)]
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(procs + 1), ctx.Queue()
+    workers = [
+        ctx.Process(
+            target=_voters,
+            args=(address, n, voters, generation, iterations, etcd, barrier, out),
+            daemon=True,
+        )
+        for n in per
+    ]
+    server = clients = tmp = None
+    control = _LockedControl(**etcd) if etcd and real_node_ranks else None
+    try:
+        for w in workers:
+            w.start()
+        if real_node_ranks:
+            tmp = tempfile.TemporaryDirectory(prefix="nvb")
+            server = NodeVoteServer(
+                f"{tmp.name}/node", address, node=0, poll_interval_s=POLL_S,
+                membership=lambda: _membership(address, control),
+            )  # fmt: skip
+            ranks = range(real_node_ranks)
+            # Every emulated voter is a node of its own: slots past the real node's ranks.
+            members = list(ranks) + [real_node_ranks + k for k in range(voters - 1)]
+            node_of = lambda s: 0 if s < real_node_ranks else s  # noqa: E731
+            clients = [NodeVoteClient(f"{tmp.name}/node", node_of) for _ in ranks]
+        spans: List[tuple] = []
+        cpu0 = None
+        for it in range(1, iterations + 1):
+            barrier.wait(timeout=600)  # every voter connected and done with it - 1
+            if cpu0 is None:
+                cpu0, t_run = _cpu_s(server_pid), time.monotonic()
+            if clients:
+                t0 = time.monotonic()
+                futures = [
+                    c.start(generation, it, s, members) for s, c in zip(ranks, clients, strict=True)
+                ]
+                results = [f.result(timeout=600) for f in futures]
+                spans.append((t0, time.monotonic(), all(r[0] for r in results)))
+        got = [out.get(timeout=600) for _ in workers]
+        per_proc = [g[0] for g in got]
+        ops = sum(g[1] for g in got)
+        claims = sorted([c for g in got for c in g[2]] + (control.claim_s if control else []))
+        cpu = _cpu_s(server_pid) - cpu0
+        wall = time.monotonic() - t_run
+    finally:
+        for w in workers:
+            w.join(10)
+            if w.is_alive():
+                w.kill()
+        if server is not None:
+            server.close()
+        if tmp is not None:
+            tmp.cleanup()
+    times, commits = [], 0
+    for it in range(iterations):
+        rows = [p[it] for p in per_proc] + ([spans[it]] if spans else [])
+        times.append(max(r[1] for r in rows) - min(r[0] for r in rows))
+        commits += all(r[2] for r in rows)
+    times.sort()
+    return {
+        "name": name,
+        "store_voters": voters,
+        "real_node_ranks": real_node_ranks,
+        "processes": procs,
+        "iterations": iterations,
+        "committed": commits,
+        "p50_ms": round(1e3 * times[len(times) // 2], 2),
+        "p99_ms": round(1e3 * times[min(len(times) - 1, int(0.99 * len(times)))], 2),
+        "max_ms": round(1e3 * times[-1], 2),
+        "server_cpu_ms_per_iteration": round(1e3 * cpu / iterations, 2),
+        # The emulated voters' requests (the real node's few are not counted): 2 per voter
+        # and 1 set when no wait slice expires; more when waits time out and poll.
+        "store_requests_per_iteration": round(ops / iterations, 1),
+        "server_requests_per_cpu_s": round(ops / cpu) if cpu > 0 else None,
+        "run_wall_s": round(wall, 1),
+        "etcd_claims_per_iteration": round(len(claims) / iterations, 2),
+        "etcd_claim_p50_ms": round(1e3 * claims[len(claims) // 2], 2) if claims else None,
+        "etcd_claim_max_ms": round(1e3 * claims[-1], 2) if claims else None,
+    }
+
+
+def main() -> None:
+    global POLL_S
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nodes", type=int, default=2048)
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--procs", type=int, default=4)
+    p.add_argument("--iterations", type=int, default=50)
+    p.add_argument("--rank-counts", default="512,1024,2048", help="per-rank runs (voters)")
+    p.add_argument("--skip-etcd", action="store_true")
+    p.add_argument("--skip-node", action="store_true", help="no node run without etcd")
+    p.add_argument(
+        "--poll-interval", type=float, default=POLL_S, help="commit.vote's (waits: 10x it)"
+    )
+    p.add_argument("--output", default=str(REPO / "results" / "commit_at_scale.json"))
+    a = p.parse_args()
+    POLL_S = a.poll_interval
+    os.environ["COMMIT_AT_SCALE_POLL_S"] = str(a.poll_interval)  # the spawned voters read it
+    # SIGTERM (a timeout) unwinds through the finally blocks, which end the children by PID.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    ctx = mp.get_context("spawn")
+    port_q, stop = ctx.Queue(), ctx.Event()
+    host = ctx.Process(target=_host, args=(port_q, stop), daemon=True)
+    host.start()
+    address = f"127.0.0.1:{port_q.get(timeout=120)}"
+    result: Dict[str, Any] = {
+        "benchmark": "commit_at_scale",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_start": os.getloadavg(),
+        },
+        "config": {
+            "nodes": a.nodes,
+            "ranks_per_node": a.ranks_per_node,
+            "ranks": a.nodes * a.ranks_per_node,
+            "voter_processes": a.procs,
+            "iterations": a.iterations,
+            "poll_interval_s": a.poll_interval,
+            "store": "one TCPStore in its own process; voters: threads, a client each",
+        },
+        "runs": [],
+    }
+    cluster = None
+    gen = 0
+    try:
+        for n in [int(x) for x in a.rank_counts.split(",") if x]:
+            gen += 1
+            r = run(address, host.pid, "per_rank", n, a.procs, a.iterations, gen, 0, None)
+            result["runs"].append(r)
+            print(json.dumps(r), flush=True)
+        if not a.skip_node:
+            gen += 1
+            r = run(
+                address, host.pid, "node", a.nodes, a.procs, a.iterations, gen,
+                a.ranks_per_node, None,
+            )  # fmt: skip
+            result["runs"].append(r)
+            print(json.dumps(r), flush=True)
+        if not a.skip_etcd:
+            from etcd_cluster import EtcdCluster, etcd_missing_reason
+
+            if etcd_missing_reason() is None:
+                cluster = EtcdCluster(Path(tempfile.mkdtemp(prefix="etcd-commit-"))).start()
+                etcd = {"endpoints": cluster.endpoints, "prefix": f"/bench/commit{os.getpid()}"}
+                gen += 1
+                r = run(
+                    address, host.pid, "node_etcd", a.nodes, a.procs, a.iterations, gen,
+                    a.ranks_per_node, etcd,
+                )  # fmt: skip
+                result["runs"].append(r)
+                print(json.dumps(r), flush=True)
+            else:
+                result["etcd_skipped"] = etcd_missing_reason()
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        stop.set()
+        host.join(10)
+        if host.is_alive():
+            host.kill()
+    per_rank = [r for r in result["runs"] if r["name"] == "per_rank"]
+    if per_rank:  # the server's CPU per vote, at the largest per-rank run
+        big = per_rank[-1]
+        per_vote_ms = big["server_cpu_ms_per_iteration"] / big["store_voters"]
+        ranks = a.nodes * a.ranks_per_node
+        result["per_rank_extrapolated"] = {
+            "ranks": ranks,
+            "server_cpu_ms_per_vote": round(per_vote_ms, 4),
+            "server_cpu_ms_per_iteration": round(per_vote_ms * ranks, 1),
+            "note": "linear in the voters: every vote is an add and a wait on one server",
+        }
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    parts = [
+        f"{r['name']}({r['store_voters']} voters) p50 {r['p50_ms']} p99 {r['p99_ms']} ms, "
+        f"server {r['server_cpu_ms_per_iteration']} ms CPU/it"
+        for r in result["runs"]
+    ]
+    if "per_rank_extrapolated" in result:
+        x = result["per_rank_extrapolated"]
+        parts.append(
+            f"per-rank at {x['ranks']} ranks: ~{x['server_cpu_ms_per_iteration']} ms CPU/it"
+        )
+    cpus = os.cpu_count()
+    result["summary"] = (
+        f"commit at scale (load {os.getloadavg()[0]:.1f}, {cpus} cores): " + "; ".join(parts)
+    )
+    Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.output).write_text(json.dumps(result, indent=1))
+    print(result["summary"])
+    print(f"commit_at_scale: wrote {a.output}")
+
+
+if __name__ == "__main__":
+    main()
