@@ -254,7 +254,7 @@ lint: venv
 clean:
 	rm -rf $(VENV) data .pytest_cache results/demo results/demo-snapshot results/demo_abft results/degraded_throughput \
 	    results/convergence*/seed* results/convergence*/trace_* results/convergence*/calibration \
-	    results/recovery_latency
+	    results/recovery_latency results/recovery_tails
 
 # The docs site (docs/, mkdocs.yml): MkDocs with the Material theme and mkdocstrings, the
 # `docs` extra installed into .venv when missing. --strict: a broken link or anchor, a page
