@@ -31,7 +31,7 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs
 
-from megatron_mecefo.recovery.store_failover import StoreFailedOver, tcp_client
+from megatron_mecefo.recovery.store_failover import ForwardingStore, StoreFailedOver, tcp_client
 
 SCHEME = "etcd://"
 HOT_STORE = "hot_store"
@@ -162,7 +162,7 @@ def hot_store(control: Any) -> str:
     return kv.value.decode() if kv is not None else ""
 
 
-class EtcdStore:
+class EtcdStore(ForwardingStore):
     """The subset of ``torch.distributed.Store`` this package uses, over the leader's
     TCPStore found through etcd (see the module docstring).
 
@@ -337,30 +337,6 @@ class EtcdStore:
             self._call("set", key, won or desired)
             return (won or desired).encode()
         return self._call("compare_set", key, expected, desired)
-
-    def get(self, key: str) -> bytes:
-        return self._call("get", key)
-
-    def add(self, key: str, amount: int) -> int:
-        return self._call("add", key, amount)
-
-    def check(self, keys: List[str]) -> bool:
-        return self._call("check", keys)
-
-    def wait(self, keys: List[str], timeout: Optional[timedelta] = None) -> None:
-        if timeout is None:
-            self._call("wait", keys)
-        else:
-            self._call("wait", keys, timeout)
-
-    def multi_get(self, keys: List[str]) -> List[bytes]:
-        return self._call("multi_get", keys)
-
-    def delete_key(self, key: str) -> bool:
-        return self._call("delete_key", key)
-
-    def num_keys(self) -> int:
-        return self._call("num_keys")
 
 
 def restore(control: Any, store: Any) -> int:

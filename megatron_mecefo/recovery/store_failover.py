@@ -67,7 +67,45 @@ def _try_connect(address: str, timeout_s: float) -> Optional[Any]:
     return client
 
 
-class FailoverStore:
+class ForwardingStore:
+    """The Store methods this package uses, each forwarded to ``self._call(name, *args)``,
+    which a subclass defines (its failover: :class:`FailoverStore`, ``store_etcd.EtcdStore``)."""
+
+    def _call(self, name: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def set(self, key: str, value: Any) -> None:
+        self._call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
+
+    def check(self, keys: List[str]) -> bool:
+        return self._call("check", keys)
+
+    def wait(self, keys: List[str], timeout: Optional[timedelta] = None) -> None:
+        if timeout is None:
+            self._call("wait", keys)
+        else:
+            self._call("wait", keys, timeout)
+
+    def multi_get(self, keys: List[str]) -> List[bytes]:
+        return self._call("multi_get", keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._call("compare_set", key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", key)
+
+    def num_keys(self) -> int:
+        return self._call("num_keys")
+
+
+class FailoverStore(ForwardingStore):
     """The subset of ``torch.distributed.Store`` this package uses, over a primary and a
     standby address (see the module docstring).
 
@@ -173,34 +211,3 @@ class FailoverStore:
             client.wait([PRIMARY_KEY], timedelta(seconds=self.timeout_s))
             self._client, self._standby, self.index = client, None, 1
         return True
-
-    # The Store methods used in this package; each fails over as above.
-    def set(self, key: str, value: Any) -> None:
-        self._call("set", key, value)
-
-    def get(self, key: str) -> bytes:
-        return self._call("get", key)
-
-    def add(self, key: str, amount: int) -> int:
-        return self._call("add", key, amount)
-
-    def check(self, keys: List[str]) -> bool:
-        return self._call("check", keys)
-
-    def wait(self, keys: List[str], timeout: Optional[timedelta] = None) -> None:
-        if timeout is None:
-            self._call("wait", keys)
-        else:
-            self._call("wait", keys, timeout)
-
-    def multi_get(self, keys: List[str]) -> List[bytes]:
-        return self._call("multi_get", keys)
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._call("compare_set", key, expected, desired)
-
-    def delete_key(self, key: str) -> bool:
-        return self._call("delete_key", key)
-
-    def num_keys(self) -> int:
-        return self._call("num_keys")

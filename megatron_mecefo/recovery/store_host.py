@@ -128,20 +128,7 @@ class StoreHost:
         self.ms.store.set(f"node/{self.node}", socket.gethostname())
         if a.store_mode == "replicated" and len(store_addresses(self.cfg.store)) == 1:
             self._open_standby()
-        # For trainers without MeCeFO's session (e.g. Megatron-LM's pretrain_gpt.py): a
-        # torchrun-style env:// rendezvous on a second store of node 0 (agent-store mode).
-        if self.hosts_store:
-            self.rdzv = dist.TCPStore(a.store_host, 0, None, is_master=True,
-                                      wait_for_workers=False)  # fmt: skip
-            self.ms.store.set("rdzv", f"{a.store_host}:{self.rdzv.port}")
-        deadline = time.monotonic() + self.cfg.init_timeout_s
-        while (rdzv := self.ms.get_str("rdzv")) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.rdzv_address = rdzv or "127.0.0.1:0"
-        if self.hosts_store:
-            self.ms.set_json("world_size", self.world_size)
-            self._wait_for_nodes()
-            self._start_coordinator(self.cfg.store, resume=False)
+        self._serve_rdzv_and_coordinate(self.cfg.store)
         return self.ms
 
     def finish_node(self) -> None:
@@ -224,6 +211,21 @@ class StoreHost:
                 f"({_first_line(err)}); pass a --store-host of this machine"
             ) from None
         self.ms.store.set(f"node/{self.node}", socket.gethostname())
+        self._serve_rdzv_and_coordinate(self.hot_address)
+        if not self.hosts_store:
+            threading.Thread(target=self._campaign, name="mecefo-campaign", daemon=True).start()
+        return self.ms
+
+    @property
+    def _serve_rdzv_and_coordinate(self, coordinator_store: str) -> None:
+        """The end of opening, in every store mode: the ``env://`` rendezvous address, and on
+        the store's host the job size, every node, and the coordinator on
+        ``coordinator_store``."""
+        import torch.distributed as dist
+
+        a = self.args
+        # For trainers without MeCeFO's session (e.g. Megatron-LM's pretrain_gpt.py): a
+        # torchrun-style env:// rendezvous on a second store of node 0 (agent-store mode).
         if self.hosts_store:
             self.rdzv = dist.TCPStore(a.store_host, 0, None, is_master=True,
                                       wait_for_workers=False)  # fmt: skip
@@ -235,12 +237,8 @@ class StoreHost:
         if self.hosts_store:
             self.ms.set_json("world_size", self.world_size)
             self._wait_for_nodes()
-            self._start_coordinator(self.hot_address, resume=False)
-        else:
-            threading.Thread(target=self._campaign, name="mecefo-campaign", daemon=True).start()
-        return self.ms
+            self._start_coordinator(coordinator_store, resume=False)
 
-    @property
     def candidate(self) -> str:
         return f"node{self.node}@{socket.gethostname()}:{os.getpid()}"
 
