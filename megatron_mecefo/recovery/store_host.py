@@ -216,7 +216,6 @@ class StoreHost:
             threading.Thread(target=self._campaign, name="mecefo-campaign", daemon=True).start()
         return self.ms
 
-    @property
     def _serve_rdzv_and_coordinate(self, coordinator_store: str) -> None:
         """The end of opening, in every store mode: the ``env://`` rendezvous address, and on
         the store's host the job size, every node, and the coordinator on
@@ -239,6 +238,7 @@ class StoreHost:
             self._wait_for_nodes()
             self._start_coordinator(coordinator_store, resume=False)
 
+    @property
     def candidate(self) -> str:
         return f"node{self.node}@{socket.gethostname()}:{os.getpid()}"
 
