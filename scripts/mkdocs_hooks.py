@@ -13,9 +13,10 @@ import posixpath
 import re
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
-from mkdocs.structure.files import File, Files
+if TYPE_CHECKING:  # imported where used: the API page's test reads this module without MkDocs
+    from mkdocs.structure.files import Files
 
 REPO = Path(__file__).resolve().parents[1]
 # Repository files (outside docs/) that become site pages, and their place in the site.
@@ -35,6 +36,8 @@ def _extras() -> Dict[str, str]:
 
 def on_files(files: Files, *, config: Any) -> Files:
     """Add the plots and the two READMEs to the site."""
+    from mkdocs.structure.files import File
+
     for repo_path, site_path in _extras().items():
         files.append(File.generated(config, site_path, abs_src_path=str(REPO / repo_path)))
     return files
