@@ -109,9 +109,8 @@ def test_real_sigkill_survived_in_process_equals_simulated(
     assert schedule == ["1:3"]
 
 
-@pytest.mark.parametrize(
-    "second", [pytest.param("world", marks=pytest.mark.slow), "groups"]
-)  # fmt: skip
+@pytest.mark.slow  # the example trainer's twin is in make test
+@pytest.mark.parametrize("second", ["world", "groups"])
 def test_second_death_while_the_world_is_built(
     megatron_lm: Path, tmp_path: Path, second: str
 ) -> None:
@@ -265,7 +264,8 @@ def test_external_signals(megatron_lm: Path, tmp_path: Path, how: str) -> None:
     assert lost == ([1, 3] if how == "two_200ms_apart" else [2]), schedule
 
 
-@pytest.mark.parametrize("first", ["save", pytest.param("saved", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the example trainer's twin is in make test
+@pytest.mark.parametrize("first", ["save", "saved"])
 def test_deaths_around_a_save(megatron_lm: Path, tmp_path: Path, first: str) -> None:
     """``--save-interval 3``: rank 1 dies as the save of iteration 3 starts (the others are in
     its collectives) or once it ended; rank 2 dies as the recovered world's save of iteration 6
