@@ -25,11 +25,9 @@ Writes JSON and one summary line.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing as mp
 import os
-import platform
 import signal
 import sys
 import tempfile
@@ -37,6 +35,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+from run_header import run_header  # benchmarks/, this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
@@ -282,13 +282,7 @@ def main() -> None:
     host.start()
     address = f"127.0.0.1:{port_q.get(timeout=120)}"
     result: Dict[str, Any] = {
-        "benchmark": "commit_at_scale",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "loadavg_start": os.getloadavg(),
-        },
+        **run_header("commit_at_scale"),
         "config": {
             "nodes": a.nodes,
             "ranks_per_node": a.ranks_per_node,

@@ -26,11 +26,9 @@ Writes JSON (``results/etcd_client.json``) and one summary line. Run it alone on
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import json
 import os
-import platform
 import queue
 import statistics
 import subprocess
@@ -40,6 +38,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List
+
+from run_header import run_header  # benchmarks/, this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
@@ -313,13 +313,7 @@ def main() -> None:
     names = a.clients.split(",")
     version = subprocess.run(["etcd", "--version"], capture_output=True, text=True).stdout
     result: Dict[str, Any] = {
-        "benchmark": "etcd_client",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "loadavg_start": os.getloadavg(),
-        },
+        **run_header("etcd_client"),
         "config": {
             "etcd": version.split("\n")[0],
             "cluster": "3 members on 127.0.0.1 (scripts/etcd_cluster.sh; heartbeat 100 ms, "

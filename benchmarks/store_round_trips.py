@@ -24,7 +24,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -34,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List
+
+from run_header import run_header  # benchmarks/, this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -231,13 +232,7 @@ def main() -> None:
     if a.python_etcd_path:
         sys.path.insert(0, a.python_etcd_path)
     result: Dict[str, Any] = {
-        "benchmark": "store_round_trips",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "loadavg_start": os.getloadavg(),
-        },
+        **run_header("store_round_trips"),
         "config": {
             "ops": a.ops,
             "contending_clients": a.clients,
