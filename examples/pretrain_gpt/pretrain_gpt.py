@@ -311,8 +311,11 @@ class Trainer:
         cpu0 = time.process_time()
         loss = self.run_schedule(self.train_iter, forward_only=False)
         cpu1 = time.process_time()
-        # What each replica read, by sample index (the exactly-once check of the tests).
-        samples = probes.gather_samples(ctrl.samples_consumed()) if ctrl is not None else None
+        # What each replica read, by sample index (the exactly-once check of the tests): a
+        # collective, so only when a metrics file records it (the same on every rank).
+        samples = None
+        if ctrl is not None and self.args.metrics_file:
+            samples = probes.gather_samples(ctrl.samples_consumed())
         # All ranks agree whether a GEMM stayed bad after its recompute: then no update.
         abft = self.abft.end_step() if self.abft is not None else None
         if grad_error is not None:
