@@ -102,7 +102,7 @@ class _Counted:
 def _membership(address: str, control: Optional[_LockedControl]) -> Any:
     from megatron_mecefo.recovery.membership import MembershipStore
     from megatron_mecefo.recovery.node_vote import EtcdClaimedMembership
-    from megatron_mecefo.recovery.store_failover import tcp_client
+    from megatron_mecefo.recovery.store_forwarding import tcp_client
 
     store = _Counted(tcp_client(address, 60.0))
     if control is None:

@@ -7,8 +7,8 @@ alive), this subpackage handles a rank that really dies (SIGKILL, OOM killer, a 
   reports deaths and starts replacements (:mod:`.replacement`); its flags are
   :mod:`.supervisor_args`, its process handling :mod:`.processes`, its SIGINT / SIGTERM
   :mod:`.signals` and its CPU account :mod:`.cost_account`. :mod:`.store_host` hosts the
-  membership store outside every training rank (node 1's standby in the replicated mode:
-  :mod:`.store_mirror`, :mod:`.store_failover`) and, beside it, runs the :mod:`.coordinator`,
+  membership store outside every training rank (``--store-mode etcd``: the leader elected on
+  etcd, :mod:`.etcd_control`, :mod:`.store_etcd`) and, beside it, runs the :mod:`.coordinator`,
   the single writer of the membership generations (:mod:`.membership`);
 * in each rank, :mod:`.session` drives the example trainer through generations: detection
   (:mod:`.heartbeat`, collective errors), release and rebuild of the world (:mod:`.regroup`,

@@ -28,9 +28,9 @@ two per iteration of the run.
 round trips overlap the optimizer's gradient preparation (copy to main grads, norm, clipping),
 which changes nothing a redo would need: only the parameter update waits for the decision.
 
-With a standby store (node 0's loss survived, :mod:`.store_failover`), the commit also claims
-``outcome/<g>/<iteration>`` on the standby before the commit key is written, and a vote cut
-off by the primary's loss is resolved there (:func:`resolve_after_failover`).
+In ``--store-mode etcd`` (the leader's loss survived, :mod:`.store_etcd`), the commit also
+claims ``outcome/<g>/<iteration>`` on etcd before the commit key is written, and a vote cut
+off by the leader's loss is resolved there (:func:`resolve_after_failover`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from torch.distributed import DistStoreError
 
 from megatron_mecefo.recovery.membership import MembershipStore
-from megatron_mecefo.recovery.store_failover import PRIMARY_KEY, StoreFailedOver
+from megatron_mecefo.recovery.store_forwarding import PRIMARY_KEY, StoreFailedOver
 
 COMMIT, ABORT = "commit", "abort"
 
@@ -127,21 +127,21 @@ def abort(
 
 
 def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
-    """COMMIT, made durable before the caller applies the step (a plain ``set``). In the
-    replicated mode the standby's outcome key is claimed first: a member that finds the
-    primary lost claims it for an abort (:func:`resolve_after_failover`), and whichever claim
-    came first stands for every member, so no step is applied by some and not others."""
+    """COMMIT, made durable before the caller applies the step (a plain ``set``). In etcd
+    mode the outcome key is claimed on etcd first: a member that finds the leader lost claims
+    it for an abort (:func:`resolve_after_failover`), and whichever claim came first stands
+    for every member, so no step is applied by some and not others."""
     won = ms.on_standby("compare_set", _outcome_key(generation, iteration), "", COMMIT)
     if won is not None and won.decode() != COMMIT:
-        return False  # the primary was lost and a member resolved the vote as aborted
+        return False  # the leader was lost and a member resolved the vote as aborted
     ms.store.set(_commit_key(generation, iteration), "")
     return True
 
 
 def resolve_after_failover(ms: MembershipStore, generation: int, iteration: int) -> bool:
-    """The outcome of a vote that was in flight when the primary store was lost, read from
-    the standby (now the store of ``ms``): a commit whose claim reached it stands; otherwise
-    this claims an abort, which every later reader and a slow committer then find."""
+    """The outcome of a vote that was in flight when the leader's store was lost, read from
+    etcd (through the new leader's store, ``ms``): a commit whose claim reached it stands;
+    otherwise this claims an abort, which every later reader and a slow committer then find."""
     key = _outcome_key(generation, iteration)
     return ms.store.compare_set(key, "", ABORT).decode() == COMMIT
 
@@ -240,9 +240,9 @@ class AsyncVoter:
     def _after_failover(
         self, generation: int, iteration: int, slot: int, members: List[int], outcome: Dict
     ) -> bool:
-        """The primary store was lost during this vote: a vote of a generation made before
-        the takeover was in flight there (its outcome is resolved on the standby); one of a
-        later generation has only met the stale client, and is held on the standby."""
+        """The leader's store was lost during this vote: a vote of a generation made before
+        the takeover was in flight there (its outcome is resolved on etcd); one of a later
+        generation has only met the stale client, and is held on the new leader's store."""
         taken = json.loads(self._ms.store.get(PRIMARY_KEY))["generation"]
         if generation <= taken:
             return resolve_after_failover(self._ms, generation, iteration)

@@ -70,7 +70,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ life cycle
     def start(self, resume: bool = False) -> None:
-        """Publish generation 0 and watch; with ``resume`` (a standby store that took over),
+        """Publish generation 0 and watch; with ``resume`` (etcd mode: a new leader that took over),
         go on from the current generation and the deaths, incarnations and ready processes
         the store holds."""
         if resume:

@@ -1,8 +1,8 @@
 """Membership: the job's layout, the generations and the store keys everyone agrees on.
 
-The store (a ``TCPStore`` hosted by the first node's supervisor, never by a training rank;
-with a standby on node 1 in the replicated mode, :mod:`.store_mirror`) holds, under fixed
-keys:
+The store (a ``TCPStore`` hosted by the first node's supervisor, never by a training rank; in
+``--store-mode etcd`` by the leader's, with the durable keys on etcd, :mod:`.store_etcd`)
+holds, under fixed keys:
 
 * ``gen``: the current generation number ``g``; ``gen/<g>``: its :class:`Generation` (JSON),
   written once by the coordinator, the single writer of membership;
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_mecefo.recovery.store_failover import FailoverStore, store_addresses, tcp_client
+from megatron_mecefo.recovery.store_forwarding import tcp_client
 
 
 @dataclass(frozen=True)
@@ -138,31 +138,30 @@ class MembershipStore:
 
     def __init__(self, store: Any, address: str = "") -> None:
         self.store = store
-        self._address = address  # HOST:PORT of a plain client (a FailoverStore knows its own)
+        self._address = address  # HOST:PORT of a plain client (an EtcdStore knows its own)
         self._counters: set = set()  # heartbeat keys known to exist (read in one multi_get)
 
     @staticmethod
     def connect(
         address: str, timeout_s: float = 60.0, raise_on_failover: bool = False
     ) -> MembershipStore:
-        """A new client of the store at ``HOST:PORT``, or of a primary and its standby at
-        ``HOST:PORT,HOST:PORT`` (:class:`~.store_failover.FailoverStore`)."""
+        """A new client of the store at ``HOST:PORT``, or of the leader's store found through
+        etcd at an ``etcd://`` address (:class:`~.store_etcd.EtcdStore`)."""
         if address.startswith("etcd://"):  # --store-mode etcd: the leader's store, via etcd
             from megatron_mecefo.recovery.store_etcd import EtcdStore
 
             return MembershipStore(EtcdStore(address, timeout_s, raise_on_failover))
-        addresses = store_addresses(address)
-        if len(addresses) > 1:
-            return MembershipStore(FailoverStore(addresses, timeout_s, raise_on_failover))
-        return MembershipStore(tcp_client(addresses[0], timeout_s), addresses[0])
+        address = address.strip()
+        return MembershipStore(tcp_client(address, timeout_s), address)
 
     def address(self) -> str:
-        """The ``HOST:PORT`` this client talks to now (the standby's after a failover)."""
+        """The ``HOST:PORT`` this client talks to now (etcd mode: the current leader's)."""
         return getattr(self.store, "address", None) or self._address
 
     def on_standby(self, name: str, *args: Any) -> Any:
-        """``name(*args)`` on the standby store while the primary serves; ``None`` without one
-        (a single store, after the takeover, or once the standby was lost)."""
+        """``name(*args)`` where a write must outlive the store's host (etcd mode: the commit's
+        outcome claim on etcd, :meth:`~.store_etcd.EtcdStore.on_standby`); ``None`` with a
+        single store."""
         call = getattr(self.store, "on_standby", None)
         return call(name, *args) if call is not None else None
 
@@ -173,10 +172,9 @@ class MembershipStore:
         return self.store.get(key).decode()
 
     def set_durable(self, key: str, value: str) -> None:
-        """Set ``key`` on the standby (while the primary serves) and then here: what must not
-        lag the primary when node 0 is lost (a generation, the fatal message, the committed
-        and logged iteration, a recovery record); the standby's own copy trails by up to a
-        heartbeat interval."""
+        """Set ``key`` where it must outlive the store's host (:meth:`on_standby`) and then
+        here: a generation, the fatal message, the committed and logged iteration, a recovery
+        record (etcd mode: :meth:`~.store_etcd.EtcdStore.set` writes them to etcd first)."""
         self.on_standby("set", key, value)
         self.store.set(key, value)
 
@@ -214,8 +212,8 @@ class MembershipStore:
     def publish(self, gen: Generation) -> None:
         """Write ``gen`` and make it current (the coordinator only); an event, so that the
         supervisors, which look at the store only when the event count moves, see it."""
-        # The standby first: it then never lags a generation that a rank may have seen, so a
-        # coordinator that takes over there numbers the next one above every number in use.
+        # etcd first (EtcdStore.set: fenced on the leader's term, gen == n - 1): a leader that
+        # takes over numbers the next one above every generation a rank may have seen.
         self.set_durable(f"gen/{gen.number}", gen.to_json())
         self.set_durable("gen", str(gen.number))
         self.notify()

@@ -63,9 +63,9 @@ def emit_record(
     if session.takeover_info is not None and not superseded_by:
         record.update(session.takeover_info)
         session.takeover_info = None
-    # On the standby too (--store-mode replicated): after node 0's loss, the scan for unformed
-    # failures (MembershipStore.unformed_failures) stops at a recorded generation, and the
-    # summary lists the records, from the standby's copy.
+    # On etcd too (--store-mode etcd): after the leader's loss, the scan for unformed failures
+    # (MembershipStore.unformed_failures) stops at a recorded generation, and the summary
+    # lists the records, from the state the new leader restored.
     session.ms.set_durable(f"record/{gen.number}", json.dumps(record))
     trainer.emit(record)
     rec_mod.append_jsonl(session.cfg.records_file, record)

@@ -50,7 +50,7 @@ from megatron_mecefo.recovery.state_transfer import (
     import_state,
 )
 from megatron_mecefo.recovery.step_hooks import install_commit_vote
-from megatron_mecefo.recovery.store_failover import store_addresses
+from megatron_mecefo.recovery.store_forwarding import store_addresses
 from megatron_mecefo.recovery.world_store import BuildAborter, WorldBuildAborted, WorldStore
 
 
@@ -270,7 +270,7 @@ class RecoverySession:
         # heal) must not leave the others waiting for the store timeout (world_store.py).
         world_store = WorldStore()
         self._start_watchdog(gen, BuildAborter(self.aborter, world_store))
-        # The store that serves now: the standby's, once node 0's was lost.
+        # The store that serves now: the new leader's, once the old one was lost (etcd mode).
         host, port = self.ms.address().rsplit(":", 1)
         store = world_store.connect(host, int(port), self.cfg.init_timeout_s)
         dist.init_process_group(

@@ -16,11 +16,10 @@ that regroup after a failover apply or abort a cut-off step together.
 A store call that fails (the server's sockets closed) or gets no answer within the lease TTL
 (a hung node) looks ``hot_store`` up again and waits until a new leader has published
 another address; it then repeats the call there, or raises
-:class:`~.store_failover.StoreFailedOver` to a caller that must know (the commit vote), as
-the replicated mode's :class:`~.store_failover.FailoverStore` does. The new leader
-(:mod:`.store_host`) fences ``hot_store`` first, restores the state from etcd into its own
-TCPStore (:func:`restore`), declares the old leader's ranks dead, and then publishes its
-address.
+:class:`~.store_forwarding.StoreFailedOver` to a caller that must know (the commit vote).
+The new leader (:mod:`.store_host`) fences ``hot_store`` first, restores the state from etcd
+into its own TCPStore (:func:`restore`), declares the old leader's ranks dead, and then
+publishes its address.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs
 
-from megatron_mecefo.recovery.store_failover import ForwardingStore, StoreFailedOver, tcp_client
+from megatron_mecefo.recovery.store_forwarding import ForwardingStore, StoreFailedOver, tcp_client
 
 SCHEME = "etcd://"
 HOT_STORE = "hot_store"
@@ -316,7 +315,7 @@ class EtcdStore(ForwardingStore):
 
     # ------------------------------------------------------------------ Store methods
     def on_standby(self, name: str, *args: Any) -> Any:
-        """The replicated mode's hook: the commit's outcome claim goes to etcd; the durable
+        """The durable-write hook: the commit's outcome claim goes to etcd; the durable
         ``set`` is done by :meth:`set` itself; outcomes stay on etcd (no delete)."""
         if name == "compare_set":
             return self.compare_set(*args)

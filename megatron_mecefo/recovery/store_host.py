@@ -1,13 +1,13 @@
 """The membership store as one node's supervisor sees it: hosting it (node 0), joining it (the
-other nodes), the replicated mode's standby (node 1) and its takeover, the coordinator that
-runs beside the store, and the end of the job on the store's host.
+other nodes), the etcd mode's election and takeover, the coordinator that runs beside the
+store, and the end of the job on the store's host.
 
 No training rank hosts the store, so any rank, rank 0 included, can die. Node 0 serves a
 TCPStore on ``--store-host:--store-port`` (and a second one for torchrun-style ``env://``
 rendezvous of trainers without MeCeFO's session) and runs the :mod:`~.coordinator`. With
-``--store-mode replicated``, node 1 serves a standby store (:mod:`~.store_mirror`) that takes
-over, with a coordinator of its own, when node 0 is lost; every client fails over to it
-(:mod:`~.store_failover`).
+``--store-mode etcd``, the supervisors elect a leader on etcd (:mod:`~.etcd_control`); the
+leader serves the store and coordinates, and when its lease expires another node takes over
+with the state restored from etcd (:mod:`~.store_etcd`), again and again.
 
 The supervisor's loop (:mod:`.supervisor`) uses the :class:`StoreHost` through
 :meth:`StoreHost.open`, :meth:`StoreHost.finish_node` and :meth:`StoreHost.close`, and the
@@ -25,7 +25,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_mecefo.recovery.config import RecoveryConfig
-from megatron_mecefo.recovery.store_failover import store_addresses
 from megatron_mecefo.recovery.supervisor_args import SupervisorError, rank_list
 
 if TYPE_CHECKING:
@@ -36,7 +35,7 @@ WAIT_REPORT_S = 5.0
 
 
 class StoreHost:
-    """This node's part in the membership store: host, standby or client.
+    """This node's part in the membership store: host, leader (etcd mode) or client.
 
     Args:
         args: The supervisor's parsed flags (``--store*``, ``--nnodes``, ``--node-rank``,
@@ -57,10 +56,10 @@ class StoreHost:
         self.server = None
         self.rdzv = None
         self.coordinator = None
-        self.standby_store = None  # node 1 in the replicated mode: a StandbyStore
         self.hosts_store = self.node == 0 and not args.rejoin
         """Whether this node's supervisor serves the store the job uses now (and so waits for
-        the other nodes before it exits): node 0, or node 1 once its standby took over."""
+        the other nodes before it exits): node 0, or the etcd mode's leader once it took
+        over."""
         self.ms: Optional["MembershipStore"] = None
         self.rdzv_address = "127.0.0.1:0"
         """The ``env://`` rendezvous (``MASTER_ADDR:MASTER_PORT``) of the ranks."""
@@ -73,8 +72,9 @@ class StoreHost:
         """Called once (from a background thread) when the leadership or etcd is lost."""
 
     def open(self) -> "MembershipStore":
-        """Serve or reach the store, publish this node, set up the standby and the rendezvous;
-        on the store's host, wait for every node and start the coordinator.
+        """Serve or reach the store (etcd mode: elect or follow the leader), publish this
+        node and set up the rendezvous; on the store's host, wait for every node and start the
+        coordinator.
 
         Returns:
             The membership store client of this supervisor.
@@ -126,17 +126,13 @@ class StoreHost:
                 f"({_first_line(err)}); check the address node 0's supervisor printed"
             ) from None
         self.ms.store.set(f"node/{self.node}", socket.gethostname())
-        if a.store_mode == "replicated" and len(store_addresses(self.cfg.store)) == 1:
-            self._open_standby()
         self._serve_rdzv_and_coordinate(self.cfg.store)
         return self.ms
 
     def finish_node(self) -> None:
         """Every rank of this node finished; the store's host keeps it up for the others (a
-        lost node 0 counts as done)."""
+        lost leader's node counts as done)."""
         assert self.ms is not None
-        if self.standby_store is not None and not self.hosts_store:
-            self.standby_store.stop()  # node 0 closes its store once every node is done
         self.ms.store.add("nodes_done", 1)
         if self.hosts_store:
             deadline = time.monotonic() + 30
@@ -147,13 +143,11 @@ class StoreHost:
                 time.sleep(0.05)
 
     def close(self) -> None:
-        """Stop the coordinator and the standby store, if this node runs them (etcd mode:
-        the campaign, and the leadership, resigned)."""
+        """Stop the coordinator, if this node runs it (etcd mode: the campaign, and the
+        leadership, resigned)."""
         self._closing.set()
         if self.coordinator is not None:
             self.coordinator.stop()
-        if self.standby_store is not None:
-            self.standby_store.stop()
         if self.control is not None:
             try:
                 if self.control.term is not None and not self.control.lost.is_set():
@@ -285,7 +279,7 @@ class StoreHost:
             hot_store,
             restore,
         )
-        from megatron_mecefo.recovery.store_failover import PRIMARY_KEY, tcp_client
+        from megatron_mecefo.recovery.store_forwarding import PRIMARY_KEY, tcp_client
 
         c = self.control
         assert c is not None and c.term is not None
@@ -359,54 +353,11 @@ class StoreHost:
         )
         self.coordinator.start(resume=resume)
 
-    def _open_standby(self) -> None:
-        """The replicated mode: node 1 serves the standby store and mirrors node 0's into it;
-        every node then hands its ranks both addresses (they fail over on node 0's loss)."""
-        from megatron_mecefo.recovery.membership import MembershipStore
-        from megatron_mecefo.recovery.store_mirror import StandbyStore, wait_for_standby
-
-        assert self.ms is not None
-        a = self.args
-        primary = self.cfg.store
-        if self.node == 1 and not a.rejoin:
-            try:
-                self.standby_store = StandbyStore(
-                    a.store_host, 0, primary, a.nnodes, a.nproc_per_node, self.cfg, self.log,
-                    on_takeover=self._take_over,
-                )  # fmt: skip
-            except Exception as err:  # noqa: BLE001 (torch's DistNetworkError and kin)
-                raise SupervisorError(
-                    f"--store-mode replicated: cannot serve the standby store on "
-                    f"{a.store_host} ({_first_line(err)}); pass --store-host with this node's "
-                    "hostname or address"
-                ) from None
-            self.ms.store.set("standby", self.standby_store.address)
-            self.standby_store.start()
-            self.log(f"standby membership store at {self.standby_store.address}")
-        standby = wait_for_standby(self.ms, self.cfg.init_timeout_s)
-        if standby is None:
-            raise SupervisorError(
-                f"--store-mode replicated: node 1 published no standby store within "
-                f"--init-timeout={self.cfg.init_timeout_s:g}s; start node 1's supervisor with "
-                "--store-mode replicated too"
-            )
-        self.cfg.store = f"{primary},{standby}"
-        self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
-        if self.node == 1 and a.store_file:
-            _write_atomically(a.store_file, self.cfg.store)
-
-    def _take_over(self) -> None:
-        """Node 1, on the standby's thread: node 0 is lost; coordinate from the standby."""
-        self.hosts_store = True
-        assert self.standby_store is not None
-        self._start_coordinator(self.standby_store.address, resume=True)
-
     def _wait_for_store(self) -> None:
         """Until node 0's store accepts a connection: a line every few seconds, and one error
         line naming the address at --init-timeout (a wrong --store used to end in a
         traceback)."""
-        # A list (a node rejoining after node 0's loss): the standby, which serves now.
-        host, port = store_addresses(self.cfg.store)[-1].rsplit(":", 1)
+        host, port = self.cfg.store.strip().rsplit(":", 1)
         try:
             socket.getaddrinfo(host, int(port))
         except OSError as err:

@@ -13,16 +13,17 @@ found silent (heartbeat timeout).
 Multi-node: one supervisor per node. The first (``--node-rank 0``) hosts the membership store
 (a TCPStore on ``--store-port``, 0 = any free port, written to ``--store-file``) and runs the
 :mod:`~.coordinator`; the others join with ``--store HOST:PORT``. No training rank hosts the
-store, so any rank, rank 0 included, can die. With ``--store-mode replicated`` node 1 serves a
-standby store that takes over, with a coordinator of its own, when node 0 is lost
-(:mod:`~.store_mirror`), and a new node 0 can rejoin there.
+store, so any rank, rank 0 included, can die. With ``--store-mode etcd --etcd HOST:PORT,...``
+the supervisors elect a leader on etcd that serves the store and coordinates; any node, the
+leader's included, can be lost, again and again, while etcd keeps a quorum
+(:mod:`~.store_etcd`), and a new node 0 can rejoin.
 
 This module is the supervisor's loop: it starts, reaps and replaces the ranks of its node and
 acts on the store's events. Its other roles have a module each: the flags and their checks
 (:mod:`.supervisor_args`), starting, watching and killing processes (:mod:`.processes`),
-SIGINT / SIGTERM (:mod:`.signals`), hosting or joining the membership store, its standby and
-the coordinator (:mod:`.store_host`), and its own CPU for the armed-cost account
-(:mod:`.cost_account`).
+SIGINT / SIGTERM (:mod:`.signals`), hosting or joining the membership store (etcd mode: the
+election and the takeover) and the coordinator (:mod:`.store_host`), and its own CPU for the
+armed-cost account (:mod:`.cost_account`).
 
 Exit status: 0 when training finished, 1 when it was aborted or could not start (the
 one-line reason is printed), 2 on a bad flag or a rank's usage error at start-up, 130 / 143
@@ -136,7 +137,7 @@ class Supervisor:
         os._exit(1)  # the main thread may be in a store call to a lost store: no unwinding
 
     def open_store(self) -> None:
-        """Host, serve the standby of, or join the membership store (:mod:`.store_host`)."""
+        """Host or join the membership store, or lead it on etcd (:mod:`.store_host`)."""
         self.ms = self.store_host.open()
 
     # ------------------------------------------------------------------ processes

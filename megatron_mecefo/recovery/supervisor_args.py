@@ -16,7 +16,6 @@ from typing import Iterable, List
 
 from megatron_mecefo.errors import UserError, check_writable_dir, check_writable_file
 from megatron_mecefo.recovery.config import RecoveryConfig, RecoveryConfigError
-from megatron_mecefo.recovery.store_failover import store_addresses
 
 PROG = "megatron_mecefo.recovery.supervisor"
 
@@ -34,6 +33,22 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"{PROG}: error: {message} (--help lists the flags)", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+REPLICATED_REMOVED = (
+    "'replicated' was removed (the primary/standby store: it could roll a generation back and "
+    "fenced nothing); for two nodes or more use --store-mode etcd --etcd HOST:PORT,... (see "
+    "docs/cluster.md), on one node --store-mode single"
+)
+"""What argparse prints after ``argument --store-mode:`` for the removed mode."""
+
+
+def _store_mode(value: str) -> str:
+    """``--store-mode``: a removed mode is one line naming the fix (argparse's choices would
+    only list the others)."""
+    if value == "replicated":
+        raise argparse.ArgumentTypeError(REPLICATED_REMOVED)
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,13 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--store",
         default=None,
         metavar="HOST:PORT",
-        help="store of node 0; a rejoining node after node 0's loss: HOST:PORT,HOST:PORT (the "
-        "primary and the standby, as node 1's --store-file holds them)",
+        help="store of node 0 (as its supervisor prints it, or its --store-file holds); not "
+        "needed with --store-mode etcd",
     )
     p.add_argument(
         "--store-host",
         default="127.0.0.1",
-        help="node 0 (and node 1's standby store): address to serve on",
+        help="node 0 (--store-mode etcd: any node, should it lead): address to serve the store on",
     )
     p.add_argument(
         "--store-port",
@@ -82,19 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--store-file",
         default=None,
-        help="node 0: write HOST:PORT here; node 1 with --store-mode replicated: the primary's "
-        "and the standby's, HOST:PORT,HOST:PORT",
+        help="node 0: write HOST:PORT here (--store-mode etcd: any node, the etcd:// address a "
+        "joining or rejoining node may pass as --store)",
     )
     p.add_argument(
         "--store-mode",
         default="single",
-        choices=("single", "replicated", "etcd"),
-        help="single: node 0 alone serves the membership store (its loss ends the job); "
-        "replicated: node 1 serves a standby that takes over when node 0 is lost (every node "
-        "passes the same mode; needs --nnodes >= 2); etcd: the supervisors elect a leader on "
-        "the etcd cluster of --etcd, which serves the store and coordinates; any node, the "
-        "leader's included, can be lost, again and again, while etcd keeps a quorum (every "
-        "node passes the same mode and --etcd; --store is then not needed)",
+        type=_store_mode,
+        choices=("single", "etcd"),
+        help="single: node 0 alone serves the membership store (its loss ends the job); etcd: "
+        "the supervisors elect a leader on the etcd cluster of --etcd, which serves the store "
+        "and coordinates; any node, the leader's included, can be lost, again and again, "
+        "while etcd keeps a quorum (every node passes the same mode and --etcd; --store is "
+        "then not needed)",
     )
     p.add_argument(
         "--etcd",
@@ -226,34 +241,22 @@ def validate(args: argparse.Namespace) -> RecoveryConfig:
     if args.store_mode == "etcd":
         pass  # the store's address comes from etcd: --store, if given, is not used
     elif args.store is not None:
-        addresses = store_addresses(args.store)
-        for address in addresses:
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
-                raise RecoveryConfigError(
-                    f"--store {args.store}: expected HOST:PORT of node 0's membership store (as "
-                    "its supervisor prints it, or its --store-file holds)"
-                )
-        if len(addresses) > 2 or (len(addresses) == 2 and not args.rejoin):
+        host, _, port = args.store.strip().rpartition(":")
+        if not host or "," in host or not port.isdigit() or not 0 < int(port) <= 65535:
             raise RecoveryConfigError(
-                f"--store {args.store}: two addresses (primary,standby) are for a node that "
-                "rejoins after node 0's loss (--rejoin); pass node 0's HOST:PORT otherwise"
+                f"--store {args.store}: expected HOST:PORT of node 0's membership store (as "
+                "its supervisor prints it, or its --store-file holds)"
             )
-    if args.store_mode == "replicated" and args.nnodes < 2:
-        raise RecoveryConfigError(
-            f"--store-mode replicated --nnodes={args.nnodes}: the standby store lives on node "
-            "1; use --store-mode single on one node"
-        )
     if args.rejoin and not args.store and args.store_mode != "etcd":
         raise RecoveryConfigError(
             f"--rejoin --node-rank={args.node_rank}: a rejoining node needs --store: node 0's "
-            "HOST:PORT, or after node 0's loss (--store-mode replicated) the primary's and the "
-            "standby's HOST:PORT,HOST:PORT that node 1's --store-file holds"
+            "HOST:PORT (as its supervisor prints it, or its --store-file holds)"
         )
     if args.rejoin and args.node_rank == 0 and args.store_mode == "single":
         raise RecoveryConfigError(
             "--rejoin --node-rank=0: node 0 hosts the store in --store-mode single, so it "
-            "cannot be lost and come back; run every node with --store-mode replicated"
+            "cannot be lost and come back; run every node with --store-mode etcd --etcd "
+            "HOST:PORT,... (see docs/cluster.md)"
         )
     if args.node_rank > 0 and not args.store and args.store_mode != "etcd":
         raise RecoveryConfigError(

@@ -65,8 +65,8 @@ class Job:
         self.extra_env = extra_env
 
     def store_file(self, node: int) -> Path:
-        """Where node ``node``'s supervisor writes its store address (node 0: its own; node 1
-        with ``--store-mode replicated``: the primary's and the standby's)."""
+        """Where node ``node``'s supervisor writes its store address (node 0: its own; with
+        ``--store-mode etcd`` nodes 0 and 1 both write the job's ``etcd://`` address)."""
         return self.workdir / f"store{node}.txt"
 
     def start(self) -> Job:
@@ -78,8 +78,8 @@ class Job:
         self, node: int, rejoin: bool = False, extra: Optional[List[str]] = None
     ) -> subprocess.Popen:
         """Start node ``node``'s supervisor (with ``extra`` supervisor flags); ``rejoin``: a
-        node that replaces a lost one (node 0 finds the store through node 1's store file,
-        which holds the primary's and the standby's addresses)."""
+        node that replaces a lost one (a new node 0 reads node 1's store file: the lost node's
+        own is gone with it on a real cluster; ``--store-mode etcd`` only)."""
         cmd = [
             sys.executable, "-m", "megatron_mecefo.recovery.supervisor",
             "--nproc-per-node", str(self.nproc), "--nnodes", str(self.nnodes),

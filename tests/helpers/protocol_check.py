@@ -3,11 +3,12 @@ hang of a small job, over in-memory stores.
 
 Two designs are configurations of it:
 
-* :class:`MirrorDesign` (``old``): the primary/standby TCPStore mirror of ``--store-mode
-  replicated`` as the code has it (:mod:`~megatron_mecefo.recovery.store_mirror`,
-  :mod:`~megatron_mecefo.recovery.store_failover`, the coordinator's ``set_durable`` publish,
-  the vote of :mod:`~megatron_mecefo.recovery.commit` with its standby claim and
-  ``_after_failover``).
+* :class:`MirrorDesign` (``old``): the primary/standby TCPStore mirror of the removed
+  ``--store-mode replicated``, as the code had it before issue 43 removed it
+  (``store_mirror.py``, ``store_failover.py``, the coordinator's ``set_durable`` publish, the
+  vote of :mod:`~megatron_mecefo.recovery.commit` with its standby claim and
+  ``_after_failover``). The mirror is gone from the package and is modelled here only, so that
+  the checker is shown to find its generation rollback.
 * :class:`EtcdDesign` (``new``, issue 43 item 1): the control state on etcd v3
   (:mod:`fake_etcd`): a leader elected with a lease, every leader write a transaction fenced on
   its leader key, generation ``n + 1`` written only if ``gen`` was not changed since the leader
@@ -19,8 +20,8 @@ Two designs are configurations of it:
 Generation` (every published generation is its JSON, parsed back with ``from_json``),
 :class:`~megatron_mecefo.recovery.membership.JobLayout` and :class:`~megatron_mecefo.recovery.
 membership.CompleteReplicas` (the coordinator's next membership), the commit vote's constants
-and keys (``ABORT_WEIGHT``, ``COMMIT``/``ABORT``, ``_votes_key`` ...) and
-``store_failover.PRIMARY_KEY``. Models (step machines written from the code, one store request
+and keys (``ABORT_WEIGHT``, ``COMMIT``/``ABORT``, ``_votes_key`` ...; the removed mirror's
+``PRIMARY_KEY`` is a copy). Models (step machines written from the code, one store request
 per step, so that the explorer owns the interleaving): the coordinator's scan/decide/publish,
 the standby's copy thread and takeover, the failover client, the vote (``vote``, ``abort``,
 ``_outcome``, ``_commit``, ``resolve_after_failover``, ``AsyncVoter._after_failover``), the
@@ -73,7 +74,9 @@ from megatron_mecefo.recovery.commit import (
     _votes_key,
 )
 from megatron_mecefo.recovery.membership import CompleteReplicas, Generation, JobLayout
-from megatron_mecefo.recovery.store_failover import PRIMARY_KEY
+
+PRIMARY_KEY = "primary"
+"""The removed mirror's takeover mark on the standby (``store_failover.PRIMARY_KEY`` was this)."""
 
 INVARIANTS = {
     "generations_only_increase": "the generation number of every store, and every generation "

@@ -342,9 +342,10 @@ ROWS = [
                         "nothing to resume"]),
     Row("rejoin-on-node-zero", "launch", [*SUPERVISOR, "--nproc-per-node", "1", "--rejoin",
         "--", str(TRAINER)], 2, SUP, ["--rejoin --node-rank=0"]),
-    Row("replicated-store-on-one-node", "launch", [*SUPERVISOR, "--nproc-per-node", "1",
-        "--store-mode", "replicated", "--", str(TRAINER)], 2, SUP,
-        ["--store-mode replicated --nnodes=1", "--store-mode single"]),
+    Row("store-mode-replicated-removed", "launch", [*SUPERVISOR, "--nproc-per-node", "1",
+        "--nnodes", "2", "--store-mode", "replicated", "--", str(TRAINER)], 2, SUP,
+        ["argument --store-mode: 'replicated' was removed",
+         "--store-mode etcd --etcd HOST:PORT,...", "docs/cluster.md"]),
     # ------------------------------------------------------------- signals and time limits
     Row("sup-ctrl-c", "signals", SUPERVISED_LONG, 130, STOPPED,
         ["SIGINT", "2 ranks and 1 standbys ended", "--exit-signal-handler"],

@@ -18,9 +18,10 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import List
+from typing import Iterator, List
 
 import pytest
+from etcd_cluster import EtcdCluster, running_cluster
 from mlm_runs import (
     MECEFO,
     SAMPLES,
@@ -48,6 +49,12 @@ def megatron_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if tree is None:
         pytest.skip("no Megatron-LM tarball at ../shared/megatron-lm (set MEGATRON_LM_DIR)")
     return tree
+
+
+@pytest.fixture()
+def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A private 3-member etcd for the ``--store-mode etcd`` case (skipped without etcd)."""
+    yield from running_cluster(tmp_path / "etcd")
 
 
 def _check_against_simulated(
@@ -404,11 +411,12 @@ def test_distributed_optimizer_replacement_rejoins_resharded(
 
 
 @pytest.mark.slow
-def test_node0_lost_with_a_standby_store(megatron_lm: Path, tmp_path: Path) -> None:
-    """Two supervisors (2 ranks each, DP4), ``--store-mode replicated``: node 0 (its
-    supervisor, membership store, coordinator and ranks 0 and 1) is SIGKILLed at a random
-    moment; node 1's standby store takes over and Megatron-LM trains on in-process, to the
-    parameters of the simulated run that drops replicas 0 and 1 there."""
+def test_node0_lost_under_etcd(megatron_lm: Path, tmp_path: Path, etcd: EtcdCluster) -> None:
+    """Two supervisors (2 ranks each, DP4), ``--store-mode etcd`` on a private 3-member etcd:
+    node 0 (the leader: its supervisor, hot store, coordinator and ranks 0 and 1) is
+    SIGKILLed at a random moment; node 1 wins the next term, restores the state from etcd,
+    and Megatron-LM trains on in-process, to the parameters of the simulated run that drops
+    replicas 0 and 1 there."""
     argv = ["--train-iters", "60"]
     save = tmp_path / "real"
 
@@ -422,10 +430,11 @@ def test_node0_lost_with_a_standby_store(megatron_lm: Path, tmp_path: Path) -> N
 
     rc, real = supervised_nodes(
         megatron_lm, [*argv, *MECEFO, "--save", str(save)], tmp_path,
-        ["--store-mode", "replicated", "--replace", "never"], kill_node0,
+        ["--store-mode", "etcd", "--etcd", ",".join(etcd.endpoints), "--replace", "never"],
+        kill_node0,
     )  # fmt: skip
     assert rc == [-9, 0], real[-6000:]
-    assert "the standby store at" in real and "takes over" in real
+    assert "this node takes over with a membership store" in real, real[-6000:]
     assert "loading checkpoint" not in real
     schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
     assert sorted(int(v.split(":")[0]) for v in schedule) == [0, 1], schedule

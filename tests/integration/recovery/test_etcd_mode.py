@@ -1,7 +1,7 @@
 """``--store-mode etcd``: the supervisors elect a leader on a real 3-member etcd; the leader
-serves the hot store and coordinates. Its node SIGKILLed, SIGSTOPped, lost twice; etcd members
-killed. Real processes and real signals; each test starts its own etcd cluster and ends every
-process by PID in ``finally`` (``Job.stop``, ``EtcdCluster.stop``).
+serves the hot store and coordinates. Its node SIGKILLed, SIGSTOPped, lost twice; a follower's
+node SIGKILLed; etcd members killed. Real processes and real signals; each test starts its own
+etcd cluster and ends every process by PID in ``finally`` (``Job.stop``, ``EtcdCluster.stop``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from harness import (
     train_records,
 )
 
-PARAM_ATOL = 2e-5  # as test_node0_loss: fp32 reassociation over the survivors' all-reduce
+PARAM_ATOL = 2e-5  # as test_real_failures: fp32 reassociation over the survivors' all-reduce
 
 
 @pytest.fixture()
@@ -98,6 +98,29 @@ def test_leader_node_sigkilled_matches_simulated(tmp_path: Path, etcd: EtcdClust
     diff = max_param_diff(real, _simulated(tmp_path, args, [0, 1], failure["iteration"]))
     print(f"leader lost at iteration {failure['iteration']}: max |param diff| = {diff:.2e}")
     assert diff <= PARAM_ATOL
+
+
+def test_follower_node_sigkilled_leader_trains_on(tmp_path: Path, etcd: EtcdCluster) -> None:
+    """DP4 on two nodes. Node 1 (a follower: it campaigns in the background) is SIGKILLed,
+    its supervisor and ranks: the leader keeps its term and its store (no takeover), declares
+    ranks 2 and 3 dead, and trains on with replicas 0 and 1; every sample once."""
+    iters, gbs = 30, 16
+    job = Job(tmp_path, 2, _layout(iters, gbs), nnodes=2, supervisor_args=_etcd_args(etcd),
+              MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
+    try:
+        job.start()
+        job.wait_for("iteration        5/")
+        _signal_node(job, 1, signal.SIGKILL)
+        rc = job.wait(timeout=300)
+    finally:
+        job.stop()
+    log = job.log()
+    assert rc == [0, -9], (rc, log[-5000:])
+    assert "takes over" not in log, log[-5000:]
+    check_every_sample_once(train_records(job.metrics), iters, gbs, 4)
+    (failure,) = [r for r in job.records_of("recovery") if r["ranks_lost"]]
+    assert sorted(failure["ranks_lost"]) == [2, 3] and sorted(failure["replicas"]) == [0, 1]
+    assert sorted(job.params()) == [0, 1]
 
 
 def _alive(pid: int) -> bool:

@@ -17,7 +17,7 @@ from megatron_mecefo.recovery.node_vote import (
     NodeVoteClient,
     NodeVoteServer,
 )
-from megatron_mecefo.recovery.store_failover import tcp_client
+from megatron_mecefo.recovery.store_forwarding import tcp_client
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@ crash point and hang of a 2-3 member job, over in-memory stores (``tests/helpers
 protocol_check.py``; what is real code and what is a model is in its docstring and in
 ``docs/protocol-check.md``).
 
-* The old primary/standby mirror (``--store-mode replicated``) must fail: the checker finds
+* The old primary/standby mirror (the removed ``--store-mode replicated``, now a model in
+  ``protocol_check.py`` only) must fail: the checker finds
   the generation rollback on the standby, and a replay of one schedule follows it to a
   takeover that publishes a different generation with the number ranks already use.
 * The etcd design must hold every invariant in every reachable state; and each of its rules
