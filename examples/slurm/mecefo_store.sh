@@ -121,13 +121,15 @@ HEALTH
         "$data-m<i>; it keeps its quorum while 2 of them live"
 }
 
-# mecefo_stop_etcd: SIGTERM each member's step (srun passes it on; the member removes its
-# data dir), then wait a few seconds for them.
+# mecefo_stop_etcd: SIGTERM to each member's step (scancel --signal: etcd stops cleanly and
+# the member removes its data dir; a SIGTERM to srun would SIGKILL the step), then wait up to
+# 10 s for the steps to end.
 mecefo_stop_etcd() {
-    local pid alive deadline=$((SECONDS + 10))
-    for pid in "${MECEFO_ETCD_STEPS[@]}"; do
-        kill -TERM "$pid" 2> /dev/null
-    done
+    local id name pid alive deadline=$((SECONDS + 10))
+    [ "${#MECEFO_ETCD_STEPS[@]}" -gt 0 ] || return 0
+    while read -r id name; do
+        case $name in mecefo-etcd-*) scancel --signal=TERM "$id" ;; esac
+    done < <(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j")
     while true; do
         alive=0
         for pid in "${MECEFO_ETCD_STEPS[@]}"; do
