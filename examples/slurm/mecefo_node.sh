@@ -7,8 +7,10 @@
 #   MECEFO_NNODES          supervisors (= nodes) of the job
 #   MECEFO_GPUS_PER_NODE   ranks each supervisor starts
 #   MECEFO_STORE           HOST:PORT of node 0's membership store (node 0 serves it)
-#   MECEFO_STORE_MODE      single | replicated (node 1 serves a standby store, which takes
-#                          over when node 0 is lost; its addresses go to store.standby)
+#   MECEFO_STORE_MODE      single (node 0 serves the store; its loss ends the job) | etcd
+#                          (every node campaigns on the etcd cluster of MECEFO_ETCD_ENDPOINTS;
+#                          the leader serves the store and coordinates; any node can be lost)
+#   MECEFO_ETCD_ENDPOINTS  etcd mode: HOST:PORT,... of every etcd member
 #   MECEFO_RUN_DIR         where node<K>.exit, supervisor.node<K>.pid and, after a SIGTERM
 #                          that ended in a save, node<K>.stopped are written
 #                          (node<K>.rejoin.exit, supervisor.node<K>.rejoin.pid for a rejoin)
@@ -26,27 +28,42 @@ args=(
     --pid-file "$MECEFO_RUN_DIR/pids.node$node"
 )
 mode=${MECEFO_STORE_MODE:-single}
+# This node's address, should it serve a store (its Slurm node name, as HOSTS in the sbatch).
+me=${SLURMD_NODENAME:-$(hostname)}
+case $mode in
+    single)
+        store=$MECEFO_STORE
+        if [ "${MECEFO_REJOIN:-0}" = 1 ]; then
+            args+=(--store "$store" --rejoin)
+        elif [ "$node" -eq 0 ]; then
+            args+=(--store-host "$store_host" --store-port "$store_port")
+        else
+            args+=(--store "$store")
+        fi
+        ;;
+    etcd)
+        # No --store: the leader's address comes from etcd. Every node can lead (node 0 first,
+        # on the sbatch script's STORE_PORT), so each serves on its own address.
+        store="etcd ${MECEFO_ETCD_ENDPOINTS:?MECEFO_STORE_MODE=etcd needs MECEFO_ETCD_ENDPOINTS}"
+        args+=(--etcd "$MECEFO_ETCD_ENDPOINTS")
+        if [ "${MECEFO_REJOIN:-0}" = 1 ]; then
+            args+=(--rejoin --store-host "$me")
+        elif [ "$node" -eq 0 ]; then
+            args+=(--store-host "$store_host" --store-port "$store_port")
+        else
+            args+=(--store-host "$me")
+        fi
+        ;;
+    *)
+        echo "[mecefo_node] error: MECEFO_STORE_MODE=$mode: single or etcd (replicated was" \
+            "removed: set MECEFO_ETCD_ENDPOINTS, or run on three nodes or more; docs/cluster.md)" >&2
+        exit 2
+        ;;
+esac
 args+=(--store-mode "$mode")
-store=$MECEFO_STORE
-if [ "${MECEFO_REJOIN:-0}" = 1 ]; then
-    # After node 0's loss its store is gone: node 1 wrote the primary's and the standby's
-    # addresses to store.standby, and the standby serves.
-    if [ "$mode" = replicated ] && [ -s "$MECEFO_RUN_DIR/store.standby" ]; then
-        store=$(cat "$MECEFO_RUN_DIR/store.standby")
-    fi
-    args+=(--store "$store" --rejoin)
-elif [ "$node" -eq 0 ]; then
-    args+=(--store-host "$store_host" --store-port "$store_port")
-else
-    args+=(--store "$MECEFO_STORE")
-    if [ "$mode" = replicated ] && [ "$node" -eq 1 ]; then
-        # Node 1 serves the standby store (any free port) on its own address.
-        args+=(--store-host "$(hostname)" --store-file "$MECEFO_RUN_DIR/store.standby")
-    fi
-fi
 
 echo "[mecefo_node] $(hostname): node $node of $MECEFO_NNODES, $MECEFO_GPUS_PER_NODE ranks," \
-    "store $store ($mode)${MECEFO_REJOIN:+ (rejoin)}"
+    "store $store${MECEFO_REJOIN:+ (rejoin)}"
 # In the background so that its PID can be recorded (a test kills it to stand in for a lost
 # node: its ranks die with it, PR_SET_PDEATHSIG).
 tag=node$node

@@ -4,14 +4,15 @@
 #   examples/slurm/rejoin_node.sh [--host HOST] [--standby N] RUN_DIR NODE_RANK
 #
 # RUN_DIR is the job's run folder (it holds launch.env, written by the sbatch script);
-# NODE_RANK is the lost node's rank (its supervisor's "node K" in the log; 0 only when the
-# job runs with STORE_MODE=replicated, the default on two nodes or more: node 1's standby store
-# took over node 0's). --host: the node to run on, a spare node of the allocation (SPARE_NODES)
-# or the repaired node once it is back in the job; default: the first spare node, else the
-# node Slurm picks. It starts a new job step (srun --jobid --overlap) that runs the node's
-# supervisor with --rejoin: the supervisor waits until the coordinator has declared the old
-# ranks dead, starts them as their next incarnation, and they join at an iteration boundary
-# a few steps ahead, where they are healed from a data-parallel peer (no checkpoint read).
+# NODE_RANK is the lost node's rank (its supervisor's "node K" in the log): any node, node 0
+# included, in etcd mode (three nodes or more, or MECEFO_ETCD_ENDPOINTS set); 1 or more with
+# node 0's single store. --host: the node to run on, a spare node of the allocation
+# (SPARE_NODES) or the repaired node once it is back in the job; default: the first spare
+# node, else the node Slurm picks. It starts a new job step (srun --jobid --overlap) that
+# runs the node's supervisor with --rejoin: the supervisor waits until the coordinator has
+# declared the old ranks dead, starts them as their next incarnation, and they join at an
+# iteration boundary a few steps ahead, where they are healed from a data-parallel peer (no
+# checkpoint read).
 # --standby N: N warm processes import everything while the node waits, so it can be started
 # ahead of a failure (a hot spare) and takes over about a second after the death is known.
 # Run it by hand, from a cron/watchdog, or from the batch script itself.
@@ -38,14 +39,14 @@ source "$run_dir/launch.env"
 if [ -z "$host" ] && [ "${#HOSTS[@]}" -gt "$NODES" ]; then
     host=${HOSTS[$NODES]}
 fi
-first=1
-if [ "${MECEFO_STORE_MODE:-single}" = replicated ]; then
-    first=0  # node 1's standby store took over node 0's
+first=0
+if [ "${MECEFO_STORE_MODE:-single}" != etcd ]; then
+    first=1  # node 0 hosts the only store: its loss ended the job
 fi
 if ! [ "$node" -ge "$first" ] 2>/dev/null || [ "$node" -ge "$MECEFO_NNODES" ]; then
-    echo "error: NODE_RANK=$node: a lost node's rank is $first..$((MECEFO_NNODES - 1)) (with" \
-        "STORE_MODE=single node 0 hosts the only membership store and cannot be replaced while" \
-        "the job runs)" >&2
+    echo "error: NODE_RANK=$node: a lost node's rank is $first..$((MECEFO_NNODES - 1)) (node 0" \
+        "hosts the only membership store on fewer than three nodes without" \
+        "MECEFO_ETCD_ENDPOINTS, and cannot be replaced while the job runs)" >&2
     exit 2
 fi
 export MECEFO_NODE_RANK=$node MECEFO_REJOIN=1

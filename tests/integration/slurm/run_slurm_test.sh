@@ -3,17 +3,19 @@
 #
 # Installs slurm-wlm, munge and shellcheck with apt when they are missing (fails, loudly, when
 # it cannot), checks the scripts with shellcheck, writes a one-host slurm.conf in a temporary
-# folder and starts munged, slurmctld and slurmd there, then (8 nodes, so STORE_MODE=replicated,
-# the scripts' default from two nodes on: node 1 serves a standby store mirroring node 0's):
+# folder and starts munged, slurmctld and slurmd there, then (8 one-rank "nodes", so the
+# scripts' default from three nodes on: etcd mode, the job starting one etcd member on each of
+# its first three nodes, here three members of one host on their own ports):
 #   1. pretrain_gpt_mecefo.sbatch, 8 tasks (8 one-rank "nodes", PP2 x DP4, CPU): once training
 #      runs, the supervisor of node 3 is SIGKILLed (its rank dies with it: a lost node); the
 #      job trains on, and rejoin_node.sh (started as a hot spare) brings node 3 back in a new
-#      job step. Once that rejoin is recorded, node 0's supervisor is SIGKILLed (the primary
-#      store, the coordinator and rank 0 go with it): node 1's standby store takes over, and
-#      rejoin_node.sh brings node 0 back in a second step. The job must complete without a
-#      requeue, every iteration logged exactly once, one failure record for rank 3 and one
-#      for rank 0, a rejoin record for each, both healed, and every DP weight-hash check
-#      identical up to the last iteration.
+#      job step. Once that rejoin is recorded, node 0 is lost: its supervisor (the etcd
+#      leader: the hot store, the coordinator and rank 0 go with it) and its etcd member m0
+#      are SIGKILLed; another node wins the next term on etcd's two live members and takes
+#      over, and rejoin_node.sh brings node 0 back in a second step. The job must complete
+#      without a requeue, every iteration logged exactly once, one failure record for rank 3
+#      and one for rank 0, a rejoin record for each, both healed, and every DP weight-hash
+#      check identical up to the last iteration.
 #   2. megatron_lm_mecefo.sbatch, 8 tasks, Megatron-LM core_v0.16.1 (MEGATRON_LM_DIR, else the
 #      tarball in ../shared/megatron-lm, unpacked and patched): the same losses of node 3 and
 #      node 0 and their rejoins as 1, survived in-process in Megatron-LM's own pretrain_gpt.py:
@@ -24,7 +26,13 @@
 #      lowered so that Slurm's --signal=TERM@120 (the script's own) falls due; the ranks save
 #      at the next iteration boundary, the script requeues the job, and the requeued job
 #      resumes from that checkpoint: every iteration is logged exactly once across the two.
-# A requeue after a failure remains only for losing every replica (not exercised here).
+#   4. etcd's quorum lost: pretrain_gpt_mecefo.sbatch on 4 one-rank nodes (PP2 x DP2, the
+#      job's own etcd), two of its three etcd members SIGKILLed after a checkpoint: every
+#      supervisor ends with one line, no hang; the script requeues the job, which starts a
+#      fresh etcd, resumes from the checkpoint and completes. STORE_MODE=replicated (an old
+#      configuration) must fail with its own line.
+# A requeue after a failure remains for losing every replica (not exercised here) and etcd's
+# quorum (4).
 # Every daemon and job it started is stopped by PID / job id, and the folder removed, on exit.
 set -euo pipefail
 # No `cmd | grep -q`: grep exits at the first match, cmd then dies of SIGPIPE, and pipefail
@@ -92,6 +100,14 @@ cleanup() {
             grep -v "^\[rank[0-9]*\]:\[W\|^frame #\|^Exception raised from" "$out" \
                 | grep -A 25 "^Traceback" | head -n 120
         done
+        for out in "$TMP"/runs/*.out; do
+            [ -f "$out" ] || continue
+            echo "---- supervisor, coordinator and job lines in $(basename "$out") (tail)"
+            grep -E "^\[(supervisor|coordinator|mecefo_node|etcd_member)|MeCeFO|^etcd|^error|^note" "$out" \
+                | tail -n 40 | cut -c1-300
+        done
+        # SLURM_TEST_KEEP=DIR: the jobs' run folders and outputs are copied there.
+        if [ -n "${SLURM_TEST_KEEP:-}" ]; then cp -r "$TMP/runs" "$SLURM_TEST_KEEP"; fi
         echo "---- slurmctld log (tail)"; tail -n 20 "$TMP/slurmctld.log" 2> /dev/null
         echo "---- slurmd log (tail)"; tail -n 20 "$TMP/slurmd.log" 2> /dev/null
     fi
@@ -179,11 +195,34 @@ wait_for_text() {  # FILE TEXT TIMEOUT_S
     done
     return 1
 }
-submit() {  # OUT SCRIPT  (env passed through; each job gets a free port for its store)
-    local id
-    id=$(STORE_PORT=$(free_port) sbatch --parsable -N1 -n8 --ntasks-per-node=8 --gpus-per-node=0 -o "$1" "$2")
+# Six free ports in a row below the ephemeral range (no client connection takes one meanwhile):
+# the job's own etcd members, three on this one host (clients BASE..BASE+2, peers +3..+5).
+free_block() {
+    "$PY" - << 'PYPORTS'
+import random, socket
+for _ in range(200):
+    base = random.randrange(20000, 32000)
+    try:
+        for port in range(base, base + 6):
+            with socket.socket() as s:
+                s.bind(("", port))
+    except OSError:
+        continue
+    print(base)
+    break
+PYPORTS
+}
+submit() {  # OUT SCRIPT [NTASKS]  (env passed through; each job gets free ports for its stores)
+    local id base n=${3:-8}
+    base=$(free_block)
+    id=$(STORE_PORT=$(free_port) MECEFO_ETCD_CLIENT_PORT=$base MECEFO_ETCD_PEER_PORT=$((base + 3)) \
+        sbatch --parsable -N1 -n"$n" --ntasks-per-node="$n" --gpus-per-node=0 -o "$1" "$2")
     JOBS+=("$id")
     echo "$id"
+}
+etcd_started() {  # OUT: the job started its own 3 etcd members, and the supervisors use them
+    grep -q "etcd: the job's own 3 members" "$1" || { tail -n 30 "$1"; fail "no etcd started by the job in $1"; }
+    grep -q "(etcd, etcd " "$1" || { tail -n 30 "$1"; fail "the job in $1 did not run in etcd mode"; }
 }
 
 wait_rejoin_of_3() {  # RECORDS_FILE TIMEOUT_S: until a recovery record has rank 3 joined
@@ -201,6 +240,23 @@ standby_warm() {  # node 3's rejoin standby (in $RUN/pids.node3) connected to th
     [ -n "$pid" ] && grep -q . <<< "$(find "/proc/$pid/fd" -lname 'socket:*' 2> /dev/null)"
 }
 
+wait_takeover() {  # FILES...: a takeover line within 120 s, in the job's output or a rejoin
+    # step's (a rejoined node campaigns too, and may win the term)
+    for _ in $(seq 240); do
+        grep -qF "takes over" "$@" 2> /dev/null && return 0
+        sleep 0.5
+    done
+    return 1
+}
+lose_node0() {  # node 0's supervisor (with its rank) and its host's etcd member m0, SIGKILLed
+    local sup member
+    sup=$(cat "$RUN/supervisor.node0.pid")
+    member=$(cat "$RUN/etcd/m0.pid")
+    grep -E "iteration +[0-9]+/" "$OUT" | tail -n 1 | cut -c1-60
+    kill -9 "$sup" "$member"
+    say "SIGKILLed node 0: its supervisor (pid $sup; the leader's hot store, coordinator and rank 0 die with it) and etcd member m0 (pid $member)"
+}
+
 # The tiny CPU run both scripts train (8 ranks, PP2 x DP4).
 # PYTHONPATH: the ranks import this checkout's megatron_mecefo (the venv's editable install may
 # be another checkout's, e.g. in a git worktree).
@@ -209,8 +265,8 @@ export PYTHON=$PY GPUS_PER_NODE=1 TP=1 PP=2 DEVICE=cpu OMP_NUM_THREADS=1
 export SUPERVISOR_ARGS="--heartbeat-interval 0.5 --heartbeat-timeout 6 --collective-timeout 25 --init-timeout 90"
 
 # ------------------------------------------------------------------ 1. the example trainer
-# SLURM_TEST_PARTS=gpt,mlm,timelimit (default all three) runs only the parts named.
-PARTS=${SLURM_TEST_PARTS:-gpt,mlm,timelimit}
+# SLURM_TEST_PARTS=gpt,mlm,timelimit,quorum (default all four) runs only the parts named.
+PARTS=${SLURM_TEST_PARTS:-gpt,mlm,timelimit,quorum}
 if [[ ,$PARTS, == *,gpt,* ]]; then
 # The example trainer through tests/workers/dump_trainer.py, which only adds a sleep per
 # iteration (MECEFO_TEST_STEP_SLEEP) so that the run outlasts both losses and returns.
@@ -225,8 +281,9 @@ export RUN_DIR=$RUN MECEFO_DIR=$REPO TRAINER=$REPO/tests/workers/dump_trainer.py
 --lr-decay-style constant --check-weight-hash-across-dp-replicas-interval 10"
 JOB=$(submit "$OUT" "$REPO/examples/slurm/pretrain_gpt_mecefo.sbatch")
 say "job $JOB: pretrain_gpt_mecefo.sbatch, 8 tasks, $ITERS iterations"
-# 8 nodes: STORE_MODE=replicated by default, node 1 serves the standby store.
-wait_for_text "$OUT" "standby membership store at" 300 || { tail -n 30 "$OUT"; fail "job $JOB never started (no standby store on node 1)"; }
+# 8 nodes: etcd mode by default, the job's own 3 etcd members; node 0 is elected first.
+wait_for_text "$OUT" "elected leader on etcd" 300 || { tail -n 30 "$OUT"; fail "job $JOB never started (no leader elected on etcd)"; }
+etcd_started "$OUT"
 # The replacement node is started with the job (a hot spare): its supervisor starts a warm
 # standby that imports everything while the job starts, then waits until node 3's rank is
 # known dead, and takes its slot about a second later.
@@ -239,16 +296,14 @@ standby_warm || { cat "$TMP/runs/rejoin.out"; fail "the rejoining node's standby
 grep -E "iteration +[0-9]+/" "$OUT" | tail -n 1 | cut -c1-60
 kill -9 "$victim"
 say "SIGKILLed node 3's supervisor (pid $victim; its rank 3 dies with it): a lost node"
-# Node 0 next (the primary membership store, the coordinator and rank 0), once node 3's
-# rejoin is recorded (its generation committed an iteration): node 1's standby store takes
-# over, and a new node 0 rejoins there.
+# Node 0 next (the etcd leader: the hot store, the coordinator and rank 0, and the etcd
+# member m0 on its host), once node 3's rejoin is recorded (its generation committed an
+# iteration): another node wins the next term on the two live members and takes over, and a
+# new node 0 rejoins.
 wait_rejoin_of_3 "$RUN/metrics.jsonl" 300
-victim0=$(cat "$RUN/supervisor.node0.pid")
-grep -E "iteration +[0-9]+/" "$OUT" | tail -n 1 | cut -c1-60
-kill -9 "$victim0"
-say "SIGKILLed node 0's supervisor (pid $victim0; its store, its coordinator and its rank 0 die with it)"
-wait_for_text "$OUT" "takes over" 120 || { tail -n 30 "$OUT"; fail "node 1's standby store did not take over after node 0's loss"; }
-say "node 1's standby store took over; node 0 rejoins"
+lose_node0
+wait_takeover "$OUT" "$TMP/runs/rejoin.out" || { tail -n 30 "$OUT"; fail "no node took over after the leader's (node 0's) loss"; }
+say "$(grep -ho "node [0-9]*\] leader node 0 lost.*takes over" "$OUT" "$TMP/runs/rejoin.out" | head -n 1 | cut -c1-90); node 0 rejoins"
 "$REPO/examples/slurm/rejoin_node.sh" "$RUN" 0 > "$TMP/runs/rejoin0.out" 2>&1 &
 rejoin0=$!
 wait_job_end "$JOB" 600
@@ -293,7 +348,7 @@ assert max(c["iteration"] for c in checks) == iters, f"no check at the last iter
 text = "".join(open(p, errors="replace").read() for p in logs)
 heals = text.count("healed; parameters and optimizer state identical")
 assert heals >= 2, f"{heals} heal line(s) in the logs, not one per rejoined node"
-assert "takes over" in text, "no takeover line of node 1's standby store"
+assert "takes over" in text, "no takeover line after the leader's loss"
 for n in (3, 0):
     print(f"[test-slurm] example trainer: node {n} lost at iteration {lost[n][0]['iteration']} "
           f"(ranks lost {lost[n][0]['ranks_lost']}), rejoined at iteration "
@@ -349,7 +404,8 @@ else
         EXTRA_ARGS="--mecefo-rank 16"
     JOB=$(submit "$OUT" "$REPO/examples/slurm/megatron_lm_mecefo.sbatch")
     say "job $JOB: megatron_lm_mecefo.sbatch ($MEGATRON_LM_DIR), 8 tasks, $MLM_ITERS iterations"
-    wait_for_text "$OUT" "membership store at" 300 || { tail -n 30 "$OUT"; fail "job $JOB never started"; }
+    wait_for_text "$OUT" "elected leader on etcd" 300 || { tail -n 30 "$OUT"; fail "job $JOB never started"; }
+    etcd_started "$OUT"
     "$REPO/examples/slurm/rejoin_node.sh" --standby 1 "$RUN" 3 > "$TMP/runs/mlm-rejoin.out" 2>&1 &
     rejoin=$!
     wait_for_text "$OUT" "iteration       10/" 300 || { tail -n 30 "$OUT"; fail "job $JOB never reached iteration 10"; }
@@ -358,15 +414,13 @@ else
     victim=$(cat "$RUN/supervisor.node3.pid")
     kill -9 "$victim"
     say "SIGKILLed node 3's supervisor (pid $victim; its rank 3 dies with it): a lost node"
-    # Then node 0, once node 3's rejoin is recorded; node 1's standby store takes over.
+    # Then node 0 (with etcd member m0), once node 3's rejoin is recorded; another node takes over.
     wait_rejoin_of_3 "$RUN/recovery.jsonl" 600
-    victim0=$(cat "$RUN/supervisor.node0.pid")
-    kill -9 "$victim0"
-    say "SIGKILLed node 0's supervisor (pid $victim0; its store, its coordinator and its rank 0 die with it)"
-    wait_for_text "$OUT" "takes over" 120 || { tail -n 30 "$OUT"; fail "node 1's standby store did not take over after node 0's loss"; }
+    lose_node0
+    wait_takeover "$OUT" "$TMP/runs/mlm-rejoin.out" || { tail -n 30 "$OUT"; fail "no node took over after the leader's (node 0's) loss"; }
     "$REPO/examples/slurm/rejoin_node.sh" "$RUN" 0 > "$TMP/runs/mlm-rejoin0.out" 2>&1 &
     rejoin0=$!
-    say "node 1's standby store took over; node 0 rejoins"
+    say "$(grep -ho "node [0-9]*\] leader node 0 lost.*takes over" "$OUT" "$TMP/runs/mlm-rejoin.out" | head -n 1 | cut -c1-90); node 0 rejoins"
     wait_job_end "$JOB" 900
     state=$STATE
     wait "$rejoin" && rejoin_rc=0 || rejoin_rc=$?
@@ -445,7 +499,7 @@ say "job $JOB requeued; its time limit raised back to 30 min"
 wait_job_end "$JOB" 600
 say "job $JOB: $STATE"
 echo "---- job output (stop, requeue, resume)"
-grep -E "MeCeFO job|supervisor node|stopped by|exiting at|loaded checkpoint|training finished" "$OUT" | cut -c1-220 || true
+grep -E "MeCeFO job|SIGTERM|supervisor node|stopped by|exiting at|loaded checkpoint|training finished" "$OUT" | cut -c1-220 || true
 [ "$STATE" = COMPLETED ] || { tail -n 40 "$OUT"; fail "job $JOB ended $STATE"; }
 saved=$(grep -o "stopped before the time limit and saved iteration [0-9]*" "$OUT" | grep -o "[0-9]*$") \
     || fail "job $JOB: no save-and-requeue line"
@@ -454,6 +508,10 @@ if [ "$saved" -lt 10 ] || [ "$saved" -ge "$TL_ITERS" ]; then
 fi
 grep -q "loaded checkpoint from $CKPT at iteration $saved " "$OUT" || fail "the requeued run did not resume at iteration $saved"
 grep -q "ranks ended before their save completed" "$OUT" && fail "a rank ended before its save"
+# The signal went to the batch script only (--signal=B:), which passed it to the training step:
+# the job's etcd members kept serving while the ranks saved (no supervisor lost its lease).
+grep -q "SIGTERM before the time limit: passed on to the training steps" "$OUT" || fail "the script did not pass the signal on"
+grep -Eq "^\[supervisor node [0-9]+\] .*exiting \(the other nodes" "$OUT" && fail "a supervisor lost etcd while stopping"
 "$PY" - "$RUN/metrics.jsonl" "$TL_ITERS" "$saved" << 'PYCHECK'
 import json, sys
 metrics, iters, saved = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -465,5 +523,78 @@ print(f"[test-slurm] time limit: stopped and saved at iteration {saved}, requeue
       f"iterations 1..{iters} each logged exactly once across the two runs")
 PYCHECK
 say "pretrain_gpt_mecefo.sbatch cut by its time limit: PASSED (saved, requeued, resumed)"
+fi
+# ------------------------------------------------------------------ 4. etcd's quorum lost
+if [[ ,$PARTS, == *,quorum,* ]]; then
+# An old configuration's STORE_MODE=replicated: one error line naming it and the fix, and no
+# step started.
+OUT=$TMP/runs/replicated.out
+export RUN_DIR=$TMP/runs/replicated MECEFO_DIR=$REPO DATA_PATH=mock
+JOB=$(STORE_MODE=replicated submit "$OUT" "$REPO/examples/slurm/pretrain_gpt_mecefo.sbatch" 4)
+wait_job_end "$JOB" 60
+[ "$STATE" = FAILED ] || { cat "$OUT"; fail "STORE_MODE=replicated: job $JOB ended $STATE, not FAILED"; }
+grep -q "^error: STORE_MODE=replicated: .*MECEFO_ETCD_ENDPOINTS=HOST:PORT" "$OUT" \
+    || { cat "$OUT"; fail "STORE_MODE=replicated: not the error line naming it and the fix"; }
+[ "$(wc -l < "$OUT")" -eq 1 ] || { cat "$OUT"; fail "STORE_MODE=replicated: more than its one line"; }
+say "STORE_MODE=replicated: FAILED with its own line: $(cut -c1-100 "$OUT")..."
+
+Q_ITERS=${SLURM_TEST_Q_ITERS:-60}
+RUN=$TMP/runs/quorum
+OUT=$TMP/runs/quorum.out
+CKPT=$RUN/checkpoints
+export RUN_DIR=$RUN MECEFO_DIR=$REPO TRAINER=$REPO/tests/workers/dump_trainer.py \
+    MECEFO_TEST_STEP_SLEEP=0.3 DATA_PATH=mock PRECISION_ARGS="" \
+    MODEL_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64" \
+    MICRO_BATCH=2 GLOBAL_BATCH=16 TRAIN_ITERS=$Q_ITERS SAVE_INTERVAL=10 \
+    EXTRA_ARGS="--mecefo-rank 16 --log-interval 1 --eval-iters 0 --split 98,2,0 --lr 3e-3 \
+--lr-decay-style constant"
+JOB=$(submit "$OUT" "$REPO/examples/slurm/pretrain_gpt_mecefo.sbatch" 4)
+say "job $JOB: pretrain_gpt_mecefo.sbatch, 4 tasks, $Q_ITERS iterations, etcd's quorum to be lost"
+wait_for_text "$OUT" "elected leader on etcd" 300 || { tail -n 30 "$OUT"; fail "job $JOB never started"; }
+etcd_started "$OUT"
+for _ in $(seq 600); do [ -s "$CKPT/latest_checkpointed_iteration.txt" ] && break; sleep 0.5; done
+[ -s "$CKPT/latest_checkpointed_iteration.txt" ] || { tail -n 30 "$OUT"; fail "job $JOB saved no checkpoint"; }
+members=("$(cat "$RUN/etcd/m1.pid")" "$(cat "$RUN/etcd/m2.pid")")
+grep -E "iteration +[0-9]+/" "$OUT" | tail -n 1 | cut -c1-60
+kill -9 "${members[@]}"
+t_kill=$(date +%s)
+say "SIGKILLed etcd members m1 and m2 (pids ${members[*]}): no quorum left"
+# Every supervisor ends with one line (the heartbeat timeout is 6 s: its lease TTL), and the
+# script requeues the job: no hang.
+wait_for_text "$OUT" "requeued, it resumes from" 90 || { tail -n 40 "$OUT"; fail "job $JOB did not stop and requeue within 90 s of etcd's quorum loss"; }
+say "job $JOB stopped and requeued $(($(date +%s) - t_kill)) s after the quorum loss"
+for _ in $(seq 600); do
+    grep -q "Restarts=1" <<< "$(scontrol show job "$JOB" 2> /dev/null)" && break
+    sleep 0.5
+done
+wait_job_end "$JOB" 600
+say "job $JOB: $STATE"
+echo "---- job output (quorum loss, requeue, resume)"
+grep -E "MeCeFO job|etcd:|supervisor node [0-9]+\] .*(etcd|exiting)|loaded checkpoint|training finished" "$OUT" | cut -c1-220 || true
+[ "$STATE" = COMPLETED ] || { tail -n 40 "$OUT"; fail "job $JOB ended $STATE"; }
+grep -q "Restarts=1" <<< "$(scontrol show job "$JOB")" || fail "job $JOB was not requeued exactly once"
+first=$(sed '/(restart 1)/,$d' "$OUT")
+for node in 0 1 2 3; do
+    grep -Eq "^\[supervisor node $node\] .*exiting" <<< "$first" \
+        || fail "node $node's supervisor did not end with its line after etcd's quorum loss"
+done
+grep -q "training stopped (status 1; node0=1 node1=1 node2=1 node3=1); requeued" <<< "$first" \
+    || fail "the first run did not end with every node's status 1 and a requeue"
+saved=$(grep -o "requeued, it resumes from $CKPT (iteration [0-9]*)" "$OUT" | grep -o "[0-9]*)$" | tr -d ')')
+grep -q "loaded checkpoint from $CKPT at iteration $saved " "$OUT" || fail "the requeued run did not resume at iteration $saved"
+stopped_at=$(grep -Eo "iteration +[0-9]+/" <<< "$first" | tail -n 1 | grep -Eo "[0-9]+")
+"$PY" - "$RUN/metrics.jsonl" "$Q_ITERS" "$saved" "$stopped_at" << 'PYCHECK'
+import json, sys
+metrics, iters, saved, stopped_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+recs = [json.loads(line) for line in open(metrics) if line.strip()]
+train = [r["iteration"] for r in recs if r["type"] == "train"]
+# The first run stopped before the end (at or after the checkpoint); the resumed run redid
+# the iterations after the checkpoint (its records replace the lost run's).
+assert saved <= stopped_at < iters, (saved, stopped_at)
+assert train == list(range(1, iters + 1)), f"iterations logged: {train}"
+print(f"[test-slurm] etcd quorum lost at iteration {stopped_at}; requeued; resumed from the "
+      f"checkpoint at iteration {saved}; iterations 1..{iters} each logged once")
+PYCHECK
+say "etcd's quorum lost: PASSED (every node ended with its line, requeued, resumed, finished)"
 fi
 say "make test-slurm: PASSED in $(($(date +%s) - T0)) s"
