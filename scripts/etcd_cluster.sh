@@ -13,7 +13,9 @@
 #
 # Environment: ETCD (the binary, default etcd on PATH), ETCDCTL (default etcdctl, used for
 # the readiness check when present), ETCD_READY_TIMEOUT (seconds, default 60),
-# ETCD_HEARTBEAT_MS / ETCD_ELECTION_MS (raft timing, defaults 100 / 1000: etcd's own).
+# ETCD_HEARTBEAT_MS / ETCD_ELECTION_MS (raft timing, defaults 100 / 1000: etcd's own),
+# ETCD_CLIENT_HOST (the address the members serve clients on, default 127.0.0.1; e.g. a
+# bridge's address that other network namespaces reach; the peers stay on 127.0.0.1).
 set -euo pipefail
 
 MEMBERS=3
@@ -22,6 +24,7 @@ ETCDCTL=${ETCDCTL:-etcdctl}
 READY_TIMEOUT=${ETCD_READY_TIMEOUT:-60}
 HEARTBEAT_MS=${ETCD_HEARTBEAT_MS:-100}
 ELECTION_MS=${ETCD_ELECTION_MS:-1000}
+CLIENT_HOST=${ETCD_CLIENT_HOST:-127.0.0.1}
 
 usage() {
     echo "usage: $0 start DIR [BASE_PORT] | stop DIR" >&2
@@ -84,10 +87,10 @@ start_cluster() {
         pid=$(pid_of "$dir" "$i")
         alive "$pid" && fail "member $i already runs (PID $pid, $dir/member$i.pid); stop it first"
         cluster+="${cluster:+,}m$i=http://127.0.0.1:$((base + 2 * i + 1))"
-        endpoints+="${endpoints:+,}127.0.0.1:$((base + 2 * i))"
+        endpoints+="${endpoints:+,}$CLIENT_HOST:$((base + 2 * i))"
     done
     for i in $(seq 0 $((MEMBERS - 1))); do
-        local client="http://127.0.0.1:$((base + 2 * i))" peer="http://127.0.0.1:$((base + 2 * i + 1))"
+        local client="http://$CLIENT_HOST:$((base + 2 * i))" peer="http://127.0.0.1:$((base + 2 * i + 1))"
         rm -rf "$dir/member$i"
         setsid "$ETCD" --name "m$i" --data-dir "$dir/member$i" \
             --listen-client-urls "$client" --advertise-client-urls "$client" \
@@ -109,7 +112,7 @@ start_cluster() {
                 stop_cluster "$dir"
                 fail "member $i (PID $pid) exited during start-up; its log: $dir/member$i.log"
             fi
-            healthy "127.0.0.1:$((base + 2 * i))" || all=0
+            healthy "$CLIENT_HOST:$((base + 2 * i))" || all=0
         done
         [ "$all" -eq 1 ] && break
         if [ "$SECONDS" -ge "$deadline" ]; then

@@ -1,5 +1,8 @@
 """A private 3-member etcd cluster on 127.0.0.1 (``scripts/etcd_cluster.sh``), stopped by PID.
 
+Its members serve clients on another address of this machine with ``client_host`` (a
+bridge's, for nodes in network namespaces: tests/helpers/netns.py).
+
 Used by ``benchmarks/etcd_client.py`` and by the etcd control plane's tests, whose fixtures
 ``yield from running_cluster(directory)`` (in the test module: a conftest.py beside the tests
 would shadow tests/conftest.py, which the tests import by name). Every member is its own
@@ -59,16 +62,18 @@ class EtcdCluster:
 
     Args:
         directory: data, PID files and logs (``scripts/etcd_cluster.sh``'s DIR).
+        client_host: the address the members serve clients on (the peers use 127.0.0.1).
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, client_host: str = "127.0.0.1") -> None:
         self.directory = Path(directory)
+        self.client_host = client_host
         self.base = 0
 
     @property
     def endpoints(self) -> List[str]:
         """``HOST:PORT`` of every member's client URL, member 0 first."""
-        return [f"127.0.0.1:{self.base + 2 * i}" for i in range(MEMBERS)]
+        return [f"{self.client_host}:{self.base + 2 * i}" for i in range(MEMBERS)]
 
     def start(self, timeout_s: float = 90.0) -> "EtcdCluster":
         """Start the members on a free block of ports; retries once on a port taken meanwhile."""
@@ -80,7 +85,11 @@ class EtcdCluster:
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
-                env={**os.environ, "ETCD_READY_TIMEOUT": str(int(timeout_s) - 10)},
+                env={
+                    **os.environ,
+                    "ETCD_READY_TIMEOUT": str(int(timeout_s) - 10),
+                    "ETCD_CLIENT_HOST": self.client_host,
+                },
             )
             if proc.returncode == 0:
                 return self
@@ -149,13 +158,13 @@ class EtcdCluster:
         subprocess.run([str(SCRIPT), "stop", str(self.directory)], timeout=60, check=False)
 
 
-def running_cluster(directory: Path) -> Iterator[EtcdCluster]:
+def running_cluster(directory: Path, client_host: str = "127.0.0.1") -> Iterator[EtcdCluster]:
     """For a fixture (``yield from``): a started cluster, stopped by its PIDs afterwards, also
     when the test fails; skips the test, with the reason, where no ``etcd`` binary exists."""
     missing = etcd_missing_reason()
     if missing:
         pytest.skip(missing)
-    cluster = EtcdCluster(directory)
+    cluster = EtcdCluster(directory, client_host)
     try:
         cluster.start()
         yield cluster

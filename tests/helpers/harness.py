@@ -11,7 +11,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from conftest import REPO
@@ -40,7 +40,11 @@ SMALL_MODEL = [
 
 
 class Job:
-    """One supervised training job (one supervisor per node), ended by PID in :meth:`stop`."""
+    """One supervised training job (one supervisor per node), ended by PID in :meth:`stop`.
+
+    ``launch(node, argv)``, if given, returns the argv that starts node ``node``'s supervisor
+    (e.g. inside a network namespace, with flags of its own); it must exec the supervisor in
+    the process it starts, so that the PID is the supervisor's."""
 
     def __init__(
         self,
@@ -49,6 +53,7 @@ class Job:
         trainer_args: List[str],
         nnodes: int = 1,
         supervisor_args: Optional[List[str]] = None,
+        launch: Optional[Callable[[int, List[str]], List[str]]] = None,
         **extra_env: str,
     ) -> None:
         self.workdir = workdir
@@ -63,6 +68,7 @@ class Job:
         self.procs: List[subprocess.Popen] = []
         self.logs: List[Path] = []
         self.extra_env = extra_env
+        self.launch = launch
 
     def store_file(self, node: int) -> Path:
         """Where node ``node``'s supervisor writes its store address (node 0: its own; with
@@ -98,6 +104,8 @@ class Job:
             cmd += ["--rejoin", *(extra or [])]
         cmd += ["--", str(DUMP_TRAINER), *self.trainer_args, "--metrics-file",
                 str(self.metrics)]  # fmt: skip
+        if self.launch is not None:
+            cmd = self.launch(node, cmd)
         log = self.workdir / (f"node{node}.log" if not rejoin else f"node{node}-rejoin.log")
         self.logs.append(log)
         proc = subprocess.Popen(

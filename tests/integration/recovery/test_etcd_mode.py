@@ -215,14 +215,27 @@ def test_etcd_members_killed(tmp_path: Path, etcd: EtcdCluster) -> None:
     assert ended_s <= 3 * hb + 20, ended_s
 
 
+def _wait_past(job: Job, iterations: int) -> None:
+    """Until ``iterations`` more iterations are logged (a rejoin's record comes with them)."""
+    start = max(_train_iterations(job), default=0)
+    deadline = time.monotonic() + 120
+    while max(_train_iterations(job), default=0) < start + iterations:
+        assert time.monotonic() < deadline, job.log()[-4000:]
+        time.sleep(0.1)
+
+
 def test_leader_lost_twice_with_a_rejoin(tmp_path: Path, etcd: EtcdCluster) -> None:
     """DP3 on three nodes (1 rank each). The leader (node 0) is SIGKILLed; another node wins
-    the next term. A new node 0 rejoins (``--rejoin``, through etcd) and is healed. Then the
-    second leader's node is SIGKILLed too: the third term's leader goes on; every sample once,
-    the survivors' replicas identical."""
+    the next term. A new node 0 joins (``--rejoin``, through etcd, started after the loss) and
+    is healed. Then the second leader's node is SIGKILLed too: the third term's leader goes
+    on, and a new node joins in its place and is healed as well (started as a hot spare
+    before that loss, ``--standby 1``: a cold start after it takes about 100 iterations here,
+    longer than the job has left). Every sample once, every replica identical at the end (DP3
+    again)."""
     iters, gbs = 150, 12
     job = Job(tmp_path, 1, _layout(iters, gbs), nnodes=3, supervisor_args=_etcd_args(etcd),
               MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
+    healed = "healed; parameters and optimizer state identical"
     try:
         job.start()
         job.wait_for("iteration        5/")
@@ -230,28 +243,35 @@ def test_leader_lost_twice_with_a_rejoin(tmp_path: Path, etcd: EtcdCluster) -> N
         job.wait_for("this node takes over")
         second = int(job.log().split("] leader node 0 lost")[0].rsplit("[supervisor node ", 1)[1])
         job.start_node(0, rejoin=True)
-        job.wait_for("healed; parameters and optimizer state identical")
-        healed_at = max(_train_iterations(job), default=0)
-        deadline = time.monotonic() + 120
-        while max(_train_iterations(job), default=0) < healed_at + 5:  # the rejoin's record
-            assert time.monotonic() < deadline, job.log()[-4000:]
-            time.sleep(0.1)
+        job.wait_for(healed)
+        _wait_past(job, 5)
+        job.start_node(second, rejoin=True, extra=["--standby", "1"])
+        job.wait_for(f"rejoin: waiting until rank {second} (incarnation 0) is known dead")
         _signal_node(job, second, signal.SIGKILL)
+        job.wait_for(f"leader node {second} lost")
+        deadline = time.monotonic() + 300
+        while job.log().count(healed) < 2:
+            assert time.monotonic() < deadline and job.procs[-1].poll() is None, job.log()[-4000:]
+            time.sleep(0.2)
+        rejoined_at = max(_train_iterations(job), default=0)
         rc = job.wait(timeout=400)
     finally:
         job.stop()
     log = job.log()
-    expect = [-9, 0, 0, 0]
+    expect = [-9, 0, 0, 0, 0]
     expect[second] = -9
     assert rc == expect, (rc, log[-5000:])
+    assert rejoined_at < iters, f"the second rejoin was healed after the last iteration: {log}"
     assert log.count("this node takes over") == 2, log[-5000:]
-    assert f"leader node {second} lost" in log
     check_every_sample_once(train_records(job.metrics), iters, gbs, 3)
     kinds = [(r["kind"], r["ranks_lost"], r["ranks_joined"]) for r in job.records_of("recovery")]
     assert kinds[0][:2] == ("failure", [0]), kinds
-    assert any(joined == [0] for _, _, joined in kinds), kinds
-    assert any(k == "failure" and lost == [second] for k, lost, _ in kinds), kinds
+    lost_second = [i for i, (k, lost, _) in enumerate(kinds) if k == "failure" and lost == [second]]
+    joined = {tuple(j): i for i, (_, _, j) in enumerate(kinds) if j}
+    # Each loss is followed by a join of the lost slot, in that order.
+    assert list(joined) == [(0,), (second,)], kinds
+    assert 0 < joined[(0,)] < lost_second[0] < joined[(second,)], kinds
     params = job.params()
-    third = 3 - second  # the node neither lost
-    assert sorted(params) == sorted([0, third])
-    assert max_param_diff({0: params[0]}, {0: params[third]}) == 0.0
+    assert sorted(params) == [0, 1, 2]
+    for slot in (1, 2):
+        assert max_param_diff({0: params[0]}, {0: params[slot]}) == 0.0, slot
