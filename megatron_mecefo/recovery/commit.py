@@ -31,6 +31,18 @@ which changes nothing a redo would need: only the parameter update waits for the
 With a standby store (node 0's loss survived, :mod:`.store_failover`), the commit also claims
 ``outcome/<g>/<iteration>`` on the standby before the commit key is written, and a vote cut
 off by the primary's loss is resolved there (:func:`resolve_after_failover`).
+
+In ``--store-mode etcd`` the vote is decided on the leader's hot store alone: no etcd request
+per iteration. A member whose vote was cut off by the hot store's loss (the store moved to a
+new leader: :class:`~.store_failover.StoreFailedOver`) is *in doubt*: some members may have
+seen the commit before the loss, others not, and the store that knew is gone. It does not
+apply the step (it claims nothing either: a claim cannot know what the lost store decided).
+The takeover publishes a generation (the old leader's ranks are declared dead), so every
+member regroups, and the heal brings each to the highest committed iteration among the
+world's members (``RecoverySession.on_built``): the step counts when a member that applied
+it survives, and is redone by everyone otherwise. A member that applied it and then died or
+was fenced (hung past its lease) takes its state with it. ``tests/helpers/protocol_check.py``
+(``EtcdDesign``) checks this rule over every interleaving, crash and hang of a small job.
 """
 
 from __future__ import annotations
@@ -128,9 +140,10 @@ def abort(
 
 def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
     """COMMIT, made durable before the caller applies the step (a plain ``set``). In the
-    replicated mode the standby's outcome key is claimed first: a member that finds the
-    primary lost claims it for an abort (:func:`resolve_after_failover`), and whichever claim
-    came first stands for every member, so no step is applied by some and not others."""
+    replicated mode (not in etcd mode) the standby's outcome key is claimed first: a member
+    that finds the primary lost claims it for an abort (:func:`resolve_after_failover`), and
+    whichever claim came first stands for every member, so no step is applied by some and not
+    others."""
     won = ms.on_standby("compare_set", _outcome_key(generation, iteration), "", COMMIT)
     if won is not None and won.decode() != COMMIT:
         return False  # the primary was lost and a member resolved the vote as aborted
@@ -141,7 +154,12 @@ def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
 def resolve_after_failover(ms: MembershipStore, generation: int, iteration: int) -> bool:
     """The outcome of a vote that was in flight when the primary store was lost, read from
     the standby (now the store of ``ms``): a commit whose claim reached it stands; otherwise
-    this claims an abort, which every later reader and a slow committer then find."""
+    this claims an abort, which every later reader and a slow committer then find.
+
+    In etcd mode (the store's ``commits_on_hot_store``) the member is in doubt and does not
+    apply the step: the regroup settles it (module docstring)."""
+    if getattr(ms.store, "commits_on_hot_store", False):
+        return False
     key = _outcome_key(generation, iteration)
     return ms.store.compare_set(key, "", ABORT).decode() == COMMIT
 

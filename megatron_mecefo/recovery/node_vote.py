@@ -89,6 +89,8 @@ class NodeVoteServer:
         gather_timeout_s: The bound on the last local vote after the first.
         membership: A :class:`MembershipStore` factory (e.g. one whose ``on_standby`` claims the
             outcome on etcd); default: :meth:`MembershipStore.connect` of ``store``.
+        vote_membership: The factory of the casting client only (default: ``membership``);
+            a supervisor's raises ``StoreFailedOver`` on a takeover (:mod:`.node_vote_host`).
     """
 
     def __init__(
@@ -100,12 +102,13 @@ class NodeVoteServer:
         gather_timeout_s: float = GATHER_TIMEOUT_S,
         decision_wait_s: float = DECISION_WAIT_S,
         membership: Optional[Callable[[], MembershipStore]] = None,
+        vote_membership: Optional[Callable[[], MembershipStore]] = None,
     ) -> None:
         self.path, self.node = path, node
         self.poll_interval_s, self.gather_timeout_s = poll_interval_s, gather_timeout_s
         self.decision_wait_s = decision_wait_s
         connect = membership or (lambda: MembershipStore.connect(store))
-        self._vote_ms, self._ms = connect(), connect()
+        self._vote_ms, self._ms = (vote_membership or connect)(), connect()
         self._ms_lock = threading.Lock()  # one request at a time on the shared client
         self._lock = threading.Condition()
         self._rounds: Dict[Tuple[int, int], _Round] = {}
