@@ -20,7 +20,9 @@ iteration, all released together by a barrier. Runs:
 * ``top_level``: ``--nodes / --group-size`` voters only: the hot store's share if nodes were
   gathered in groups of ``--group-size`` and each group's leader cast one vote (a two-level
   gather, not built: this measures its top level alone; the groups' own gathers would run in
-  parallel on their leaders' machines).
+  parallel on their leaders' machines);
+* ``one_group``: ``--group-size`` voters: one group's gather, as if its leader served it with
+  a TCPStore (the two levels in sequence would cost about the two runs' times together).
 
 Per iteration: the time from the first voter's start to the last voter knowing the outcome
 (every voter, including the real node's ranks), p50 and p99; and the store server's CPU
@@ -306,6 +308,11 @@ def main() -> None:
             gen += 1
             top = -(-a.nodes // a.group_size)
             r = run(address, host.pid, "top_level", top, a.procs, a.iterations, gen, 0, None)
+            result["runs"].append(r)
+            print(json.dumps(r), flush=True)
+            gen += 1  # one group's gather, as if its leader served it with a TCPStore
+            r = run(address, host.pid, "one_group", a.group_size, a.procs, a.iterations, gen, 0,
+                    None)  # fmt: skip
             result["runs"].append(r)
             print(json.dumps(r), flush=True)
         if not a.skip_etcd:
