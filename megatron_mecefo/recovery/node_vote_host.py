@@ -42,6 +42,7 @@ def host(store: str, node: int, poll_interval_s: float) -> Optional[Any]:
     from megatron_mecefo.recovery.node_vote import NodeVoteServer
 
     path = os.path.join(tempfile.gettempdir(), f"mecefo-vote-{os.getpid()}-{node}.sock")
+    print(f"[supervisor node {node}] node vote: this node's ranks vote through {path}", flush=True)
     return NodeVoteServer(
         path, store, node=node, poll_interval_s=poll_interval_s,
         vote_membership=lambda: MembershipStore.connect(store, raise_on_failover=True),
