@@ -6,8 +6,12 @@ With ``MECEFO_NODE_VOTE=1`` in a supervisor's environment, the supervisor hosts 
 ranks' votes are gathered locally and the node casts one vote on the hot store, so the
 store serves one ``add`` (and one wait) per node per iteration, not per rank. Off by default:
 it is tested in-process and against etcd (``tests/unit/recovery/test_node_vote.py``,
-``tests/integration/recovery/test_node_vote_etcd.py``) and in a supervised DP4 run, but not
-yet through the failure scenarios of ``tests/integration/recovery/``.
+``tests/integration/recovery/test_node_vote_etcd.py``) and in failure-free supervised DP4 runs,
+but switched on it fails 3 of the 4 tests of ``tests/integration/recovery/test_etcd_mode.py``:
+after a takeover, the node's casting client raises ``StoreFailedOver`` for the first vote of
+the new generation (it only met the old store), and the node reports the vote lost instead
+of casting it again on the new store as :meth:`.commit.AsyncVoter._after_failover` does; the
+extra regroup breaks those tests' expectations (and the SIGSTOP test's time bound).
 
 The supervisor calls :func:`host` once its store is open and adds :func:`rank_env` to each
 rank's environment; the rank's session calls :func:`voter`. Every node of a job must use the
