@@ -11,9 +11,18 @@ iteration, all released together by a barrier. Runs:
   (:mod:`.node_vote`) casts; one of the nodes is a real :class:`.node_vote.NodeVoteServer`
   with ``--ranks-per-node`` real :class:`.node_vote.NodeVoteClient` ranks (Unix socket), so
   the local gather is in the measured path;
-* ``node_etcd``: the same, and the commit claims its outcome on a real 3-member etcd
-  (``scripts/etcd_cluster.sh``) with :meth:`.etcd_control.EtcdControl.claim_outcome`, once per
-  iteration (:class:`.node_vote.EtcdClaimedMembership`).
+* ``node_etcd``: the same in ``--store-mode etcd``: a real 3-member etcd
+  (``tests/helpers/etcd_cluster.py``) names the hot store (``hot_store``), and every voter's
+  client is the real :class:`.store_etcd.EtcdStore` (found through etcd, with the per-process
+  watch of ``hot_store``); the vote claims nothing on etcd (the hot path's rule,
+  :mod:`.commit`), so etcd's share is the watches' reads. The etcd members' CPU per
+  iteration is reported;
+* ``top_level``: ``--nodes / --group-size`` voters only: the hot store's share if nodes were
+  gathered in groups of ``--group-size`` and each group's leader cast one vote (a two-level
+  gather, not built: this measures its top level alone; the groups' own gathers would run in
+  parallel on their leaders' machines);
+* ``one_group``: ``--group-size`` voters: one group's gather, as if its leader served it with
+  a TCPStore (the two levels in sequence would cost about the two runs' times together).
 
 Per iteration: the time from the first voter's start to the last voter knowing the outcome
 (every voter, including the real node's ranks), p50 and p99; and the store server's CPU
@@ -34,7 +43,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from run_header import run_header  # benchmarks/, this script's folder
 
@@ -64,25 +73,6 @@ def _host(port_out: Any, stop: Any) -> None:
     stop.wait()
 
 
-class _LockedControl:
-    """One process's etcd client, shared by its voter threads (one claim at a time)."""
-
-    def __init__(self, endpoints: List[str], prefix: str) -> None:
-        from megatron_mecefo.recovery.etcd_control import EtcdControl
-
-        self.ctl = EtcdControl(endpoints, prefix, ttl_s=5)
-        self.lock = threading.Lock()
-        self.claim_s: List[float] = []
-
-    def claim_outcome(self, g: int, i: int, outcome: str) -> str:
-        with self.lock:
-            t0 = time.perf_counter()
-            try:
-                return self.ctl.claim_outcome(g, i, outcome)
-            finally:
-                self.claim_s.append(time.perf_counter() - t0)
-
-
 class _Counted:
     """A store client that counts its requests (what the server serves, polls included)."""
 
@@ -91,6 +81,8 @@ class _Counted:
 
     def __getattr__(self, name: str) -> Any:
         call = getattr(self.store, name)
+        if name == "on_standby":  # no request (etcd mode: the commit claims nothing)
+            return call
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.ops += 1
@@ -99,15 +91,17 @@ class _Counted:
         return counted
 
 
-def _membership(address: str, control: Optional[_LockedControl]) -> Any:
+def _membership(address: str, etcd: Optional[str]) -> Any:
+    """A voter's client: of the TCPStore at ``address``, or (``etcd``: an ``etcd://``
+    address) the real etcd-mode client, which finds the hot store through etcd."""
     from megatron_mecefo.recovery.membership import MembershipStore
-    from megatron_mecefo.recovery.node_vote import EtcdClaimedMembership
     from megatron_mecefo.recovery.store_forwarding import tcp_client
 
-    store = _Counted(tcp_client(address, 60.0))
-    if control is None:
-        return MembershipStore(store, address)
-    return EtcdClaimedMembership(store, control, address)
+    if etcd is None:
+        return MembershipStore(_Counted(tcp_client(address, 60.0)), address)
+    from megatron_mecefo.recovery.store_etcd import EtcdStore
+
+    return MembershipStore(_Counted(EtcdStore(etcd, 60.0, raise_on_failover=True)))
 
 
 def _voters(
@@ -116,7 +110,7 @@ def _voters(
     voters: int,
     generation: int,
     iterations: int,
-    etcd: Optional[Dict[str, Any]],
+    etcd: Optional[str],
     barrier: Any,
     out: Any,
 ) -> None:
@@ -124,8 +118,7 @@ def _voters(
     every outcome commit)."""
     from megatron_mecefo.recovery.commit import forget, vote
 
-    control = _LockedControl(**etcd) if etcd else None
-    stores = [_membership(address, control) for _ in range(clients)]
+    stores = [_membership(address, etcd) for _ in range(clients)]
     go = threading.Barrier(clients + 1)
     done = threading.Barrier(clients + 1)
     rows: List[List[Any]] = [[0.0, 0.0, True] for _ in range(clients)]
@@ -151,8 +144,7 @@ def _voters(
         go.wait()
         done.wait()
         result.append((min(r[0] for r in rows), max(r[1] for r in rows), all(r[2] for r in rows)))
-    claims = control.claim_s if control else []
-    out.put((result, sum(ms.store.ops for ms in stores), claims))
+    out.put((result, sum(ms.store.ops for ms in stores)))
 
 
 def run(
@@ -164,7 +156,8 @@ def run(
     iterations: int,
     generation: int,
     real_node_ranks: int,
-    etcd: Optional[Dict[str, Any]],
+    etcd: Optional[str],
+    etcd_pids: Sequence[int] = (),
 ) -> Dict[str, Any]:
     """One configuration: ``voters`` store voters, of which one is a real node (a
     :class:`NodeVoteServer` with ``real_node_ranks`` ranks) when ``real_node_ranks``."""
@@ -186,7 +179,6 @@ def run(
         for n in per
     ]
     server = clients = tmp = None
-    control = _LockedControl(**etcd) if etcd and real_node_ranks else None
     try:
         for w in workers:
             w.start()
@@ -194,7 +186,7 @@ def run(
             tmp = tempfile.TemporaryDirectory(prefix="nvb")
             server = NodeVoteServer(
                 f"{tmp.name}/node", address, node=0, poll_interval_s=POLL_S,
-                membership=lambda: _membership(address, control),
+                membership=lambda: _membership(address, etcd),
             )  # fmt: skip
             ranks = range(real_node_ranks)
             # Every emulated voter is a node of its own: slots past the real node's ranks.
@@ -207,6 +199,7 @@ def run(
             barrier.wait(timeout=600)  # every voter connected and done with it - 1
             if cpu0 is None:
                 cpu0, t_run = _cpu_s(server_pid), time.monotonic()
+                etcd_cpu0 = sum(_cpu_s(p) for p in etcd_pids)
             if clients:
                 t0 = time.monotonic()
                 futures = [
@@ -217,8 +210,8 @@ def run(
         got = [out.get(timeout=600) for _ in workers]
         per_proc = [g[0] for g in got]
         ops = sum(g[1] for g in got)
-        claims = sorted([c for g in got for c in g[2]] + (control.claim_s if control else []))
         cpu = _cpu_s(server_pid) - cpu0
+        etcd_cpu = sum(_cpu_s(p) for p in etcd_pids) - etcd_cpu0
         wall = time.monotonic() - t_run
     finally:
         for w in workers:
@@ -251,9 +244,8 @@ def run(
         "store_requests_per_iteration": round(ops / iterations, 1),
         "server_requests_per_cpu_s": round(ops / cpu) if cpu > 0 else None,
         "run_wall_s": round(wall, 1),
-        "etcd_claims_per_iteration": round(len(claims) / iterations, 2),
-        "etcd_claim_p50_ms": round(1e3 * claims[len(claims) // 2], 2) if claims else None,
-        "etcd_claim_max_ms": round(1e3 * claims[-1], 2) if claims else None,
+        "etcd_cpu_ms_per_iteration": round(1e3 * etcd_cpu / iterations, 2) if etcd else None,
+        "load_after": round(os.getloadavg()[0], 2),
     }
 
 
@@ -267,6 +259,7 @@ def main() -> None:
     p.add_argument("--rank-counts", default="512,1024,2048", help="per-rank runs (voters)")
     p.add_argument("--skip-etcd", action="store_true")
     p.add_argument("--skip-node", action="store_true", help="no node run without etcd")
+    p.add_argument("--group-size", type=int, default=32, help="top_level run: nodes per group")
     p.add_argument(
         "--poll-interval", type=float, default=POLL_S, help="commit.vote's (waits: 10x it)"
     )
@@ -291,6 +284,7 @@ def main() -> None:
             "iterations": a.iterations,
             "poll_interval_s": a.poll_interval,
             "store": "one TCPStore in its own process; voters: threads, a client each",
+            "group_size": a.group_size,
         },
         "runs": [],
     }
@@ -310,16 +304,34 @@ def main() -> None:
             )  # fmt: skip
             result["runs"].append(r)
             print(json.dumps(r), flush=True)
+        if a.group_size > 1:
+            gen += 1
+            top = -(-a.nodes // a.group_size)
+            r = run(address, host.pid, "top_level", top, a.procs, a.iterations, gen, 0, None)
+            result["runs"].append(r)
+            print(json.dumps(r), flush=True)
+            gen += 1  # one group's gather, as if its leader served it with a TCPStore
+            r = run(address, host.pid, "one_group", a.group_size, a.procs, a.iterations, gen, 0,
+                    None)  # fmt: skip
+            result["runs"].append(r)
+            print(json.dumps(r), flush=True)
         if not a.skip_etcd:
             from etcd_cluster import EtcdCluster, etcd_missing_reason
 
             if etcd_missing_reason() is None:
+                from megatron_mecefo.recovery.etcd_control import EtcdControl
+                from megatron_mecefo.recovery.store_etcd import HOT_STORE, etcd_address
+
                 cluster = EtcdCluster(Path(tempfile.mkdtemp(prefix="etcd-commit-"))).start()
-                etcd = {"endpoints": cluster.endpoints, "prefix": f"/bench/commit{os.getpid()}"}
+                prefix = f"/bench/commit{os.getpid()}"
+                ctl = EtcdControl(cluster.endpoints, prefix, 10)
+                ctl.conn.put(ctl.key(HOT_STORE), address)  # as a leader publishes its store
+                etcd = etcd_address(cluster.endpoints, prefix, 10)
+                pids = [cluster.pid(i) for i in range(len(cluster.endpoints))]
                 gen += 1
                 r = run(
                     address, host.pid, "node_etcd", a.nodes, a.procs, a.iterations, gen,
-                    a.ranks_per_node, etcd,
+                    a.ranks_per_node, etcd, [p for p in pids if p is not None],
                 )  # fmt: skip
                 result["runs"].append(r)
                 print(json.dumps(r), flush=True)

@@ -28,9 +28,17 @@ two per iteration of the run.
 round trips overlap the optimizer's gradient preparation (copy to main grads, norm, clipping),
 which changes nothing a redo would need: only the parameter update waits for the decision.
 
-In ``--store-mode etcd`` (the leader's loss survived, :mod:`.store_etcd`), the commit also
-claims ``outcome/<g>/<iteration>`` on etcd before the commit key is written, and a vote cut
-off by the leader's loss is resolved there (:func:`resolve_after_failover`).
+In ``--store-mode etcd`` the vote is decided on the leader's hot store alone: no etcd request
+per iteration. A member whose vote was cut off by the hot store's loss (the store moved to a
+new leader: :class:`~.store_forwarding.StoreFailedOver`) is *in doubt*: some members may have
+seen the commit before the loss, others not, and the store that knew is gone. It does not
+apply the step (it claims nothing either: a claim cannot know what the lost store decided).
+The takeover publishes a generation (the old leader's ranks are declared dead), so every
+member regroups, and the heal brings each to the highest committed iteration among the
+world's members (``RecoverySession.on_built``): the step counts when a member that applied
+it survives, and is redone by everyone otherwise. A member that applied it and then died or
+was fenced (hung past its lease) takes its state with it. ``tests/helpers/protocol_check.py``
+(``EtcdDesign``) checks this rule over every interleaving, crash and hang of a small job.
 """
 
 from __future__ import annotations
@@ -127,23 +135,18 @@ def abort(
 
 
 def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
-    """COMMIT, made durable before the caller applies the step (a plain ``set``). In etcd
-    mode the outcome key is claimed on etcd first: a member that finds the leader lost claims
-    it for an abort (:func:`resolve_after_failover`), and whichever claim came first stands
-    for every member, so no step is applied by some and not others."""
-    won = ms.on_standby("compare_set", _outcome_key(generation, iteration), "", COMMIT)
-    if won is not None and won.decode() != COMMIT:
-        return False  # the leader was lost and a member resolved the vote as aborted
+    """COMMIT, made durable before the caller applies the step (a plain ``set``): the vote is
+    decided on the (hot) store alone, with no etcd request (module docstring)."""
     ms.store.set(_commit_key(generation, iteration), "")
     return True
 
 
 def resolve_after_failover(ms: MembershipStore, generation: int, iteration: int) -> bool:
-    """The outcome of a vote that was in flight when the leader's store was lost, read from
-    etcd (through the new leader's store, ``ms``): a commit whose claim reached it stands;
-    otherwise this claims an abort, which every later reader and a slow committer then find."""
-    key = _outcome_key(generation, iteration)
-    return ms.store.compare_set(key, "", ABORT).decode() == COMMIT
+    """A vote in flight when the leader's hot store was lost: the member is in doubt and does
+    not apply the step (``False``); the regroup that the takeover starts settles it (module
+    docstring)."""
+    del ms, generation, iteration
+    return False
 
 
 def _outcome(
@@ -173,7 +176,6 @@ def forget(ms: MembershipStore, generation: int, iteration: int) -> None:
     """Delete the vote keys of ``iteration`` (its outcome is known to every member)."""
     for key in (_votes_key(generation, iteration), _commit_key(generation, iteration)):
         ms.store.delete_key(key)
-    ms.on_standby("delete_key", _outcome_key(generation, iteration))
 
 
 def _votes_key(generation: int, iteration: int) -> str:
@@ -186,10 +188,6 @@ def _commit_key(generation: int, iteration: int) -> str:
 
 def _decision_key(generation: int, iteration: int) -> str:
     return f"decision/{generation}/{iteration}"
-
-
-def _outcome_key(generation: int, iteration: int) -> str:
-    return f"outcome/{generation}/{iteration}"
 
 
 def _superseded(ms: MembershipStore, generation: int, iteration: int) -> bool:

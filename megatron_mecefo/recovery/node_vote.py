@@ -87,8 +87,10 @@ class NodeVoteServer:
         node: This node's index (names the node in errors only: the counter counts votes).
         poll_interval_s: As for :func:`.commit.vote`.
         gather_timeout_s: The bound on the last local vote after the first.
-        membership: A :class:`MembershipStore` factory (e.g. one whose ``on_standby`` claims the
-            outcome on etcd); default: :meth:`MembershipStore.connect` of ``store``.
+        membership: A :class:`MembershipStore` factory; default:
+            :meth:`MembershipStore.connect` of ``store``.
+        vote_membership: The factory of the casting client only (default: ``membership``);
+            a supervisor's raises ``StoreFailedOver`` on a takeover (:mod:`.node_vote_host`).
     """
 
     def __init__(
@@ -100,12 +102,13 @@ class NodeVoteServer:
         gather_timeout_s: float = GATHER_TIMEOUT_S,
         decision_wait_s: float = DECISION_WAIT_S,
         membership: Optional[Callable[[], MembershipStore]] = None,
+        vote_membership: Optional[Callable[[], MembershipStore]] = None,
     ) -> None:
         self.path, self.node = path, node
         self.poll_interval_s, self.gather_timeout_s = poll_interval_s, gather_timeout_s
         self.decision_wait_s = decision_wait_s
         connect = membership or (lambda: MembershipStore.connect(store))
-        self._vote_ms, self._ms = connect(), connect()
+        self._vote_ms, self._ms = (vote_membership or connect)(), connect()
         self._ms_lock = threading.Lock()  # one request at a time on the shared client
         self._lock = threading.Condition()
         self._rounds: Dict[Tuple[int, int], _Round] = {}
@@ -373,27 +376,3 @@ class NodeVoteClient:
     def close(self) -> None:
         """Hang up (the server takes it as this rank's death)."""
         _hang_up(self._conn)
-
-
-class EtcdClaimedMembership(MembershipStore):
-    """A membership store whose commits also claim ``outcome/<g>/<iteration>`` on etcd.
-
-    :func:`.commit._commit` claims the outcome on the standby store (``on_standby``) before
-    it writes the commit key; here that claim goes to :meth:`.etcd_control.EtcdControl
-    .claim_outcome` instead (the first claim stands for every caller), so a node vote costs
-    the hot-path store one ``add`` per node and etcd one transaction per iteration.
-
-    Args:
-        store: A ``TCPStore`` client (the hot path).
-        control: An :class:`~.etcd_control.EtcdControl` (no leadership needed).
-    """
-
-    def __init__(self, store: object, control: object, address: str = "") -> None:
-        super().__init__(store, address)
-        self.control = control
-
-    def on_standby(self, name: str, *args: object) -> object:
-        if name == "compare_set" and str(args[0]).startswith("outcome/"):
-            _, g, i = str(args[0]).split("/")
-            return self.control.claim_outcome(int(g), int(i), str(args[2])).encode()
-        return None  # the keys of etcd's outcomes stay (a few bytes per iteration)

@@ -32,9 +32,8 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any, Deque, Dict, List, Optional
 
-from megatron_mecefo.recovery import reporting
+from megatron_mecefo.recovery import node_vote_host, reporting
 from megatron_mecefo.recovery.abort import GenerationWatchdog, build_aborter, release_megatron
-from megatron_mecefo.recovery.commit import AsyncVoter
 from megatron_mecefo.recovery.config import RecoveryConfig
 from megatron_mecefo.recovery.fault_injection import KillInjector, parse_kills
 from megatron_mecefo.recovery.heartbeat import Heartbeat
@@ -107,7 +106,10 @@ class RecoverySession:
         # A vote reader's bound on a stalled writer: past its heartbeat timeout, it has been
         # declared dead and killed (commit.DECISION_WAIT_S).
         self.decision_wait_s = 2 * config.heartbeat_timeout_s
-        self.voter = AsyncVoter(config.store, config.poll_interval_s, self.decision_wait_s)
+        # Per rank (AsyncVoter), or through the node's supervisor with MECEFO_NODE_VOTE=1.
+        self.voter = node_vote_host.voter(
+            config.store, config.poll_interval_s, self.decision_wait_s
+        )
         self.layout = JobLayout(
             args.tensor_model_parallel_size,
             args.pipeline_model_parallel_size,

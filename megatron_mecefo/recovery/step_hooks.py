@@ -13,6 +13,7 @@ vote.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Dict
 
@@ -70,8 +71,13 @@ def install_commit_vote(session: Any, trainer: Any) -> None:
             return result
         except BaseException:
             if pending.pop("vote", None) is not None and not future.done():
-                # wakes the peers
-                abort(session.ms, gen.number, iteration, len(gen.members), session.decision_wait_s)
+                # wakes the peers (a node vote aborts through the node: its counter counts nodes)
+                if hasattr(session.voter, "abort"):
+                    with contextlib.suppress(Exception):  # the node is gone: nothing to wake
+                        session.voter.abort(gen.number, iteration, session.slot, gen.members)
+                else:
+                    abort(session.ms, gen.number, iteration, len(gen.members),
+                          session.decision_wait_s)  # fmt: skip
             raise
 
     def update_after_commit(*a: Any, **k: Any) -> Any:

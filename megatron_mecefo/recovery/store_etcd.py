@@ -10,8 +10,10 @@ iteration, records, the fatal message, ...) go to ``<prefix>/kv/<key>`` on etcd 
 transaction that requires ``hot_store`` to still name this client's store: a client of a
 deposed leader's store changes nothing on etcd. A generation goes to etcd through
 :meth:`~.etcd_control.EtcdControl.publish_generation` (fenced on the leader's term, ``gen``
-== n - 1). The commit vote's outcome is claimed on etcd (create-if-absent), so the members
-that regroup after a failover apply or abort a cut-off step together.
+== n - 1). The commit vote stays on the hot store and claims nothing on etcd: a vote cut off
+by the leader's loss is not applied by the members in doubt, and the regroup that the
+takeover forces settles it (the heal brings every member to the survivors' highest committed
+iteration; :mod:`.commit`).
 
 A store call that fails (the server's sockets closed) or gets no answer within the lease TTL
 (a hung node) looks ``hot_store`` up again and waits until a new leader has published
@@ -314,11 +316,13 @@ class EtcdStore(ForwardingStore):
             raise Fenced(str(err)) from None
 
     # ------------------------------------------------------------------ Store methods
+    commits_on_hot_store = True
+    """The commit vote is decided on the hot store alone: a commit claims nothing on etcd, and
+    a vote cut off by the leader's loss is settled by the regroup (:mod:`.commit`)."""
+
     def on_standby(self, name: str, *args: Any) -> Any:
-        """The durable-write hook: the commit's outcome claim goes to etcd; the durable
-        ``set`` is done by :meth:`set` itself; outcomes stay on etcd (no delete)."""
-        if name == "compare_set":
-            return self.compare_set(*args)
+        """The durable-write hook, a no-op here: the commit claims nothing on etcd (the hot
+        path stays off etcd); the durable ``set`` is done by :meth:`set` itself."""
         return None
 
     def set(self, key: str, value: Any) -> None:

@@ -44,6 +44,7 @@ import time
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 from megatron_mecefo.errors import ERROR_FILE_ENV, UserError
+from megatron_mecefo.recovery import node_vote_host
 from megatron_mecefo.recovery.config import ENV, RecoveryConfig
 from megatron_mecefo.recovery.cost_account import STEADY_FROM_ITERATION, SupervisorCost
 from megatron_mecefo.recovery.processes import (
@@ -139,6 +140,7 @@ class Supervisor:
     def open_store(self) -> None:
         """Host or join the membership store, or lead it on etcd (:mod:`.store_host`)."""
         self.ms = self.store_host.open()
+        self.node_vote = node_vote_host.host(self.cfg.store, self.node, self.cfg.poll_interval_s)
 
     # ------------------------------------------------------------------ processes
     def spawn(self, slot: int, inc: int) -> None:
@@ -195,6 +197,7 @@ class Supervisor:
         )
         env[ENV] = self.cfg.to_env()
         env[ERROR_FILE_ENV] = self.error_dir
+        env.update(node_vote_host.rank_env(getattr(self, "node_vote", None), len(self.slots)))
         if standby is not None:
             env["MECEFO_RECOVERY_STANDBY"] = f"{self.node}/{standby}"
             env["LOCAL_RANK"] = "-1"  # no device until a slot is assigned (await_assignment)

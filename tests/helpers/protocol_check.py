@@ -12,9 +12,15 @@ Two designs are configurations of it:
 * :class:`EtcdDesign` (``new``, issue 43 item 1): the control state on etcd v3
   (:mod:`fake_etcd`): a leader elected with a lease, every leader write a transaction fenced on
   its leader key, generation ``n + 1`` written only if ``gen`` was not changed since the leader
-  read ``n`` (compare on ``mod_revision``), the outcome of an iteration claimed once with a
-  create-if-absent transaction, every member write conditioned on the member's own lease, leases
-  that expire when their holder hangs or dies.
+  read ``n`` (compare on ``mod_revision``), every member write to etcd conditioned on the
+  member's own lease, leases that expire when their holder hangs or dies. The commit vote runs
+  on the leader's hot TCPStore (an in-memory store per leader, lost when its leader crashes or
+  exits, silent while it hangs): the counter, the commit key and the first abort's decision
+  of :mod:`~megatron_mecefo.recovery.commit`, no etcd request per iteration. A takeover
+  publishes a generation and ``hot_store`` (the new leader's empty store and the generation
+  it took over at); a member whose vote the move cut off is in doubt and does not apply the
+  step (a vote of a later generation is cast again on the new store), and the regroup's heal
+  settles it.
 
 **What is real code and what is a model.** Real: :class:`~megatron_mecefo.recovery.membership.
 Generation` (every published generation is its JSON, parsed back with ``from_json``),
@@ -70,13 +76,18 @@ from megatron_mecefo.recovery.commit import (
     COMMIT,
     _commit_key,
     _decision_key,
-    _outcome_key,
     _votes_key,
 )
 from megatron_mecefo.recovery.membership import CompleteReplicas, Generation, JobLayout
 
 PRIMARY_KEY = "primary"
 """The removed mirror's takeover mark on the standby (``store_failover.PRIMARY_KEY`` was this)."""
+
+
+def _outcome_key(generation: int, iteration: int) -> str:
+    """The removed mirror's outcome claim key (``commit._outcome_key`` was this)."""
+    return f"outcome/{generation}/{iteration}"
+
 
 INVARIANTS = {
     "generations_only_increase": "the generation number of every store, and every generation "
@@ -89,8 +100,8 @@ INVARIANTS = {
     "every member is at the target iteration or healed to it)",
     "samples_exactly_once": "every applied step holds each sample of its iteration exactly once, "
     "and no member applies an iteration twice",
-    "fenced_changes_nothing": "a member whose lease has ended (declared dead) lands no write and "
-    "applies no step (etcd design)",
+    "fenced_changes_nothing": "a member whose lease has ended (declared dead) lands no write on "
+    "etcd (etcd design; what it does on the hot store is bound by agreement)",
     "progress": "when no step is possible, every running member has finished or exited (checked "
     "only while some coordinator can still lead)",
 }
@@ -294,6 +305,8 @@ class EMember(NamedTuple):
     want: str = ""
     maxseen: int = -1
     lastread: int = -1
+    hot: int = 0
+    """The hot store (its leader's index) this member's client talks to."""
 
 
 class ELeader(NamedTuple):
@@ -304,6 +317,9 @@ class ELeader(NamedTuple):
     watch: tuple = ()
     pending: str = ""
     seen_mod: int = 0
+    fresh: bool = False
+    """Elected after another leader: its first publish is the takeover (a new generation and
+    ``hot_store`` naming its own, new store)."""
 
 
 class EState(NamedTuple):
@@ -318,12 +334,19 @@ class EState(NamedTuple):
     faults: int
     fenced_acted: bool = False
     """A member whose lease had ended wrote to the store or advanced its state."""
+    hot: Tuple[Optional[tuple], ...] = ()
+    """The hot TCPStore of each candidate (sorted key/value pairs; None: never served)."""
 
 
 @dataclass
 class EtcdDesign(Design):
     """The new design (module docstring); the switches turn one of its rules off, to show the
-    checker catches what each rule prevents."""
+    checker catches what each rule prevents.
+
+    Abstractions of the hot path: the first abort's ``add`` and its decision key are one step;
+    the members read the generation on etcd (the real ones read the hot store, which the
+    coordinator writes after etcd); the takeover's generation is the old one's members (the
+    model's leaders run no ranks; the real takeover declares the old leader's ranks dead)."""
 
     n_members: int = 3
     n_candidates: int = 2
@@ -333,8 +356,10 @@ class EtcdDesign(Design):
     """Leader writes compare the leader key's create revision with the leader's term."""
     gen_compare: bool = True
     """Generation ``n + 1`` is written only if ``gen``'s mod revision is the one read with ``n``."""
-    outcome_claim: bool = True
-    """The outcome is claimed with a create-if-absent transaction (else: decided locally)."""
+    doubt_decides: bool = False
+    """The rule shown wrong: a member in doubt (its hot store moved during the vote) claims
+    ABORT on etcd (create-if-absent, first claim stands) and decides what stands, while the
+    members that committed on the hot store claimed nothing."""
     member_fencing: bool = True
     """Every member request compares the member's key with its lease."""
     name: str = "etcd"
@@ -361,9 +386,12 @@ class EtcdDesign(Design):
         etcd.put("gen", gen0.to_json())
         lease = etcd.grant(5.0)
         term = etcd.put("leader", "0", lease)
+        etcd.put("hot_store", "0:-1")  # the store's leader, the generation it took over at
         leaders = [ELeader(RUN, "lead", lease, term, _ewatch(etcd))]
         leaders += [ELeader(RUN, "campaign") for _ in range(1, self.n_candidates)]
-        st = st._replace(etcd=etcd.freeze(), members=tuple(members), leaders=tuple(leaders))
+        hot = ((),) + (None,) * (self.n_candidates - 1)
+        st = st._replace(etcd=etcd.freeze(), members=tuple(members), leaders=tuple(leaders),
+                         hot=hot)  # fmt: skip
         return canonical(st)
 
     def describe(self, state: EState) -> str:
@@ -401,8 +429,11 @@ class EtcdDesign(Design):
         for m, me in enumerate(st.members):
             if me.status == RUN:
                 for label, nxt in self._member(st, m):
-                    if me.lease in ended and (nxt.etcd[1] != st.etcd[1]
-                                              or nxt.members[m].ledger != me.ledger):  # fmt: skip
+                    # Its etcd writes are what a fence must stop. Its hot-store requests are
+                    # not fenced (a TCPStore knows no leases): a rank resumed after it was
+                    # declared dead can still add the vote of its old generation, or read its
+                    # outcome, and the counter makes that outcome every member's (agreement).
+                    if me.lease in ended and nxt.etcd[1] != st.etcd[1]:
                         nxt = nxt._replace(fenced_acted=True)
                     yield f"member {m}: {label}", nxt, False
         for c, ld in enumerate(st.leaders):
@@ -454,16 +485,23 @@ class EtcdDesign(Design):
         def exited(why: str) -> Tuple[str, EState]:
             return f"finds its lease gone; exits ({why})", done(me._replace(status=EXITED))
 
+        job_done = etcd.get("done") is not None
         if me.pc == "read_gen":  # wait for a generation newer than the current one
-            if not (fenced or gen_now > me.cur):
+            if not (fenced or gen_now > me.cur or job_done):
                 return
-            r = etcd.txn(mine, [Get("gen")])
+            r = etcd.txn(mine, [Get("gen"), Get("done"), Get("hot_store")])
             if not r.succeeded:
                 yield exited("read gen")
                 return
+            if r.responses[1] is not None:  # wait_for_membership: training finished
+                yield "finds the job done; stops", done(me._replace(status=DONE, grads=()))
+                return
             text = r.responses[0].value
             gen = parse(text)
-            seen = me._replace(maxseen=max(me.maxseen, gen.number), lastread=gen.number)
+            # The generation is read from the store that published it: the hot store etcd
+            # names (a stale store has not got it; its client moves on first).
+            hot = int(r.responses[2].value.split(":")[0])
+            seen = me._replace(maxseen=max(me.maxseen, gen.number), lastread=gen.number, hot=hot)
             if gen.abort or m not in gen.members:
                 yield f"reads generation {gen.number}: not a member; exits", done(
                     seen._replace(status=EXITED)
@@ -484,11 +522,14 @@ class EtcdDesign(Design):
             gen = parse(me.gen)
             arrived = {kv.key for kv in etcd.range(f"arrive/{me.cur}/")}
             complete = all(f"arrive/{me.cur}/{s}" in arrived for s in gen.members)
-            if not (fenced or complete or gen_now > me.cur):
+            if not (fenced or complete or gen_now > me.cur or job_done):
                 return
-            r = etcd.txn(mine, [Range(f"arrive/{me.cur}/"), Get("gen")])
+            r = etcd.txn(mine, [Range(f"arrive/{me.cur}/"), Get("gen"), Get("done")])
             if not r.succeeded:
                 yield exited("rendezvous")
+                return
+            if r.responses[2] is not None and not complete:
+                yield "finds the job done; stops", done(me._replace(status=DONE, grads=()))
                 return
             if parse(r.responses[1].value).number > me.cur:
                 yield "sees a newer generation before its world formed", done(
@@ -507,15 +548,27 @@ class EtcdDesign(Design):
             gen = parse(me.gen)
             i = me.committed + 1
             got = {c for c in st.pool if c[0] == me.cur and c[1] == i and c[2] in gen.members}
-            if len(got) == len(gen.members):  # the all-reduce completes: vote
+            if len(got) == len(gen.members):  # the all-reduce completes: vote on the hot store
                 grads = tuple(sorted(s for c in got for s in c[3]))
-                r = etcd.txn(mine, [Put(f"vote/{me.cur}/{i}/{m}", "1")])
-                if not r.succeeded:
-                    yield exited("vote")
-                else:
-                    yield f"all-reduce of iteration {i} done; votes", done(
-                        me._replace(pc="count", grads=grads), etcd
-                    )
+                voter = me._replace(grads=grads)
+                if self._reachable(st, me.hot):
+                    key = _votes_key(me.cur, i)
+                    count = int(_get(st.hot[me.hot], key) or 0) + 1
+                    hot = _hot_set(st, me.hot, key, count)
+                    if count == len(gen.members):  # completes the count: announce, commit
+                        nxt, what = voter._replace(pc="commit_set"), "completes the count"
+                        yield f"all-reduce of iteration {i} done; votes ({what})", done(
+                            nxt, hot=hot
+                        )
+                    elif count >= ABORT_WEIGHT:  # an abort came first (it found this missing)
+                        yield f"all-reduce of iteration {i} done; votes after an abort", (
+                            self._decide(st._replace(hot=hot), m, voter, ABORT, etcd)
+                        )
+                    else:
+                        yield f"all-reduce of iteration {i} done; votes ({count})", done(
+                            voter._replace(pc="hot_wait"), hot=hot
+                        )
+                yield from self._doubt(st, m, voter, f"all-reduce of iteration {i} done")
             if fenced or gen_now > me.cur:  # the watchdog: a newer generation ends the world
                 e = FakeEtcd.thaw(st.etcd)
                 r = e.txn(mine, [Get("gen")])
@@ -523,39 +576,67 @@ class EtcdDesign(Design):
                     yield exited("watchdog")
                     return
                 yield "watchdog: a newer generation; aborts the iteration", _eset(
-                    st, m, me._replace(pc="claim", want=ABORT), e
+                    st, m, me._replace(pc="hot_abort", want=ABORT), e
                 )
-        elif me.pc == "count":
-            gen = parse(me.gen)
-            i = me.committed + 1
-            votes = etcd.range(f"vote/{me.cur}/{i}/")
-            claimed = etcd.get(_outcome_key(me.cur, i)) is not None
-            if not (fenced or claimed or gen_now > me.cur or len(votes) == len(gen.members)):
-                return
-            r = etcd.txn(mine, [Range(f"vote/{me.cur}/{i}/"), Get(_outcome_key(me.cur, i)),
-                                  Get("gen")])  # fmt: skip
+        elif me.pc == "finish":  # training finished: the durable ``done`` key
+            r = etcd.txn(mine, [Put("done", str(me.committed))])
             if not r.succeeded:
-                yield exited("count")
+                yield exited("done")
                 return
-            votes, outcome, now = r.responses
-            if outcome is not None:
-                yield f"reads the outcome {outcome.value}", self._decide(
-                    st, m, me, outcome.value, etcd
+            yield "finishes; sets done", done(me._replace(status=DONE), etcd)
+        elif me.pc == "commit_set":  # commit._commit: the commit key, then apply
+            if self._reachable(st, me.hot):
+                hot = _hot_set(st, me.hot, _commit_key(me.cur, me.committed + 1), "")
+                yield "sets the commit key", self._decide(st._replace(hot=hot), m, me, COMMIT,
+                                                          etcd)  # fmt: skip
+            yield from self._doubt(st, m, me, "before its commit key")
+        elif me.pc == "hot_wait":  # commit.vote's wait: the commit key, the counter, a newer gen
+            gen = parse(me.gen)
+            n, i = len(gen.members), me.committed + 1
+            if self._reachable(st, me.hot):
+                store = st.hot[me.hot]
+                count = int(_get(store, _votes_key(me.cur, i)) or 0)
+                if _get(store, _commit_key(me.cur, i)) is not None:
+                    yield "finds the commit key", self._decide(st, m, me, COMMIT, etcd)
+                elif count == n:  # every vote in, no abort: _outcome's _commit
+                    hot = _hot_set(st, me.hot, _commit_key(me.cur, i), "")
+                    yield "finds every vote in; sets the commit key", self._decide(
+                        st._replace(hot=hot), m, me, COMMIT, etcd
+                    )
+                elif count >= ABORT_WEIGHT:
+                    outcome = (ABORT if count % ABORT_WEIGHT < n
+                               else str(_get(store, _decision_key(me.cur, i))))  # fmt: skip
+                    yield f"finds an abort in the counter: {outcome}", self._decide(
+                        st, m, me, outcome, etcd
+                    )
+                elif gen_now > me.cur:  # _superseded: abort (within the vote)
+                    yield "finds a newer generation; aborts", done(
+                        me._replace(pc="hot_abort", want="")
+                    )
+            yield from self._doubt(st, m, me, "waiting for the outcome")
+        elif me.pc == "hot_abort":  # commit.abort: the first abort decides from the count
+            gen = parse(me.gen)
+            n, i = len(gen.members), me.committed + 1
+            if self._reachable(st, me.hot):
+                key = _votes_key(me.cur, i)
+                total = int(_get(st.hot[me.hot], key) or 0)
+                hot = _hot_set(st, me.hot, key, total + ABORT_WEIGHT)
+                if total < ABORT_WEIGHT:  # the first abort: writes the decision (one step)
+                    outcome = COMMIT if total == n else ABORT
+                    hot = _hot_set(st._replace(hot=hot), me.hot, _decision_key(me.cur, i),
+                                   outcome)  # fmt: skip
+                    if outcome == COMMIT:
+                        hot = _hot_set(st._replace(hot=hot), me.hot, _commit_key(me.cur, i), "")
+                else:
+                    decision = _get(st.hot[me.hot], _decision_key(me.cur, i))
+                    outcome = ABORT if total % ABORT_WEIGHT < n else str(decision)
+                yield f"aborts on the hot store: {outcome}", self._decide(
+                    st._replace(hot=hot), m, me, outcome, etcd
                 )
-            elif len(votes) == len(gen.members):
-                yield "finds every vote in", done(me._replace(pc="claim", want=COMMIT))
-            else:
-                yield "finds a newer generation", done(me._replace(pc="claim", want=ABORT))
-        elif me.pc == "claim":
+            yield from self._doubt(st, m, me, "aborting")
+        elif me.pc == "claim":  # only with doubt_decides (the rule shown wrong)
             i = me.committed + 1
             key = _outcome_key(me.cur, i)
-            if not self.outcome_claim:  # the broken variant: each decides on its own
-                r = etcd.txn(mine, [Put(key, me.want)])
-                if not r.succeeded:
-                    yield exited("claim")
-                    return
-                yield f"decides {me.want} alone", self._decide(st, m, me, me.want, etcd)
-                return
             absent = Compare(key, "create", "==", 0)
             r = etcd.txn(mine + [absent], [Put(key, me.want)], [Get(f"member/{m}"), Get(key)])
             if r.succeeded:
@@ -567,11 +648,54 @@ class EtcdDesign(Design):
                 return
             yield f"finds {outcome.value} claimed", self._decide(st, m, me, outcome.value, etcd)
 
+    # ------------------------------------------------------------------ the hot store
+    @staticmethod
+    def _reachable(st: EState, c: int) -> bool:
+        """Whether candidate ``c``'s hot store answers: it serves one, and runs (a hung
+        leader's store answers nothing; a crashed or exited one's is gone)."""
+        return st.hot[c] is not None and st.leaders[c].status in (RUN, DONE)
+
+    def _doubt(self, st: EState, m: int, me: EMember, when: str) -> Iterator[Tuple[str, EState]]:
+        """The vote cut off by the hot store's loss: once etcd's ``hot_store`` names another
+        store (a takeover), the member's client follows it and raises ``StoreFailedOver``; the
+        member does not apply the step and waits for the takeover's generation (the regroup's
+        heal settles the vote). With :attr:`doubt_decides`, it claims ABORT on etcd instead."""
+        etcd = FakeEtcd.thaw(st.etcd)
+        now = etcd.get("hot_store")
+        if now is None or int(now.value.split(":")[0]) == me.hot:
+            return
+        mine = [Compare(f"member/{m}", "lease", "==", me.lease)] if self.member_fencing else []
+        r = etcd.txn(mine, [Get("hot_store")])
+        if not r.succeeded:
+            yield "finds its lease gone; exits (failover)", _eset(
+                st, m, me._replace(status=EXITED), etcd
+            )
+            return
+        store, taken = (int(x) for x in now.value.split(":"))
+        moved = me._replace(hot=store)
+        if me.cur > taken or (me.pc == "hot_abort" and me.want == ABORT):
+            # AsyncVoter._after_failover: a vote of a generation made after the takeover only
+            # met a stale client: cast again on the new store. The step hook's abort (a member
+            # that did not vote) is repeated there (its client follows the store).
+            pc = "hot_abort" if me.pc == "hot_abort" and me.want == ABORT else "allreduce"
+            yield f"{when}: its store moved; repeats on store {store}", _eset(
+                st, m, moved._replace(pc=pc), etcd
+            )
+            return
+        if self.doubt_decides:
+            yield f"{when}: its store moved; in doubt, claims abort", _eset(
+                st, m, moved._replace(pc="claim", want=ABORT), etcd
+            )
+            return
+        yield f"{when}: its store moved; in doubt, does not apply it", _eset(
+            st, m, moved._replace(pc="read_gen", grads=()), etcd
+        )
+
     def _train(self, st: EState, m: int, me: EMember, etcd: FakeEtcd) -> EState:
         """Start the next iteration (or finish): this member's contribution to the world's
         all-reduce (the collective, not a store request)."""
         if me.committed >= self.iterations:
-            return _eset(st, m, me._replace(status=DONE), etcd)
+            return _eset(st, m, me._replace(pc="finish"), etcd)
         i = me.committed + 1
         samples = my_samples(m, parse(me.gen), self.n_members)
         pool = st.pool | {(me.cur, i, m, samples)}
@@ -603,7 +727,7 @@ class EtcdDesign(Design):
             lease = etcd.grant(5.0)
             r = etcd.txn([Compare("leader", "create", "==", 0)], [Put("leader", str(c), lease)])
             return f"is elected (lease {lease}, term {r.revision})", put(
-                ld._replace(pc="lead", lease=lease, term=r.revision, watch=())
+                ld._replace(pc="lead", lease=lease, term=r.revision, watch=(), fresh=True)
             )
         if ld.pc == "lead":  # read the generation and the members; publish if one is lost
             watch = _ewatch(etcd)
@@ -618,10 +742,13 @@ class EtcdDesign(Design):
             if gen.abort:
                 return "sees the abort generation; stops", put(ld._replace(status=DONE))
             alive = [int(k.key.split("/")[1]) for k in members]
-            if set(gen.members) <= set(alive):
+            if set(gen.members) <= set(alive) and not ld.fresh:
                 return f"reads generation {gen.number}: nothing lost", put(ld._replace(watch=watch))
+            # A takeover always publishes a generation: the old leader's ranks are declared
+            # dead (store_host._take_over_etcd), so every member regroups.
             new = next_generation(self.layout, gen, [s for s in alive if s in gen.members])
-            return f"decides generation {new.number} {sorted(new.members)}", put(
+            what = "takes over: " if ld.fresh else ""
+            return f"{what}decides generation {new.number} {sorted(new.members)}", put(
                 ld._replace(
                     pc="publish", watch=watch, pending=new.to_json(), seen_mod=kv.mod_revision
                 )
@@ -634,12 +761,22 @@ class EtcdDesign(Design):
                 compares.append(Compare("gen", "mod", "==", ld.seen_mod))
             holder = etcd.get("leader")
             held = holder is not None and holder.create_revision == ld.term
-            r = etcd.txn(compares, [Put("gen", ld.pending)], [Get("leader")])
+            # The takeover's publish also names its new, empty hot store (the votes of the
+            # lost store are gone with it; the durable state is on etcd).
+            taken = parse(ld.pending).number - 1
+            ops = [Put("gen", ld.pending)]
+            if ld.fresh:
+                ops.append(Put("hot_store", f"{c}:{taken}"))
+            r = etcd.txn(compares, ops, [Get("leader")])
             number = parse(ld.pending).number
             if r.succeeded:
                 published = st.published | {(number, ld.pending, ld.term, held)}
-                return f"publishes generation {number}", put(
-                    ld._replace(pc="lead", watch=()), published=published
+                hot = st.hot
+                if ld.fresh:
+                    hot = hot[:c] + ((),) + hot[c + 1 :]
+                what = " and its hot store" if ld.fresh else ""
+                return f"publishes generation {number}{what}", put(
+                    ld._replace(pc="lead", watch=(), fresh=False), published=published, hot=hot
                 )
             leader = r.responses[0]
             if leader is None or leader.create_revision != ld.term:
@@ -661,6 +798,11 @@ def _ewatch(etcd: FakeEtcd) -> tuple:
     """What a leader watches: the generation key and the member keys."""
     gen = etcd.get("gen")
     return (gen.mod_revision if gen else 0, tuple(kv.key for kv in etcd.range("member/")))
+
+
+def _hot_set(st: EState, c: int, key: str, value: object) -> Tuple[Optional[tuple], ...]:
+    """``st.hot`` with ``key`` = ``value`` in candidate ``c``'s store."""
+    return st.hot[:c] + (_set(st.hot[c], key, value),) + st.hot[c + 1 :]
 
 
 def _eset(st: EState, m: int, me: EMember, etcd: FakeEtcd, **changes) -> EState:

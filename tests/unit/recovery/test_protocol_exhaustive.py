@@ -8,8 +8,10 @@ protocol_check.py``; what is real code and what is a model is in its docstring a
   the generation rollback on the standby, and a replay of one schedule follows it to a
   takeover that publishes a different generation with the number ranks already use.
 * The etcd design must hold every invariant in every reachable state; and each of its rules
-  (fencing, the once-only outcome claim) is shown to matter: without it the checker finds a
-  violation.
+  (fencing, the member's fence, not deciding a vote in doubt) is shown to matter: without it
+  the checker finds a violation. The commit vote runs on the leader's hot TCPStore (no etcd
+  request per iteration); a member whose vote the store's loss cut off does not apply the
+  step, and the takeover's regroup settles it.
 """
 
 from __future__ import annotations
@@ -167,11 +169,17 @@ def test_old_mirror_rollback_leads_to_a_second_generation_with_the_same_number()
 @pytest.mark.parametrize(
     "config",
     [
+        dict(n_members=2, faults=1, iterations=2),
         dict(n_members=3, faults=1, iterations=1),
-        dict(n_members=3, faults=1, iterations=2),
-        dict(n_members=2, faults=2, iterations=1),
+        pytest.param(dict(n_members=2, faults=2, iterations=1), marks=pytest.mark.slow),
+        pytest.param(dict(n_members=3, faults=1, iterations=2), marks=pytest.mark.slow),
     ],
-    ids=["3-members-1-fault", "3-members-1-fault-2-iterations", "2-members-2-faults"],
+    ids=[
+        "2-members-1-fault-2-iterations",  # 33,812 states, 10 s here
+        "3-members-1-fault",  # 137,234 states, 18 s
+        "2-members-2-faults",  # 605,412 states, 149 s
+        "3-members-1-fault-2-iterations",  # 526,885 states, 135 s
+    ],
 )
 def test_etcd_design_holds_every_invariant_in_every_state(config: dict) -> None:
     report = explore(EtcdDesign(**config))
@@ -190,17 +198,22 @@ def test_etcd_design_without_fencing_lets_a_deposed_leader_write() -> None:
     assert any("hangs" in step for step in report.trace)
 
 
-def test_etcd_design_without_the_outcome_claim_splits_a_vote() -> None:
-    """The create-if-absent claim is what makes an iteration's outcome one: members that decide
-    alone apply a step that another aborts."""
-    report = explore(EtcdDesign(n_members=3, faults=1, outcome_claim=False))
+def test_etcd_design_deciding_a_vote_in_doubt_splits_it() -> None:
+    """The hot store decides a commit without etcd, so a member cut off by the store's loss
+    must not decide: claiming ABORT on etcd (first claim stands) while a peer committed on the
+    lost store before it died splits the vote. Not deciding, and letting the regroup's heal
+    settle it, is what the design does (the test above)."""
+    report = explore(EtcdDesign(n_members=2, faults=1, doubt_decides=True))
     _show(report)
     assert report.violation == "agreement"
+    assert any("in doubt, claims abort" in step for step in report.trace)
+    assert any("sets the commit key" in step for step in report.trace)
 
 
 @pytest.mark.slow
 def test_etcd_design_three_members_two_faults() -> None:
-    """1.1 million states: about 3 minutes and 1.7 GB here."""
+    """1.1 million states before the hot store was modelled (3 minutes, 1.7 GB); not run
+    since (its count with the hot store is not known)."""
     report = explore(EtcdDesign(n_members=3, faults=2), max_states=5_000_000)
     _show(report)
     assert report.violation is None, report.trace
