@@ -5,15 +5,17 @@ from the start of its forward-backward to the start of the gradient sync, divide
 micro-batches it ran); the numbers reach every rank in one exchange (:mod:`.monitor`). The
 detector then, identically on every rank:
 
-1. keeps each replica's last ``window`` measurements and smooths them by their median (a
-   duty-cycled or bursty slowdown makes single steps noisy; the median needs a majority of
-   the window slow, which is what "persistently" means here);
-2. takes the reference: the median of the smoothed times over the replicas that have one (the
+1. divides each replica's time by the step's reference, the median of that step's times (the
    lower median at an even count, so at DP2 the faster replica is the reference and a replica
-   at half speed shows as 2x, not 1.33x);
-3. marks a replica slow when its ratio to the reference exceeds ``threshold``, and healthy
-   again only when the ratio falls to ``recover_threshold`` or below (hysteresis: a ratio in
-   between keeps the state it had).
+   at half speed shows as 2x, not 1.33x). Per step, so that what slows every replica alike
+   (the machine's load, a longer sequence) cancels;
+2. keeps each replica's last ``window`` ratios and smooths them by their median (a
+   duty-cycled or bursty slowdown makes single steps noisy; the median needs a majority of
+   the window slow, which is what "persistently" means here); the times are smoothed the
+   same way, for the log and the planner;
+3. marks a replica slow when its smoothed ratio exceeds ``threshold``, and healthy again only
+   when it falls to ``recover_threshold`` or below (hysteresis: a ratio in between keeps the
+   state it had).
 
 A replica that ran nothing (down, or given nothing) reports 0 and keeps its last smoothed
 value. The detector makes no collective call and no random draw: given the same sequence of
@@ -38,8 +40,9 @@ class SlowState:
         step: Measurements seen so far.
         smoothed: Per replica, the median of its last ``window`` times per micro-batch
             (seconds; None before its first measurement).
-        reference: The group's median of ``smoothed`` (None before any).
-        ratios: Per replica, ``smoothed / reference`` (None without a measurement).
+        reference: The group's (lower) median of ``smoothed`` (None before any).
+        ratios: Per replica, the median of its last ``window`` per-step ratios to the step's
+            median (None before its first measurement).
         slow: The replicas currently marked slow, ascending.
         changed: Replicas whose mark changed at this step, as (replica, now_slow).
     """
@@ -50,6 +53,12 @@ class SlowState:
     ratios: Tuple[Optional[float], ...]
     slow: Tuple[int, ...]
     changed: Tuple[Tuple[int, bool], ...]
+
+    def plan_times(self) -> Tuple[Optional[float], ...]:
+        """Per replica, the time per micro-batch the planner uses: its smoothed ratio times the
+        reference (the relative speeds, free of what slowed every replica alike)."""
+        ref = self.reference
+        return tuple(None if r is None or ref is None else r * ref for r in self.ratios)
 
     def speeds(self) -> Tuple[Optional[float], ...]:
         """Per replica, its speed relative to the reference (``1 / ratio``)."""
@@ -82,6 +91,9 @@ class FailSlowDetector:
         self._history: List[Deque[float]] = [
             deque(maxlen=self.config.window) for _ in range(self.num_replicas)
         ]
+        self._ratios: List[Deque[float]] = [
+            deque(maxlen=self.config.window) for _ in range(self.num_replicas)
+        ]
         self._slow: List[bool] = [False] * self.num_replicas
         self.step = 0
         self.state: Optional[SlowState] = None
@@ -94,17 +106,20 @@ class FailSlowDetector:
                 f"{len(times_per_microbatch)} measurements for {self.num_replicas} replicas"
             )
         self.step += 1
-        for hist, t in zip(self._history, times_per_microbatch, strict=True):
-            if t > 0:
-                hist.append(float(t))
+        now = sorted(float(t) for t in times_per_microbatch if t > 0)
+        step_ref = statistics.median_low(now) if now else None
+        for r, t in enumerate(times_per_microbatch):
+            if t > 0 and step_ref:
+                self._history[r].append(float(t))
+                self._ratios[r].append(float(t) / step_ref)
         smoothed = tuple(statistics.median(h) if h else None for h in self._history)
         known = sorted(s for s in smoothed if s is not None)
         reference = statistics.median_low(known) if known else None
-        ratios = tuple(None if s is None or not reference else s / reference for s in smoothed)
+        ratios = tuple(statistics.median(h) if h else None for h in self._ratios)
         cfg = self.config
         changed: List[Tuple[int, bool]] = []
         for r, ratio in enumerate(ratios):
-            full = len(self._history[r]) >= cfg.window  # no verdict on a half-empty window
+            full = len(self._ratios[r]) >= cfg.window  # no verdict on a half-empty window
             if ratio is None or not full:
                 continue
             if not self._slow[r] and ratio > cfg.threshold:

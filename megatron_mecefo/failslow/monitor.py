@@ -145,7 +145,7 @@ class FailSlowMonitor:
             self.predicted_balanced_s += a.balanced_step
         self.slow_steps += bool(state.slow)
         if self.rebalancer is not None:
-            new = self.rebalancer.update(state.step, state.smoothed, state.slow)
+            new = self.rebalancer.update(state.step, state.plan_times(), state.slow)
             if new is not None:
                 assert self.policy is not None
                 self.policy.assignment = new
