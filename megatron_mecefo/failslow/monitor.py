@@ -145,6 +145,8 @@ class FailSlowMonitor:
             self.predicted_balanced_s += a.balanced_step
         self.slow_steps += bool(state.slow)
         if self.rebalancer is not None:
+            if self.policy is not None and self.policy.assignment is None:
+                self.rebalancer.reset()  # the controller was reset (an in-process restart)
             new = self.rebalancer.update(state.step, state.plan_times(), state.slow)
             if new is not None:
                 assert self.policy is not None

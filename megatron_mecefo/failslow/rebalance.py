@@ -255,7 +255,12 @@ class RebalanceController:
     changes: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the balanced assignment, free to change at once."""
         self.assignment = balanced(self.num_replicas, self.microbatches)
+        self.last_change = -(10**9)
 
     def update(
         self, step: int, times: Sequence[Optional[float]], slow: Sequence[int]
