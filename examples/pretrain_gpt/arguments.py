@@ -450,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_mecefo.snapshot.arguments import add_arguments as add_snapshot_arguments
 
     add_snapshot_arguments(p)  # --mecefo-snapshot-* (in-memory snapshots)
+    from megatron_mecefo.failslow.arguments import add_arguments as add_fail_slow_arguments
+
+    add_fail_slow_arguments(p)  # --mecefo-fail-slow* (straggling replicas)
     p.add_argument_group("MeCeFO simulation (example trainer)").add_argument(
         "--mecefo-virtual-replicas",
         type=int,
@@ -854,7 +857,19 @@ def _validate_mecefo(args: argparse.Namespace) -> None:
     if problem:  # before the warnings: a run that stops prints only its error
         raise ConfigError(problem)
     _validate_failures(args)
-    for line in warnings:
+    from megatron_mecefo.failslow.arguments import config_from_args
+
+    args.fail_slow_config = fs = config_from_args(args)
+    try:
+        fs_warning = fs.validate(
+            data_parallel_size=args.data_parallel_size,
+            mecefo=args.mecefo,
+            virtual_replicas=args.mecefo_virtual_replicas is not None,
+            virtual_pipeline=args.virtual_pipeline_model_parallel_size is not None,
+        )
+    except MecefoConfigError as err:
+        raise ConfigError(str(err)) from None
+    for line in warnings + ([fs_warning] if fs_warning else []):
         warn(line)
 
 

@@ -135,6 +135,7 @@ class Trainer:
             self.abft = AbftState(args.abft_config, self.rank, args.num_layers)
             apply_abft(self.model_chunks, self.abft)
         self.forward_backward = self._forward_backward_func()
+        self.fail_slow = self._fail_slow_monitor()
         resumed = args.load or self.recovery_path  # a restart appends to the run's log
         self.log.open(args, "a" if resumed else recovery.metrics_mode() if recovery else "w")
         if restore_record:
@@ -170,6 +171,22 @@ class Trainer:
 
             self.virtual = VirtualReplicas(controller, self.model, self.model_chunks, self.config)
         return controller
+
+    def _fail_slow_monitor(self) -> Any:
+        """--mecefo-fail-slow: times the forward-backward, wraps the policy (rebalance)."""
+        import torch.distributed as dist
+
+        from megatron_mecefo.failslow.monitor import build_monitor
+
+        a = self.args
+        monitor = build_monitor(
+            a.fail_slow_config, self.dp_rank, self.dp_size, dist.get_world_size(),
+            a.num_microbatches,
+            self.controller, self.virtual is not None, self.log.print,
+        )  # fmt: skip
+        if monitor is not None:
+            self.forward_backward = monitor.wrap(self.forward_backward, self.config)
+        return monitor
 
     def _forward_backward_func(self) -> Any:
         return building.forward_backward_func(
@@ -261,9 +278,14 @@ class Trainer:
             total = sum(totals[1:], totals[0])
         else:
             total = self._loss_total(data_iterator, forward_only)
+        fail_slow = None if forward_only else self.fail_slow
+        if fail_slow is not None:  # each replica's time per micro-batch rides along
+            total = fail_slow.piggyback(total)
         # Sum over every rank: each TP rank of each last stage adds its (equal) share, so
         # loss-sum / token-count is still the mean over the global batch.
         dist.all_reduce(total)
+        if fail_slow is not None:
+            total = fail_slow.observe(total, self.iteration + 1)
         return (total[0] / total[1]).item()
 
     def _loss_total(self, data_iterator: Any, forward_only: bool) -> Any:
@@ -351,6 +373,11 @@ class Trainer:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         rank_cpu = probes.gather_rank_cpu(cpu, self._dp_ranks) if a.log_rank_cpu_time else None
+        fail_slow: dict[str, Any] = {}
+        if self.fail_slow is not None:
+            fail_slow, lines = self.fail_slow.step_fields(dt)
+            for line in lines:
+                self.log.print(line)
         self.iteration += 1
         self.consumed_samples += a.global_batch_size
         tokens = self.tokens_per_step
@@ -372,6 +399,7 @@ class Trainer:
             **({"samples": samples} if samples is not None else {}),
             **({"abft": abft} if abft is not None else {}),
             **({"rank_cpu_s": rank_cpu} if rank_cpu is not None else {}),
+            **fail_slow,
         }
 
     def _log_unlogged(self) -> None:
@@ -486,6 +514,8 @@ class Trainer:
                 rows += reporting.mecefo_rows(self.controller, self.history)
             if self.abft is not None:
                 rows += self.abft.counters.rows()
+            if self.fail_slow is not None:
+                rows += self.fail_slow.summary_rows()
             if self.saved:
                 rows.append(("checkpoints", f"iterations {self.saved} in {a.save}"))
             if self.recovery is not None:

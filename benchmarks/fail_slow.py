@@ -1,0 +1,266 @@
+"""Fail-slow throughput: one replica at half speed, with no mitigation, eviction, rebalancing.
+
+The example trainer (real megatron-core, gloo on CPU) trains a small GPT (2 layers, hidden 128,
+seq 256, micro-batch 2, SGD) with its ranks pinned to cores (``os.sched_setaffinity``):
+
+* ``dp2``: 2 ranks, each on its own core;
+* ``dp4``: 4 ranks at 2 per core (ranks 0, 1 on core 0; 2, 3 on core 1).
+
+One rank (replica 1) is slowed from the start by an outside process
+(:mod:`megatron_mecefo.failslow.duty_cycle`: SIGSTOP for half of every 20 ms, SIGCONT for the
+other half). For M = 4 and 8 micro-batches per replica, each layout runs:
+
+* ``failure_free``: nobody slowed;
+* ``none``: slowed, no mitigation (``--mecefo-fail-slow detect``);
+* ``eviction``: slowed, and the slow replica treated as failed from iteration 1 (MeCeFO's
+  takeover, ``--mecefo-fail 1:1``, policy ``neighbor``): its micro-batches are absorbed in
+  takeover mode and it only joins the gradient sync;
+* ``rebalance``: slowed, ``--mecefo-fail-slow rebalance`` (exact).
+
+Throughput is samples per second over the iterations after the first ``--warmup`` (detection
+and rebalancing happen inside the warm-up), relative to ``failure_free`` of the same layout and
+M. The ideal is the sum of the replicas' speeds over n (0.75 at DP2, 0.875 at DP4 with one
+replica at half speed); with whole micro-batches the best split reaches less (the integer
+ideal, e.g. 5 + 3 at DP2, M = 4: 0.667). The JSON states the machine's load average before and
+after: the shares are only meaningful on a quiet machine.
+
+Usage (repo root, under the heavy-run lock):
+``flock /tmp/mecefo-heavy.lock .venv/bin/python benchmarks/fail_slow.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+for path in (BENCH, REPO):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from run_header import run_header  # noqa: E402
+
+from megatron_mecefo.failslow.duty_cycle import DutyCycle  # noqa: E402
+from megatron_mecefo.failslow.rebalance import plan_rebalance  # noqa: E402
+
+WORKER = REPO / "tests" / "workers" / "failslow_trainer.py"
+MBS = 2
+MODEL = [
+    "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+    "--seq-length", "256", "--micro-batch-size", str(MBS), "--optimizer", "sgd", "--lr", "0.05",
+    "--lr-decay-style", "constant", "--split", "90,10,0", "--make-vocab-size-divisible-by",
+    "256", "--eval-iters", "0", "--log-interval", "1000", "--mecefo-fail-slow-window", "3",
+]  # fmt: skip
+LAYOUTS = {"dp2": (2, "0,1"), "dp4": (4, "0,0,1,1")}
+"""Layout -> (ranks, MECEFO_TEST_CPUS: rank r on core cpus[r])."""
+MITIGATIONS = {
+    "failure_free": ["--mecefo", "--mecefo-fail-slow", "off"],
+    "none": ["--mecefo", "--mecefo-fail-slow", "detect"],
+    "eviction": ["--mecefo", "--mecefo-fail-slow", "off", "--mecefo-fail", "1:1"],
+    "rebalance": ["--mecefo", "--mecefo-fail-slow", "rebalance"],
+}
+SLOW_RANK, SPEED, PERIOD_MS = 1, 0.5, 20.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(
+    layout: str, m: int, mitigation: str, iters: int, data: str, work: Path
+) -> Dict[str, Any]:
+    """One torchrun launch; returns its train records' summary."""
+    nproc, cpus = LAYOUTS[layout]
+    out = work / f"{layout}_m{m}_{mitigation}"
+    (out / "pids").mkdir(parents=True)
+    metrics = out / "metrics.jsonl"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        f"--master_port={_free_port()}", str(WORKER), *MODEL,
+        "--global-batch-size", str(m * MBS * nproc), "--train-iters", str(iters),
+        "--data-path", data, "--metrics-file", str(metrics), *MITIGATIONS[mitigation],
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MECEFO_TEST_CPUS=cpus,
+               MECEFO_TEST_PIDS=str(out / "pids"))  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    log = out / "log.txt"
+    proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    duty: Optional[DutyCycle] = None
+    pids: List[int] = []
+    try:
+        if mitigation != "failure_free":
+            pid_file = out / "pids" / f"rank{SLOW_RANK}.pid"
+            deadline = time.time() + 180
+            while not (pid_file.exists() and pid_file.read_text()):
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"{out.name}: no PID:\n{log.read_text()[-3000:]}")
+                time.sleep(0.05)
+            duty = DutyCycle(int(pid_file.read_text()), SPEED, PERIOD_MS)
+        rc = proc.wait(timeout=900)
+        if rc != 0:
+            raise RuntimeError(f"{out.name} failed ({rc}):\n{log.read_text()[-3000:]}")
+    finally:
+        if duty is not None:
+            duty.stop()
+        pids = [int(p.read_text()) for p in (out / "pids").glob("*.pid") if p.read_text()]
+        for pid in pids:  # ranks left behind by a failure, by PID
+            try:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    return {"records": [r for r in recs if r["type"] == "train"]}
+
+
+def summarise(records: List[Dict[str, Any]], warmup: int) -> Dict[str, Any]:
+    """Steady-state samples/s and what the fail-slow fields said."""
+    steady = [r for r in records if r["iteration"] > warmup]
+    samples = sum(r["mecefo"]["samples_processed"] for r in steady)
+    seconds = sum(r["step_time_s"] for r in steady)
+    fs = [r.get("fail_slow") for r in steady if r.get("fail_slow")]
+    out: Dict[str, Any] = {
+        "steady_iterations": len(steady),
+        "samples_per_s": samples / seconds,
+        "mean_step_s": seconds / len(steady),
+        "microbatches_per_replica_last": steady[-1]["mecefo"]["microbatches_per_replica"],
+    }
+    if fs:
+        out["ratio_last"] = fs[-1]["ratio"]
+        out["rebalanced_steps"] = sum(bool(f["rebalanced"]) for f in fs)
+        first = next((r["iteration"] for r in records if r.get("fail_slow", {}).get("slow")), None)
+        out["first_iteration_marked_slow"] = first
+    return out
+
+
+def integer_ideal(n: int, m: int, speed: float) -> float:
+    """Best throughput share with whole micro-batches (replica 1 at ``speed``)."""
+    times = [1.0] * n
+    times[SLOW_RANK] = 1.0 / speed
+    a = plan_rebalance(times, [SLOW_RANK], m)
+    return m / a.predicted_step
+
+
+def plot(result: Dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(result["cases"])
+    mits = ["none", "eviction", "rebalance"]
+    colors = {"none": "tab:red", "eviction": "tab:orange", "rebalance": "tab:green"}
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.25
+    for i, mit in enumerate(mits):
+        xs = [c + (i - 1) * width for c in range(len(cases))]
+        ys = [result["cases"][k]["relative"][mit] for k in cases]
+        ax.bar(xs, ys, width, label=mit, color=colors[mit])
+        for x, y in zip(xs, ys, strict=True):
+            ax.text(x, y + 0.01, f"{y:.2f}", ha="center", fontsize=7)
+    for c, k in enumerate(cases):
+        case = result["cases"][k]
+        ax.hlines(case["ideal"], c - 1.5 * width, c + 1.5 * width, colors="k", linestyles="--",
+                  label="ideal (sum of speeds)" if c == 0 else None)  # fmt: skip
+        whole = "ideal, whole micro-batches" if c == 0 else None
+        ax.hlines(case["integer_ideal"], c - 1.5 * width, c + 1.5 * width, colors="grey",
+                  linestyles=":", label=whole)  # fmt: skip
+    ax.set_xticks(range(len(cases)), cases)
+    ax.set_ylabel("throughput / failure-free")
+    top = max(v for k in cases for v in result["cases"][k]["relative"].values())
+    ax.set_ylim(0, max(1.05, 1.12 * top))
+    load = result["machine"]["loadavg_start"][0]
+    ax.set_title(
+        f"One replica at half speed (SIGSTOP duty cycle), CPU, gloo; load average {load:.1f} "
+        f"on {result['machine']['cpus']} cores",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--microbatches", nargs="+", type=int, default=[4, 8])
+    p.add_argument("--iters", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--out", default=str(REPO / "results" / "fail_slow.json"))
+    p.add_argument("--plot", default=str(REPO / "results" / "plots" / "fail_slow.png"))
+    p.add_argument("--repeats", type=int, default=1, help="Runs per case, interleaved; the "
+                   "median samples/s is reported (the others are in the JSON).")  # fmt: skip
+    p.add_argument("--work-dir", default=None, help="Keep the runs' logs and metrics here.")
+    a = p.parse_args()
+    from megatron_mecefo.data import prepare_stdlib_dataset
+
+    result = run_header("fail_slow")
+    result["config"] = {
+        "model": MODEL, "micro_batch_size": MBS, "layouts": {k: {"ranks": v[0], "cpus": v[1]}
+        for k, v in LAYOUTS.items() if k in a.layouts}, "slowed_rank": SLOW_RANK,
+        "speed": SPEED, "duty_cycle_period_ms": PERIOD_MS, "iters": a.iters,
+        "warmup": a.warmup, "repeats": a.repeats, "mitigations": MITIGATIONS,
+    }  # fmt: skip
+    result["cases"] = {}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="fail_slow_") as tmp:
+        work = Path(a.work_dir or tmp)
+        data = str(work / "data" / "stdlib_text_document")
+        prepare_stdlib_dataset(data, max_bytes=400_000)
+        for layout in a.layouts:
+            n = LAYOUTS[layout][0]
+            for m in a.microbatches:
+                tries: Dict[str, List[Dict[str, Any]]] = {mit: [] for mit in MITIGATIONS}
+                for rep in range(a.repeats):  # interleaved: a load change hits every case
+                    for mit in MITIGATIONS:
+                        recs = run_one(layout, m, mit, a.iters, data, work / f"r{rep}")
+                        tries[mit].append(summarise(recs["records"], a.warmup))
+                        print(f"{layout} M={m} {mit} #{rep}: "
+                              f"{tries[mit][-1]['samples_per_s']:.1f} samples/s",
+                              flush=True)  # fmt: skip
+                runs = {}
+                for mit, ts in tries.items():
+                    ts = sorted(ts, key=lambda t: t["samples_per_s"])
+                    runs[mit] = dict(ts[(len(ts) - 1) // 2])  # the (lower) median
+                    runs[mit]["samples_per_s_all"] = [t["samples_per_s"] for t in tries[mit]]
+                ff = runs["failure_free"]["samples_per_s"]
+                ideal = (n - 1 + SPEED) / n
+                rel = {k: v["samples_per_s"] / ff for k, v in runs.items()}
+                result["cases"][f"{layout} M={m}"] = {
+                    "layout": layout, "replicas": n, "microbatches": m, "runs": runs,
+                    "relative": rel, "ideal": ideal, "integer_ideal": integer_ideal(n, m, SPEED),
+                    "rebalance_of_ideal": rel["rebalance"] / ideal,
+                }  # fmt: skip
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    result["wall_s"] = time.time() - t0
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, Path(a.plot))
+    for k, c in result["cases"].items():
+        r = c["relative"]
+        print(
+            f"{k}: none {r['none']:.3f} eviction {r['eviction']:.3f} rebalance "
+            f"{r['rebalance']:.3f} (ideal {c['ideal']:.3f}, whole micro-batches "
+            f"{c['integer_ideal']:.3f}; rebalance/ideal {c['rebalance_of_ideal']:.3f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
