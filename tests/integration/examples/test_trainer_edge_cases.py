@@ -56,6 +56,8 @@ def test_every_replica_down_is_a_skipped_iteration(tmp_path: Path) -> None:
     assert "number of skipped iterations:   1" in lines[1] and "lm loss" not in lines[1]
 
 
+# Waits out a collective timeout (about 45 s): in make test-all, to keep .ci/run's time.
+@pytest.mark.slow
 def test_pg_timeout_applies_to_the_data_parallel_group(tmp_path: Path) -> None:
     """Item 6: with MECEFO_PG_TIMEOUT_MIN=0.1 and rank 1 stopped (SIGSTOP), rank 0 waits in
     the DP gradient all-reduce (a group initialize_model_parallel creates) and must time out

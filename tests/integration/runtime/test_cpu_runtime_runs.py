@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO, child_env, free_port, run_trainer
 
 from megatron_mecefo.runtime import LAYERS, PATCHED_CALL_SITES
@@ -47,6 +48,8 @@ SWEEP = [
 ]  # fmt: skip
 
 
+# A sweep of trainer runs (about 60 s): in make test-all, to keep .ci/run within its 35 min.
+@pytest.mark.slow
 def test_patched_call_sites_are_exactly_the_documented_list(tmp_path: Path) -> None:
     record = tmp_path / "sites"
     base = ["--mock-data", "--train-iters", "2", "--eval-iters", "1", "--eval-interval", "2",
