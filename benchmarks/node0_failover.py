@@ -15,7 +15,9 @@ under its own prefix, ``MECEFO_JOB_ID``).
    ``time.time()`` just before the kill; the takeover time is the new leader's own stamp
    (``primary`` key of its store), and *redone* is the latest member's ``done`` stamp of the
    failure generation (``rt/<g>/<slot>``, read through etcd from the new leader's store).
-   The leader's lease is the heartbeat timeout, so the takeover waits for it to expire.
+   The leader's lease is the heartbeat timeout, but a SIGKILL is a certain death (its store's
+   port refuses connections): node 1 revokes the lease at once (``cause`` "revoked" in each
+   trial; "expired" when the takeover waited for the TTL).
 2. ``--overhead-repeats`` pairs of failure-free runs, ``--store-mode single`` and ``etcd``
    alternated: the commit vote's wait and protocol time per iteration and the step time,
    from the ranks' ``armed_cost`` records.
@@ -193,6 +195,7 @@ def failover_trial(
             "replicas": list(gen.replicas),
             "redone_iteration": record.get("iteration"),
             "term": takeover["term"],
+            "cause": takeover.get("cause"),
         }
         # Training goes on past the redone iteration.
         target = job.iteration() + 3

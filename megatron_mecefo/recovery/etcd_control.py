@@ -11,6 +11,8 @@ Keys, under ``<prefix>/``:
 * ``outcome/<g>/<iteration>``: the outcome of a step (first claim stands).
 * ``dead/<slot>/<inc>``: a death (first report stands); ``inc/<slot>``: the incarnation of a
   slot (a compare-and-swap counter); ``fatal``: the message that ends the job (first stands).
+* ``ended``: why the last term was ended early (:meth:`EtcdControl.end_term_of`: a follower
+  found the leader's store refusing connections and revoked its lease).
 
 Fencing: every write of the leader is a transaction whose compare includes ``leader`` ==
 its id and ``create_revision(leader)`` == its term. A leader whose lease expired (hung,
@@ -259,6 +261,45 @@ class EtcdControl:
         if term is not None:
             self.conn.lease_revoke(term.lease)
             self.term = None
+
+    def end_term_of(self, name: str, value: str, note: str) -> Optional[Term]:
+        """End now the term of the leader that wrote ``<prefix>/<name>`` = ``value``: revoke
+        its lease (etcd deletes ``leader`` with it, and the waiting campaigns elect the next
+        leader at once, not a TTL later). For a leader known dead (its store refuses
+        connections); a living leader whose lease is revoked is only fenced (its writes fail,
+        its keepalive sees the lease gone and it exits).
+
+        ``note`` is written to ``<prefix>/ended`` first (the next leader says why the term
+        ended). Nothing is done when ``name`` no longer holds ``value``, or was written before
+        the current term began: a newer leader's term is never ended here.
+
+        Returns:
+            The term ended (its lease revoked), or None.
+
+        Raises:
+            ControlPlaneLost: etcd answered no call within its bound.
+        """
+        key, leader = self.key(name), self.leader_key
+        r = self.conn.txn(f"read the term of {name}", [], [op_get(key), op_get(leader)], [])
+        kv, lead = txn_kv(r, 0), txn_kv(r, 1)
+        # Read at one revision: ``leader`` existed from its creation to here (a re-created one
+        # has a new create_revision), and only that term's leader writes ``name`` (fenced),
+        # so a write after the creation is that leader's.
+        if kv is None or lead is None or kv.value != b(value):
+            return None
+        if kv.mod_revision <= lead.create_revision:
+            return None
+        # The note, on the same state (else the term ended or moved on meanwhile).
+        r = self.conn.txn(
+            f"note the end of term {lead.create_revision}",
+            [cmp_mod(key, kv.mod_revision), cmp_create(leader, lead.create_revision)],
+            [op_put(self.key("ended"), note)],
+            [],
+        )
+        if not r.succeeded:
+            return None
+        self.conn.lease_revoke(lead.lease)
+        return Term(lead.value.decode(errors="replace"), lead.create_revision, lead.lease, 0)
 
     # ------------------------------------------------------------------ fenced writes
     def _fenced_txn(self, what: str, compare: List[Any], success: List[Any], reads: List[Any]):

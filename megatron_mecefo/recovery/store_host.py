@@ -6,8 +6,10 @@ No training rank hosts the store, so any rank, rank 0 included, can die. Node 0 
 TCPStore on ``--store-host:--store-port`` (and a second one for torchrun-style ``env://``
 rendezvous of trainers without MeCeFO's session) and runs the :mod:`~.coordinator`. With
 ``--store-mode etcd``, the supervisors elect a leader on etcd (:mod:`~.etcd_control`); the
-leader serves the store and coordinates, and when its lease expires another node takes over
-with the state restored from etcd (:mod:`~.store_etcd`), again and again.
+leader serves the store and coordinates, and when its term ends another node takes over with
+the state restored from etcd (:mod:`~.store_etcd`), again and again. A term ends when its lease
+expires (a hung or cut-off leader: the TTL), or at once when a follower finds the leader's
+store refusing connections (a dead process: :meth:`StoreHost._watch_leader`).
 
 The supervisor's loop (:mod:`.supervisor`) uses the :class:`StoreHost` through
 :meth:`StoreHost.open`, :meth:`StoreHost.finish_node` and :meth:`StoreHost.close`, and the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import socket
 import threading
 import time
@@ -32,6 +35,12 @@ if TYPE_CHECKING:
 
 WAIT_REPORT_S = 5.0
 """While waiting for nodes or for the store, a line every this many seconds."""
+
+LOST_NODES_EVERY_S = 0.5
+"""At the job's end, the store's host looks for lost nodes this often (it waits for the rest)."""
+
+LEADER_WATCH_S = 1.0
+"""A follower re-reads the leader's store address on etcd at least this often."""
 
 
 class StoreHost:
@@ -68,6 +77,9 @@ class StoreHost:
         self.hot_address = ""
         """``--store-mode etcd``: the hot store this node serves as the leader."""
         self._closing = threading.Event()
+        self._finishing = threading.Event()
+        """Set when this node's ranks finished: its watch of the leader's store ends (the
+        leader's store closes at the job's end, which is no death)."""
         self.on_control_lost: Optional[Callable[[str], None]] = None
         """Called once (from a background thread) when the leadership or etcd is lost."""
 
@@ -130,17 +142,44 @@ class StoreHost:
         return self.ms
 
     def finish_node(self) -> None:
-        """Every rank of this node finished; the store's host keeps it up for the others (a
-        lost leader's node counts as done)."""
+        """Every rank of this node finished; the store's host keeps it up for the other nodes
+        until each has finished too or is known lost (:meth:`_lost_nodes`), at most 30 s."""
         assert self.ms is not None
+        self._finishing.set()
         self.ms.store.add("nodes_done", 1)
         if self.hosts_store:
             deadline = time.monotonic() + 30
+            lost, looked = 0, 0.0
             while time.monotonic() < deadline:
                 done = int(self.ms.store.add("nodes_done", 0))
-                if done + int(self.ms.store.add("nodes_lost", 0)) >= self.args.nnodes:
+                if done + lost >= self.args.nnodes:
                     break
+                if time.monotonic() - looked >= LOST_NODES_EVERY_S:
+                    looked = time.monotonic()
+                    lost = self._lost_nodes()
+                    continue
                 time.sleep(0.05)
+
+    def _lost_nodes(self) -> int:
+        """How many other nodes are lost: every rank of the node, in its current incarnation,
+        declared dead by someone other than its supervisor (``exit_code`` None: the
+        coordinator, its kill request unanswered for a heartbeat timeout; or a leader that
+        took over from that node). A lost node's supervisor never says it finished; a node
+        that rejoined in its place runs a newer incarnation, and says it itself."""
+        assert self.ms is not None
+        nproc = self.args.nproc_per_node
+        lost = 0
+        for node in range(self.args.nnodes):
+            if node == self.node:
+                continue
+            for slot in range(node * nproc, (node + 1) * nproc):  # a living node: one look
+                inc = int(self.ms.get_str(f"inc/{slot}") or 0)
+                info = self.ms.dead_info(slot, inc)
+                if info is None or info.get("exit_code") is not None:
+                    break
+            else:
+                lost += 1
+        return lost
 
     def close(self) -> None:
         """Stop the coordinator, if this node runs it (etcd mode: the campaign, and the
@@ -159,8 +198,9 @@ class StoreHost:
     # ------------------------------------------------------------------ etcd mode
     def _open_etcd(self) -> "MembershipStore":
         """``--store-mode etcd``: node 0 campaigns first and, once elected, serves the hot
-        store and runs the coordinator; every other node joins through etcd and campaigns in
-        the background, to take over when the leader's lease expires."""
+        store and runs the coordinator; every other node joins through etcd, watches the
+        leader's store, and campaigns in the background, to take over when the leader's term
+        ends."""
         import torch.distributed as dist
 
         from megatron_mecefo.recovery.etcd_control import ControlError, EtcdControl
@@ -208,6 +248,9 @@ class StoreHost:
         self._serve_rdzv_and_coordinate(self.hot_address)
         if not self.hosts_store:
             threading.Thread(target=self._campaign, name="mecefo-campaign", daemon=True).start()
+            threading.Thread(
+                target=self._watch_leader, name="mecefo-leader-watch", daemon=True
+            ).start()
         return self.ms
 
     def _serve_rdzv_and_coordinate(self, coordinator_store: str) -> None:
@@ -265,6 +308,89 @@ class StoreHost:
                 )
             return
 
+    def _watch_leader(self) -> None:
+        """A follower's watch of the leader's store, so that a leader's *certain* death ends its
+        term at once rather than when its lease expires (up to the heartbeat timeout).
+
+        It holds a TCP connection to the store (it sends nothing: the server keeps it idle).
+        When the leader's process dies, its kernel closes the connection and its listening
+        socket; a reconnect is then refused (ECONNREFUSED: the host is up, nothing listens).
+        Only that refusal counts: the follower revokes the lease of the term that published
+        the store (:meth:`~.etcd_control.EtcdControl.end_term_of`) and the campaigns elect
+        the next leader. A silent leader (hung, cut off, its host down) refuses nothing:
+        connects time out or hang, and its lease expires after the TTL as before."""
+        from megatron_mecefo.recovery.etcd_control import ControlError
+        from megatron_mecefo.recovery.store_etcd import hot_store
+
+        c = self.control
+        assert c is not None
+        sock: Optional[socket.socket] = None
+        watched, ended = "", ""
+        while not (self._closing.is_set() or self._finishing.is_set() or self.hosts_store):
+            if c.term is not None:  # this node won the next term: it leads, nothing to watch
+                break
+            try:
+                address = hot_store(c)
+            except ControlError:  # no quorum: the campaign and the stores say it
+                time.sleep(0.2)
+                continue
+            if address != watched:
+                if sock is not None:
+                    sock.close()
+                sock, watched = None, address
+            if not address or address == ended:  # a takeover is under way
+                time.sleep(0.05)
+                continue
+            if sock is None:
+                sock, refused = _connect(address)
+                if refused:
+                    if self._end_dead_term(address):
+                        ended = address
+                    else:
+                        time.sleep(0.05)  # re-read hot_store
+                    continue
+                if sock is None:  # a timeout or an unreachable host: no certainty
+                    time.sleep(0.2)
+                    continue
+            try:
+                readable, _, _ = select.select([sock], [], [], LEADER_WATCH_S)
+                if not readable:
+                    continue  # alive (or silent): re-read the address
+                closed = sock.recv(64) == b""
+            except OSError:  # reset
+                closed = True
+            if closed:  # the next turn's reconnect tells a dead leader from a closed link
+                sock.close()
+                sock = None
+                time.sleep(0.01)
+        if sock is not None:
+            sock.close()
+
+    def _end_dead_term(self, address: str) -> bool:
+        """The leader's store at ``address`` refused a connection: revoke its term's lease.
+        True when the term is over (revoked here, or no longer the one that published
+        ``address``); False when etcd did not answer (the caller looks again)."""
+        import json
+
+        from megatron_mecefo.recovery.etcd_control import ControlError
+        from megatron_mecefo.recovery.store_etcd import HOT_STORE
+
+        c = self.control
+        assert c is not None
+        note = json.dumps({"store": address, "by": self.node, "t": time.time(),
+                           "why": "its store refused connections"})  # fmt: skip
+        try:
+            term = c.end_term_of(HOT_STORE, address, note)
+        except ControlError:  # no quorum: the keepalive and the campaign say it, once
+            return False
+        if term is not None and not self._closing.is_set():
+            self.log(
+                f"the leader's store at {address} refuses connections (its process is dead): "
+                f"revoked the lease of {term.candidate} (term {term.number}); electing the next "
+                "leader now"
+            )
+        return True
+
     def _take_over_etcd(self) -> None:
         """This node won a term: fence the old store, serve a new one with the state restored
         from etcd, declare the old leader's ranks dead, coordinate, publish the address."""
@@ -301,8 +427,16 @@ class StoreHost:
         if ended or (number >= 0 and local.generation(number).abort):
             self.log("elected leader after the job ended: nothing to take over")
             return
+        kv, _ = c.conn.get(c.key("ended"))
+        note = json.loads(kv.value) if kv is not None else {}
+        revoked = note.get("store") == old and bool(old)
+        cause = (
+            f"its store refused connections: node {note.get('by')} revoked its etcd lease"
+            if revoked
+            else "its etcd lease expired"
+        )
         self.log(
-            f"leader node {old_node} lost (its etcd lease expired; its store was {old}); "
+            f"leader node {old_node} lost ({cause}; its store was {old}); "
             f"this node takes over with a membership store at {self.hot_address} "
             f"(term {c.term.number}, generation {number})"
         )
@@ -314,10 +448,10 @@ class StoreHost:
                                    "t": t0, "node": old_node})  # fmt: skip
                 c.put_fenced(f"kv/dead/{slot}/{inc}", info)
                 local.store.set(f"dead/{slot}/{inc}", info)
-        local.store.add("nodes_lost", 1)
         # Past any event count a supervisor saw on an earlier store: each then looks again.
         local.store.add("events", (c.term.number + 1) << 20)
-        takeover = {"node": self.node, "t": t0, "generation": number, "term": c.term.number}
+        takeover = {"node": self.node, "t": t0, "generation": number, "term": c.term.number,
+                    "cause": "revoked" if revoked else "expired"}  # fmt: skip
         local.store.set(PRIMARY_KEY, json.dumps(takeover))
         local.notify()
         self.hosts_store = True
@@ -424,6 +558,18 @@ def etcd_prefix(args: argparse.Namespace) -> str:
     id, else the store port)."""
     job = os.environ.get("MECEFO_JOB_ID") or os.environ.get("SLURM_JOB_ID")
     return f"/mecefo/{job or f'port{args.store_port}'}"
+
+
+def _connect(address: str) -> "tuple[Optional[socket.socket], bool]":
+    """(a connection to ``HOST:PORT`` or None, whether it was refused: ECONNREFUSED, the one
+    answer that says nothing listens there while the host is up)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        return socket.create_connection((host, int(port)), timeout=LEADER_WATCH_S), False
+    except ConnectionRefusedError:
+        return None, True
+    except OSError:
+        return None, False
 
 
 def _write_atomically(path: str, text: str) -> None:

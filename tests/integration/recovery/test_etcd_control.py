@@ -26,6 +26,7 @@ from etcd_cluster import EtcdCluster, running_cluster
 from megatron_mecefo.recovery.etcd_control import (
     ControlPlaneLost,
     EtcdControl,
+    Fenced,
     GenerationConflict,
     NotElected,
 )
@@ -197,6 +198,34 @@ def test_hung_leader_is_replaced_and_fenced(etcd: EtcdCluster, candidates: List[
         assert not new.lost.is_set()
     finally:
         new.close()
+
+
+def test_end_term_of_revokes_only_the_publishing_term(etcd: EtcdCluster) -> None:
+    """A follower that knows the leader dead (its store refuses connections) ends its term at
+    once: the next campaign wins well within the lease TTL (30 s: an expiry cannot explain
+    it), and the old leader's writes are fenced. A stale value, or a value written before the
+    current term, ends nothing: a newer leader is never deposed."""
+    ttl = 30
+    a, b = _control(etcd, "/end", ttl), _control(etcd, "/end", ttl)
+    try:
+        term_a = a.campaign("a", timeout_s=5.0)
+        a.put_fenced("hot_store", "h:1")
+        assert b.end_term_of("hot_store", "h:2", "{}") is None  # not what the leader wrote
+        assert a.leader() == ("a", term_a.number)
+        ended = b.end_term_of("hot_store", "h:1", '{"by": "b"}')
+        assert ended is not None and (ended.candidate, ended.number) == ("a", term_a.number)
+        t0 = time.monotonic()
+        term_b = b.campaign("b", timeout_s=ttl / 2)
+        assert time.monotonic() - t0 < ttl / 2 and term_b.number > term_a.number
+        with pytest.raises(Fenced, match=f"term {term_a.number} is over"):
+            a.put_fenced("progress", "999")
+        # hot_store still names a's store, written before b's term: b's term stands.
+        assert b.end_term_of("hot_store", "h:1", "{}") is None
+        assert a.leader() == ("b", term_b.number)
+        assert b.conn.get(b.key("ended"))[0].value == b'{"by": "b"}'
+    finally:
+        a.close()
+        b.close()
 
 
 def test_generations_cannot_roll_back(etcd: EtcdCluster) -> None:

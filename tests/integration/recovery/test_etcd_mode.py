@@ -74,21 +74,35 @@ def test_leader_node_sigkilled_matches_simulated(tmp_path: Path, etcd: EtcdClust
     """DP4 on two nodes (2 ranks each). The leader's node (node 0: its supervisor, hot store,
     coordinator and ranks) is SIGKILLed mid-run: node 1 wins the next term, serves a store
     restored from etcd, and training goes on; every sample once, and the final parameters
-    equal the simulated run that drops replicas 0 and 1 there."""
+    equal the simulated run that drops replicas 0 and 1 there.
+
+    The death is certain (the killed store's port refuses connections), so node 1 revokes the
+    leader's lease and the takeover does not wait for it to expire. The lease TTL (the
+    heartbeat timeout) is 20 s here: the lease was last renewed at most TTL/3 (about 6.7 s)
+    before the kill, so an expiry comes no sooner than about 13 s after it; the bound of
+    TTL/2 = 10 s sits between that and the revocation's few tenths of a second, with room
+    for a loaded machine's slower takeover (restoring the state from etcd, a new store)."""
     iters, gbs = 40, 16
+    ttl = 20.0
     args = _layout(iters, gbs) + ["--optimizer", "sgd", "--lr", "0.05"]
-    job = Job(tmp_path / "real", 2, args, nnodes=2, supervisor_args=_etcd_args(etcd),
+    job = Job(tmp_path / "real", 2, args, nnodes=2,
+              supervisor_args=_etcd_args(etcd, "--heartbeat-timeout", f"{ttl:g}"),
               MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
     try:
         job.start()
         job.wait_for("iteration        6/")
+        t_kill = time.monotonic()
         _signal_node(job, 0, signal.SIGKILL)
+        job.wait_for("this node takes over with a membership store")
+        took_over_s = time.monotonic() - t_kill  # an upper bound: the log is polled
         rc = job.wait(timeout=300)
     finally:
         job.stop()
     log = job.log()
+    print(f"leader SIGKILLed: takeover seen {took_over_s:.2f} s after the kill (TTL {ttl:g} s)")
     assert rc == [-9, 0], (rc, log[-5000:])
-    assert "this node takes over with a membership store" in log, log[-5000:]
+    assert "its store refused connections: node 1 revoked its etcd lease" in log, log[-5000:]
+    assert took_over_s < ttl / 2, f"takeover {took_over_s:.2f} s after the kill (TTL {ttl:g})"
     check_every_sample_once(train_records(job.metrics), iters, gbs, 4)
     assert all(c["identical"] for c in job.records_of("dp_weight_check"))
     (failure,) = [r for r in job.records_of("recovery") if r["ranks_lost"]]
@@ -100,7 +114,7 @@ def test_leader_node_sigkilled_matches_simulated(tmp_path: Path, etcd: EtcdClust
     assert diff <= PARAM_ATOL
 
 
-@pytest.mark.slow  # 71 s here; about 30 s of it: the end wait for the lost node (finish_node)
+@pytest.mark.slow  # 31 s here (64 s when the leader still waited 30 s for the lost node)
 def test_follower_node_sigkilled_leader_trains_on(tmp_path: Path, etcd: EtcdCluster) -> None:
     """DP4 on two nodes. Node 1 (a follower: it campaigns in the background) is SIGKILLed,
     its supervisor and ranks: the leader keeps its term and its store (no takeover), declares
