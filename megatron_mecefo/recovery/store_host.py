@@ -82,6 +82,8 @@ class StoreHost:
         leader's store closes at the job's end, which is no death)."""
         self.on_control_lost: Optional[Callable[[str], None]] = None
         """Called once (from a background thread) when the leadership or etcd is lost."""
+        self.on_job_ended: Optional[Callable[[str], None]] = None
+        """Called once (from a background thread) when this node wins a term after the end."""
 
     def open(self) -> "MembershipStore":
         """Serve or reach the store (etcd mode: elect or follow the leader), publish this
@@ -294,6 +296,12 @@ class StoreHost:
                 if not self._closing.is_set():
                     self._control_lost(str(err))
                 return
+            except Exception as err:  # noqa: BLE001 (e.g. gRPC's "Channel closed" at shutdown)
+                # A campaign thread that died silently would leave this node unable ever to
+                # lead: outside a shutdown it is said in one line and the node exits.
+                if not self._closing.is_set():
+                    self._control_lost(f"etcd campaign failed: {type(err).__name__}: {err}")
+                return
             if self._closing.is_set():
                 return
             try:
@@ -425,7 +433,7 @@ class StoreHost:
         number = restore(c, local.store)
         ended = local.get_str("done") or local.get_str("fatal") or local.get_str("stopping")
         if ended or (number >= 0 and local.generation(number).abort):
-            self.log("elected leader after the job ended: nothing to take over")
+            self._job_ended("elected leader after the job ended: nothing to take over")
             return
         kv, _ = c.conn.get(c.key("ended"))
         note = json.loads(kv.value) if kv is not None else {}
@@ -457,6 +465,17 @@ class StoreHost:
         self.hosts_store = True
         self._start_coordinator(self.hot_address, resume=True)
         c.put_fenced(HOT_STORE, self.hot_address)
+
+    def _job_ended(self, line: str) -> None:
+        """This node won a term after the job ended (a late spare): its supervisor exits 0
+        with one line (:attr:`on_job_ended`) instead of calling the old leader's store."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        if self.on_job_ended is not None:
+            self.on_job_ended(line)
+        else:
+            self.log(line)
 
     def _control_lost(self, line: str) -> None:
         """The leadership or etcd is lost: this node's ranks are stopped and the supervisor

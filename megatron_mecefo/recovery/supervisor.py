@@ -108,6 +108,7 @@ class Supervisor:
         self.replacements: Dict[int, int] = {s: 0 for s in self.slots}
         self.store_host = StoreHost(args, config, self.log)
         self.store_host.on_control_lost = self._control_lost
+        self.store_host.on_job_ended = self._job_ended
         self.killed: Dict[tuple, float] = {}
         self.standby: List[Child] = []
         self._standby_count = 0
@@ -131,11 +132,26 @@ class Supervisor:
         for child in everyone:
             kill_group(child.proc.pid)
             kill(child.proc.pid)
-        self.log(
-            f"{line}; {len(everyone)} processes of this node killed, exiting (the other nodes "
-            "go on while etcd keeps a quorum)"
+        # A lost quorum stops every node (Slurm requeues the job); a deposed node alone
+        # leaves the others training.
+        after = (
+            "the job stops: etcd has no quorum"
+            if "quorum" in line
+            else "the other nodes go on while etcd keeps a quorum"
         )
+        self.log(f"{line}; {len(everyone)} processes of this node killed, exiting ({after})")
         os._exit(1)  # the main thread may be in a store call to a lost store: no unwinding
+
+    def _job_ended(self, line: str) -> None:
+        """``--store-mode etcd``, from a background thread: this node won a term after the job
+        ended (a late spare). Its processes are ended and the supervisor exits 0 with one line,
+        rather than calling the old leader's store, which is gone."""
+        everyone = list(self.children.values()) + list(self.standby)
+        for child in everyone:
+            kill_group(child.proc.pid)
+            kill(child.proc.pid)
+        self.log(f"{line}; exiting")
+        os._exit(0)  # the main thread may be in a call to the old store: no unwinding
 
     def open_store(self) -> None:
         """Host or join the membership store, or lead it on etcd (:mod:`.store_host`)."""
