@@ -19,7 +19,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Optional
 
 from megatron_mecefo.recovery import records as rec_mod
 from megatron_mecefo.recovery import reporting
@@ -34,13 +34,27 @@ from megatron_mecefo.recovery.session import (
 )
 
 
-def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -> Any:
-    """Train under the supervisor; returns the trainer that finished, or exits (module doc)."""
+def run_recoverable(
+    args: Any,
+    make_trainer: Callable[[RecoverySession], Any],
+    prepare: Optional[Callable[[], None]] = None,
+) -> Any:
+    """Train under the supervisor; returns the trainer that finished, or exits (module doc).
+
+    ``prepare()`` runs once, before the process says it is ready: the trainer's one-time work
+    that needs no world (e.g. compiling kernels). A joiner does it there, off the clock of the
+    survivors, who otherwise wait for it inside the rejoin's first collective; a warm standby
+    on the CPU does it before it is even assigned a slot (on a GPU the slot picks the
+    device the work must be done on).
+    """
     config = RecoveryConfig.from_env()
     assert config is not None
     standby = os.environ.get("MECEFO_RECOVERY_STANDBY")
     if standby:  # a warm standby: import now, wait for the slot of a dead rank
         _warm_up()
+        if prepare is not None and args.device == "cpu":  # a GPU's is known with the slot
+            prepare()
+            prepare = None
         await_assignment(MembershipStore.connect(config.store, config.init_timeout_s), standby,
                          config.init_timeout_s)  # fmt: skip
     # Worlds left after a failure can leave gloo threads in leaked C++ objects, which abort
@@ -58,6 +72,8 @@ def run_recoverable(args: Any, make_trainer: Callable[[RecoverySession], Any]) -
     # collection that closes an old world's sockets then scans only what was built since
     # (measured at DP4 under load: 0.8 s -> see the recovery records' release_split_s).
     _warm_up()
+    if prepare is not None:
+        prepare()
     gc.freeze()
     session.ms.mark_ready(session.slot, session.inc, {"pid": os.getpid(), "t": time.time()})
     after = -1

@@ -75,7 +75,7 @@ def _capture_run(monkeypatch: pytest.MonkeyPatch) -> Dict[str, Any]:
     seen: Dict[str, Any] = {}
     from megatron_mecefo.recovery import generations
 
-    def run_recoverable(job: Any, make_trainer: Any) -> None:
+    def run_recoverable(job: Any, make_trainer: Any, **_: Any) -> None:
         seen["job"], seen["make_trainer"] = job, make_trainer
 
     monkeypatch.setattr(generations, "run_recoverable", run_recoverable)
