@@ -450,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_mecefo.snapshot.arguments import add_arguments as add_snapshot_arguments
 
     add_snapshot_arguments(p)  # --mecefo-snapshot-* (in-memory snapshots)
+    from megatron_mecefo.runtime.device_clock import add_arguments as add_clock_arguments
+
+    add_clock_arguments(p)  # --device-clock (emulated GPU phase times)
     p.add_argument_group("MeCeFO simulation (example trainer)").add_argument(
         "--mecefo-virtual-replicas",
         type=int,
