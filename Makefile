@@ -133,10 +133,12 @@ etcd:
 	else echo "make etcd: no etcd, and installing it needs root and apt-get" \
 	    "(Debian/Ubuntu: apt-get install etcd-server etcd-client)" >&2; exit 1; fi
 
-# The goodput benchmark's --quick mode end to end (about 5 minutes; CI runs it): every system,
-# torchft from .venv-tft, on a schedule of real kills.
+# The goodput benchmark's --quick mode end to end (CI runs it): checkpoint-restart, torchft from
+# .venv-tft and MeCeFO auto on a schedule of real kills, under the device clock; and the device
+# clock's check (failure-free step time at 4 and at 3 ranks within 2%, the phases fit).
 test-goodput: venv data $(TFT)/.installed
-	$(PY) -m pytest -q -m slow --timeout=900 tests/integration/benchmarks/test_goodput_quick.py
+	$(PY) -m pytest -q -m slow --timeout=900 tests/integration/benchmarks/test_device_clock.py \
+	    tests/integration/benchmarks/test_goodput_quick.py
 
 # The CPU evidence suite (README "Results"), about 90 minutes on 2 cores (about 60 of them the goodput comparison; the n = 32 study is make bench-convergence): costs, ABFT overhead, degraded
 # throughput (model + real DP4 runs), failure traces, the planner's profile and the cluster
@@ -188,7 +190,7 @@ bench: data
 	set -o pipefail; $(PY) examples/pretrain_gpt/convergence.py $(CONVERGENCE_N32_QUICK) | tee $(BENCH_LOG)/convergence_n32_quick.txt
 	set -o pipefail; $(PY) benchmarks/abft_overhead.py | tee $(BENCH_LOG)/abft_overhead.txt
 	set -o pipefail; $(PY) benchmarks/goodput.py | tee $(BENCH_LOG)/goodput.txt
-	$(PY) benchmarks/cluster_sim.py --goodput-only > $(BENCH_LOG)/goodput_at_scale.txt
+	$(PY) benchmarks/goodput_at_scale.py > $(BENCH_LOG)/goodput_at_scale.txt
 	$(PY) benchmarks/plots.py
 	@echo "make bench: done; summaries in $(BENCH_LOG)/, plots in results/plots/." \
 	    "Not run on CPU: the llama-1b / llama-7b GPU shapes (benchmarks/README.md)."
@@ -229,9 +231,8 @@ $(TFT)/.installed: constraints.txt
 bench-goodput: data $(TFT)/.installed
 	mkdir -p $(BENCH_LOG)
 	set -o pipefail; $(PY) benchmarks/goodput.py $(GOODPUT_ARGS) | tee $(BENCH_LOG)/goodput.txt
-	@# goodput.py rewrites results/goodput.json: the at-scale comparison is derived from it again
-	if [ -z "$(GOODPUT_ARGS)" ]; then $(PY) benchmarks/cluster_sim.py --goodput-only \
-	    > $(BENCH_LOG)/goodput_at_scale.txt; fi
+	@# The at-scale model: published recovery costs and failure rates, no run (seconds)
+	$(PY) benchmarks/goodput_at_scale.py > $(BENCH_LOG)/goodput_at_scale.txt
 
 # Not part of make bench (about 11 minutes): the high scenario at 600 iterations, one seed,
 # to see whether the convergence gaps last once the validation loss is flatter.

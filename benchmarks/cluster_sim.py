@@ -46,7 +46,6 @@ import datetime
 import json
 import math
 import random
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -119,140 +118,6 @@ def llama7b_profile(calibrated: CostProfile, microbatches: int) -> CostProfile:
         source="FLOP model of benchmarks/takeover_cost.py at LLaMA-7B (32 layers, seq 256), "
         f"step {LLAMA7B_STEP_S:.2f} s at 32 replicas; regroup/rejoin: {calibrated.source}",
     )
-
-
-# ------------------------------------------------------------------------------ goodput
-GOODPUT_N = (64, 256, 1024, 4096)
-
-
-def _poisson_p0(mean: float) -> float:
-    """P(no replica down) when the number down is Poisson with this mean (M/G/inf)."""
-    return math.exp(-mean)
-
-
-def goodput_calibration(goodput: Dict[str, Any], calibrated: CostProfile) -> Dict[str, Any]:
-    """The per-event costs of each system, from the CPU runs of ``benchmarks/goodput.py``.
-
-    * checkpoint-restart: the save time (measured there) and the restart + reload time per
-      restart: a run's wall less the failure-free time of every iteration it logged (redone
-      ones included), its saves and the repair wait R, over its restarts (runs that finished);
-    * torchft: the stall per kill: the commit gaps above 5x the median step time in the
-      replicas' records (the failed step, the new quorum), summed over the run, over its kills;
-    * MeCeFO: kill -> redone from the supervisor's recovery records, plus the rejoin cost of
-      the planner profile (``regroup_ms`` and ``rejoin_ms`` are measured there too).
-    """
-    runs = goodput["runs"]
-    cfg = goodput["config"]
-    save_s = cfg["save_time_s"]
-    iters = cfg["global_batches"]
-    ff = {(r["setting"], r["round"]): r["wall_s"] / iters for r in runs
-          if r["system"] == "failure-free"}  # fmt: skip
-    restart = []
-    for r in runs:
-        if r["system"] != "checkpoint-restart" or r["rc"] != 0 or not r.get("restarts"):
-            continue
-        step = ff[(r["setting"], r["round"])]
-        repair = cfg["settings"][r["setting"]]["R_s"]
-        saves = r["logged_iterations"] // max(1, r["save_interval"])
-        lost = r["wall_s"] - step * r["logged_iterations"] - saves * save_s
-        restart.append(lost / r["restarts"] - repair)
-    stall = [r["torchft_stall_s_per_kill"] for r in runs if r.get("torchft_stall_s_per_kill")]
-    rec = [t for r in runs if r["system"].startswith("mecefo") for t in r.get("recovery_total_s")
-           or [] if t is not None]  # fmt: skip
-    med = statistics.median
-    restart_s = med(restart) if restart else None
-    source = "goodput.py's finished checkpoint-restart runs"
-    mlm = REPO / "results" / "recovery_latency_megatron_lm.json"
-    if (restart_s is None or restart_s <= 0 or len(restart) < 3) and mlm.exists():
-        # Too few finished runs (or load noise above the term): the direct measurement of
-        # stock checkpoint-restart on this machine, kill -> checkpoint loaded.
-        ck = json.loads(mlm.read_text())["table"]["checkpoint-restart"]["kill_to_loaded_s"]
-        restart_s = ck["p50"]
-        source = (
-            f"results/recovery_latency_megatron_lm.json: Megatron-LM under torchrun, "
-            f"kill -> checkpoint loaded, p50 of {ck['n']} (goodput.py's estimate "
-            f"{restart} from {len(restart)} finished run(s) is below the load noise)"
-        )
-    return {
-        "save_s": save_s,
-        "restart_reload_s": restart_s,
-        "restart_source": source,
-        "restart_samples": len(restart),
-        "torchft_stall_s": med(stall) if stall else None,
-        "torchft_samples": len(stall),
-        "mecefo_kill_to_redone_s": med(rec) if rec else None,
-        "mecefo_samples": len(rec),
-        "mecefo_rejoin_s": (calibrated.regroup_ms + calibrated.rejoin_ms) / 1e3,
-    }
-
-
-def goodput_at_scale(
-    goodput: Dict[str, Any], calibrated: CostProfile, gpus_per_replica: int, mttr_h: float
-) -> Dict[str, Any]:
-    """ETTR per system at n = 64 ... 4096 replicas under the paper's rates and Meta's.
-
-    Closed-form, time-averaged (failures Poisson at rate lam per second, each replica down
-    for its repair time, so the number down is Poisson with mean lam x repair):
-
-    * checkpoint-restart: Young/Daly's interval tau = sqrt(2 save / lam); ETTR = 1 - save/tau
-      - lam (tau/2 + restart) (a hot spare replaces the failed node, so no repair wait);
-    * torchft: ETTR = 1 - lam x stall (every global batch still commits), and the share of
-      samples trained on is 1 - mean down / n (the dropped shares);
-    * MeCeFO: ETTR = (1 - lam (kill->redone + rejoin)) x the time-averaged degraded
-      throughput: ``neighbor`` runs at 1/(1+c) whenever a replica is down (one neighbour does
-      two shares), ``spread`` at 1/(1 + c k/(n-k)) with k the mean down; c is the LLaMA-7B
-      takeover cost of the FLOP model (``llama7b_profile``), every sample is trained on.
-    """
-    cal = goodput_calibration(goodput, calibrated)
-    rows = []
-    for n in GOODPUT_N:
-        prof = llama7b_profile(calibrated, max(1, 1024 // n))
-        c = prof.takeover_ms / prof.exact_ms
-        rates = {sc: (1 / (every * 3600), rec * 3600) for sc, (every, rec)
-                 in PAPER_SCENARIOS.items()}  # fmt: skip
-        mtbf_h = META_GPU_HOURS_PER_FAILURE / (gpus_per_replica * n)
-        rates["poisson-meta"] = (1 / (mtbf_h * 3600), mttr_h * 3600)
-        for trace, (lam, repair) in rates.items():
-            down = lam * repair
-            row: Dict[str, Any] = {"n": n, "trace": trace, "mtbf_h": 1 / lam / 3600,
-                                   "mean_down": down, "c": c}  # fmt: skip
-            if cal["restart_reload_s"] is not None:
-                tau = math.sqrt(2 * cal["save_s"] / lam)
-                row["checkpoint_restart"] = max(
-                    0.0, 1 - cal["save_s"] / tau - lam * (tau / 2 + cal["restart_reload_s"])
-                )
-            if cal["torchft_stall_s"] is not None:
-                row["torchft"] = 1 - lam * cal["torchft_stall_s"]
-                row["torchft_samples_trained"] = 1 - min(down, n) / n
-            if cal["mecefo_kill_to_redone_s"] is not None:
-                per = 1 - lam * (cal["mecefo_kill_to_redone_s"] + cal["mecefo_rejoin_s"])
-                k = min(down, n - 1)
-                p0 = _poisson_p0(down)
-                row["mecefo_neighbor"] = per * (p0 + (1 - p0) / (1 + c))
-                row["mecefo_spread"] = per * limit_takeover(n, k, c) if k else per
-            rows.append(row)
-    return {"calibration": cal, "gpus_per_replica": gpus_per_replica, "mttr_h": mttr_h,
-            "rows": rows}  # fmt: skip
-
-
-def format_goodput(at_scale: Dict[str, Any]) -> str:
-    """The at-scale ETTR table."""
-    lines = ["ETTR at scale (calibrated on benchmarks/goodput.py's CPU runs)",
-             "| n | trace | MTBF h | mean down | checkpoint-restart | torchft (samples trained) "
-             "| MeCeFO neighbor | MeCeFO spread |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-
-    def f(x: Optional[float]) -> str:
-        return "-" if x is None else f"{x:.4f}"
-
-    for r in at_scale["rows"]:
-        tft = f(r.get("torchft"))
-        if r.get("torchft_samples_trained") is not None:
-            tft += f" ({r['torchft_samples_trained']:.4f})"
-        lines.append(f"| {r['n']} | {r['trace']} | {r['mtbf_h']:.2f} | {r['mean_down']:.2f} | "
-                     f"{f(r.get('checkpoint_restart'))} | {tft} | {f(r.get('mecefo_neighbor'))} "
-                     f"| {f(r.get('mecefo_spread'))} |")  # fmt: skip
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ traces
@@ -500,11 +365,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--trace-step-s", type=float, default=10.0, help="seconds per trace iteration")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--output", default="results/cluster_sim.json")
-    p.add_argument("--goodput", default="results/goodput.json",
-                   help="benchmarks/goodput.py's result: the CPU calibration of the at-scale "
-                   "goodput comparison (skipped when the file is missing)")  # fmt: skip
-    p.add_argument("--goodput-only", action="store_true",
-                   help="only the at-scale goodput comparison, into --goodput's file")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -513,15 +373,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
     started = time.perf_counter()
     calibrated = load_profile(args.profile)
-    at_scale = None
-    gp = Path(args.goodput)
-    if gp.exists() and "table" in (goodput := json.loads(gp.read_text())):
-        at_scale = goodput_at_scale(goodput, calibrated, args.gpus_per_replica, args.mttr_hours)
-        if args.goodput_only:
-            goodput["at_scale"] = at_scale
-            gp.write_text(json.dumps(goodput, indent=1))
-            print(format_goodput(at_scale))
-            return at_scale
     hours = args.days * 24
     rows: List[Dict[str, Any]] = []
     timings: Dict[str, float] = {}
@@ -566,7 +417,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "paper_7b_high": paper,
         "grid_states_cpu_demo": grid,
         "paper_drop_pct": PAPER_DROP_PCT,
-        "goodput_at_scale": at_scale,
         "wall_time_s_per_n": timings,
         "wall_time_s": time.perf_counter() - started,
     }
@@ -574,8 +424,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(format_tables(result))
-    if at_scale is not None:
-        print(format_goodput(at_scale))
     hi = {r["policy"]: r["drop_pct"] for r in
           next(iter(paper["readings"].values()))}  # fmt: skip
     print(

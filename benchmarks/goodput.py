@@ -1,42 +1,43 @@
-"""Goodput (ETTR) under real rank deaths: checkpoint-restart, torchft and MeCeFO side by side.
+"""Goodput (ETTR in samples) under real rank deaths: checkpoint-restart, torchft and MeCeFO.
 
 One workload for every system: the example trainer's small GPT (the demo's model and data,
 ``data/stdlib_text_document``) at DP4 (TP1 PP1) on 4 CPU ranks (gloo), ``--iters`` global
-batches of 16 sequences. One seeded schedule of real ``SIGKILL`` s, sent by this benchmark
-from outside: every ``T`` seconds of wall time (counted from the launch) one random rank is
-killed by PID, and the dead rank comes back after ``R`` seconds as a new process. The
-schedule of a (setting, repeat) is the same for every system (same times, same victim draw;
-a drawn victim that is down already passes the kill to the next live rank).
+batches of 16 sequences, under the **device clock** (``--device-clock llama-1b-h100``,
+``megatron_mecefo/runtime/device_clock.py``): each rank's forward, backward and optimizer
+phases last what the step-cost model gives for Llama-1B on one H100 at 40% MFU (1.43 s a step),
+so a run's step time does not depend on how many ranks share the 2 cores; every figure is
+*emulated*. Recovery costs (detection, regroup, restart, heal) are real. One seeded schedule of
+real ``SIGKILL`` s from outside: kill ``k`` is due ``k * T`` s after the run's first training
+step (its first metrics record), on one random rank, and the dead rank comes back after ``R``
+seconds as a new process. The schedule of a (setting, round) is the same for every system.
 
-Systems:
+Systems, each with **its own failure-free run** in every round (the same command without
+kills), run back to back with its run under failures; the systems' order rotates by round and
+the failure-free run goes first in even rounds:
 
-* ``failure-free``: ``torchrun`` and the example trainer, no kill (the reference);
-* ``checkpoint-restart``: the example trainer without ``--mecefo`` under
-  ``torchrun --max-restarts`` (c10d rendezvous at a fixed port,
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: pytorch issue 135712), ``--save D --load D
-  --save-interval K`` with K the Young/Daly interval ``sqrt(2 * save_time * T)`` over the
-  failure-free step time; the save time is measured first (two short runs, with and without
-  a save every 3 iterations). The agent restarts every worker; the dead rank's new process
-  waits until its ``R`` seconds are over (a shim, :func:`delayed_exec`);
-* ``torchft``: torchft 0.2.0's Lighthouse, Manager, ``ProcessGroupGloo`` and DDP around the
-  same GPTModel (``benchmarks/goodput_torchft.py``, one replica group per process, run by the
-  ``.venv-tft`` interpreter); a killed replica is started again after ``R`` s and heals from a
-  peer; the shares of replicas outside a step's quorum are dropped and counted;
+* ``checkpoint-restart``: the example trainer without ``--mecefo`` under ``torchrun
+  --max-restarts`` (c10d rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: pytorch issue
+  135712), ``--save D --load D --save-interval K``, K the Young/Daly interval ``sqrt(2 * save *
+  T)`` over the emulated step (save time measured first); its failure-free run saves at the
+  same K. The dead rank's new process waits until its ``R`` s are over (:func:`delayed_exec`);
+* ``torchft``: torchft 0.2.0's Lighthouse, Manager and ``ProcessGroupGloo`` around the same
+  GPTModel, data shares and AdamW settings (``benchmarks/goodput_torchft.py``, one replica
+  group per process, run by the ``.venv-tft`` interpreter, on the same device clock); a killed
+  replica is started again after ``R`` s and heals from a peer; the shares of replicas outside
+  a step's quorum are dropped;
 * ``mecefo-neighbor``, ``mecefo-spread``, ``mecefo-auto``: the example trainer with
   ``--mecefo --mecefo-policy P`` under ``python -m megatron_mecefo.recovery.supervisor
-  --replace after:R --standby 1``: the survivors take the dead replica's micro-batches over,
-  and the replacement rejoins and is healed from a peer.
+  --replace after:R --standby 1``.
 
-Per run: wall time (launch to the last process's exit); ETTR = failure-free seconds per
-global batch (the same round's failure-free run, its wall over its batches) x global batches
-committed / wall time; the samples of the ``iters x 16`` that entered a committed update
-exactly once, that were skipped (never), and the samples whose computation was repeated
-(redone iterations); the final validation loss and perplexity against failure-free. Runs of a
-setting go round-robin (one run of every system per round, ``--repeats`` rounds), and ratios
-are taken within a round. The load average is recorded at the start and end of every run.
+Per run: the training window (from step 1's record to the last step's) and the samples
+trained on in it (samples of steps 2..N that entered a committed update: a dropped or skipped
+share does not count; a redone step counts once). ETTR = samples per second of the window over
+the same system's failure-free run of the same round. Per system: the mean over the rounds with
+a 95% t interval, the validation-loss delta against its own failure-free run, the device
+clock's overruns (phases whose CPU work took longer than the emulated time) and the load.
 
 Usage: ``.venv/bin/python benchmarks/goodput.py [--quick]``; writes ``results/goodput.json``,
-``results/plots/goodput.png`` and prints one summary line.
+``results/plots/goodput.png`` and prints the table and one summary line.
 """
 
 from __future__ import annotations
@@ -104,7 +105,6 @@ SUPERVISOR_TIMEOUTS = [
     "60",
 ]
 SYSTEMS = (
-    "failure-free",
     "checkpoint-restart",
     "torchft",
     "mecefo-neighbor",
@@ -114,6 +114,7 @@ SYSTEMS = (
 # Kill every T s, back after R s. The runs last about 80 s failure-free here (400 batches plus
 # start-up), so T = 40 s gives 2 kills a run and T = 20 s 4; T = 60 s would give at most one.
 SETTINGS = {"T40_R15": (40.0, 15.0), "T20_R10": (20.0, 10.0)}
+DEVICE_CLOCK: Optional[str] = None  # --device-clock: the emulated GPU shape of every rank
 
 
 def _env(**extra: str) -> Dict[str, str]:
@@ -178,16 +179,19 @@ def _kill(pids: List[int]) -> None:
 
 
 class Killer:
-    """The seeded kill schedule of one run: kill ``k`` is due ``k * T`` s after the launch."""
+    """The seeded kill schedule of one run: kill ``k`` is due ``k * T`` s after ``t0``, the
+    end of the run's first training step (``t0`` None: not started yet; ``T`` infinite: a
+    failure-free run). Counting from the first step, not the launch, keeps a kill out of the
+    start-up, whose length depends on the machine's load."""
 
-    def __init__(self, t0: float, period: float, repair: float, seed: int) -> None:
+    def __init__(self, t0: Optional[float], period: float, repair: float, seed: int) -> None:
         self.t0, self.period, self.repair = t0, period, repair
         self.rng = random.Random(seed)
         self.next_k = 1
         self.events: List[Dict[str, Any]] = []
 
     def due(self) -> bool:
-        return time.time() >= self.t0 + self.next_k * self.period
+        return self.t0 is not None and time.time() >= self.t0 + self.next_k * self.period
 
     def fire(self, live: Dict[int, int], on_kill: Callable[[int, float], None]) -> None:
         """Kill the drawn rank (or the next live one) among ``live`` (slot -> pid)."""
@@ -203,6 +207,67 @@ class Killer:
         self.events.append(event)
 
 
+class Watch:
+    """When each training step's record first and last appeared in a run's metrics files
+    (polled): the run's training window runs from step 1's record to the last step's."""
+
+    def __init__(
+        self,
+        paths: Callable[[], List[Path]],
+        key: Callable[[Dict], Optional[int]],
+        is_start: Callable[[Dict], bool] = lambda rec: _example_key(rec) == 1,
+    ):
+        self.paths, self.key, self.is_start = paths, key, is_start
+        self.offsets: Dict[Path, int] = {}
+        self.first: Dict[int, float] = {}
+        self.last: Dict[int, float] = {}
+        self.start: Optional[Tuple[int, float]] = None  # (step, when): the window's start
+
+    def poll(self) -> None:
+        now = time.time()
+        for path in self.paths():
+            off = self.offsets.get(path, 0)
+            try:
+                if path.stat().st_size < off:  # rewritten
+                    off = 0
+                with open(path, "rb") as f:
+                    f.seek(off)
+                    data = f.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n")
+            if end < 0:
+                continue
+            self.offsets[path] = off + end + 1
+            for line in data[:end].splitlines():
+                try:
+                    rec = json.loads(line)
+                    k = self.key(rec)
+                    if k is not None and self.start is None and self.is_start(rec):
+                        self.start = (k, now)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue
+                if k is not None:
+                    self.first.setdefault(k, now)
+                    self.last[k] = now
+
+    def start_killer(self, killer: Optional[Killer]) -> None:
+        if killer is not None and killer.t0 is None and self.start is not None:
+            killer.t0 = self.start[1]
+
+
+def _example_key(rec: Dict[str, Any]) -> Optional[int]:
+    return rec["iteration"] if rec.get("type") == "train" else None
+
+
+def _torchft_key(rec: Dict[str, Any]) -> Optional[int]:
+    return rec["step"] + 1 if rec.get("type") == "train" and rec["committed"] else None
+
+
+def _torchft_first(rec: Dict[str, Any]) -> bool:
+    return _torchft_key(rec) == 1
+
+
 def _wait(
     proc: subprocess.Popen,
     killer: Optional[Killer],
@@ -210,15 +275,21 @@ def _wait(
     on_kill: Callable[[int, float], None],
     deadline: float,
     tick: Callable[[], None] = lambda: None,
+    watch: Optional[Watch] = None,
 ) -> Optional[int]:
     """Run the kill schedule until ``proc`` ends or the deadline passes (then None)."""
     while proc.poll() is None:
         if time.time() > deadline:
             return None
+        if watch is not None:
+            watch.poll()
+            watch.start_killer(killer)
         if killer is not None and killer.due():
             killer.fire(live(), on_kill)
         tick()
         time.sleep(0.05)
+    if watch is not None:
+        watch.poll()
     return proc.returncode
 
 
@@ -278,6 +349,7 @@ def _example_result(metrics: Path) -> Dict[str, Any]:
 
 
 def _trainer_args(iters: int, metrics: Path, data: str) -> List[str]:
+    clock = ["--device-clock", DEVICE_CLOCK] if DEVICE_CLOCK else []
     return [
         str(TRAINER),
         *MODEL,
@@ -287,7 +359,15 @@ def _trainer_args(iters: int, metrics: Path, data: str) -> List[str]:
         str(iters),
         "--metrics-file",
         str(metrics),
+        *clock,
     ]
+
+
+def _clean(run_dir: Path) -> None:
+    """Remove a previous run's metrics, records and device-clock logs."""
+    for pattern in ("metrics.jsonl*", "records.jsonl", "pids.txt", "replica*", "back_*"):
+        for f in run_dir.glob(pattern):
+            f.unlink()
 
 
 def _torchrun(port: int, restarts: int, run_id: str) -> List[str]:
@@ -307,9 +387,39 @@ def _torchrun(port: int, restarts: int, run_id: str) -> List[str]:
     ]
 
 
-def _finish(run: Dict[str, Any], t0: float, load0: Tuple[float, ...]) -> Dict[str, Any]:
-    run["wall_s"] = round(time.time() - t0, 2)
+def _finish(
+    run: Dict[str, Any],
+    t0: float,
+    load0: Tuple[float, ...],
+    watch: Optional[Watch] = None,
+    iters: int = 0,
+    clock_logs: Optional[List[Path]] = None,
+    samples_after: Optional[Callable[[int], int]] = None,
+) -> Dict[str, Any]:
+    """Wall, load, and with ``watch`` the training window: from step 1's record to the last
+    step's (the last appearance: a step redone after a restart counts when it was redone), or
+    to the stop where the run did not finish. The samples trained on in the window: those of
+    steps 2..N that entered an update (``samples_after(1)``; by default all of step 1's samples
+    count as trained: no kill comes before it)."""
+    now = time.time()
+    run["wall_s"] = round(now - t0, 2)
     run["loadavg_start_end"] = [list(load0), list(os.getloadavg())]
+    run["samples_trained"] = iters * GBS - run.get("skipped_samples", 0) if iters else None
+    if watch is not None and watch.start is not None:
+        step0, start = watch.start
+        end = watch.last[iters] if run["committed"] >= iters and iters in watch.last else now
+        after = samples_after or (lambda k: run["samples_trained"] - k * GBS)
+        run["start_step"] = step0
+        run["first_step_s"] = round(start - t0, 3)
+        run["window_s"] = round(end - start, 3)
+        run["samples_window"] = max(0, after(step0))
+        run["samples_per_s"] = round(run["samples_window"] / run["window_s"], 4)
+    else:
+        run["window_s"] = run["samples_window"] = run["samples_per_s"] = None
+    if DEVICE_CLOCK and clock_logs is not None:
+        from megatron_mecefo.runtime.device_clock import read_logs
+
+        run["device_clock"] = read_logs([str(p) for p in clock_logs])
     return run
 
 
@@ -377,10 +487,8 @@ def run_checkpoint_restart(
 ) -> Dict:
     """Stock checkpoint-restart under torchrun, killed on the schedule."""
     metrics, ckpt = run_dir / "metrics.jsonl", run_dir / "ckpt"
-    metrics.unlink(missing_ok=True)
+    _clean(run_dir)
     subprocess.run(["rm", "-rf", str(ckpt)], check=True)
-    for f in run_dir.glob("back_*"):
-        f.unlink()
     cmd = [
         *_torchrun(_free_port(), 1000, "cr"),
         str(Path(__file__).resolve()),
@@ -399,7 +507,8 @@ def run_checkpoint_restart(
     # LOGLEVEL=INFO: the agent's restart lines. TORCH_DISABLE_SHARE_RDZV_TCP_STORE: without it
     # the restarted gloo ranks read the dead attempt's addresses and fail or hang in init.
     proc = _start(cmd, run_dir / "log.txt", LOGLEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    killer = Killer(t0, period, repair, seed)
+    killer = Killer(None, period, repair, seed)
+    watch = Watch(lambda: [metrics], _example_key)
     seen: set = set()
 
     def live() -> Dict[int, int]:
@@ -415,7 +524,7 @@ def run_checkpoint_restart(
         (run_dir / f"back_{slot}").write_text(repr(t + repair))
 
     try:
-        rc = _wait(proc, killer, live, on_kill, t0 + budget, tick=live)
+        rc = _wait(proc, killer, live, on_kill, t0 + budget, tick=live, watch=watch)
     finally:
         _stop(proc, sorted(seen))
     res = _example_result(metrics)
@@ -441,6 +550,9 @@ def run_checkpoint_restart(
         },
         t0,
         load0,
+        watch,
+        iters,
+        sorted(run_dir.glob("metrics.jsonl.clock*")),
     )
 
 
@@ -458,8 +570,7 @@ def run_mecefo(
     metrics, records, pid_file = (
         run_dir / n for n in ("metrics.jsonl", "records.jsonl", "pids.txt")
     )
-    for f in (metrics, records, pid_file):
-        f.unlink(missing_ok=True)
+    _clean(run_dir)
     cmd = [
         sys.executable,
         "-m",
@@ -486,7 +597,8 @@ def run_mecefo(
     ]
     load0, t0 = os.getloadavg(), time.time()
     proc = _start(cmd, run_dir / "log.txt")
-    killer = Killer(t0, period, repair, seed)
+    killer = Killer(None, period, repair, seed)
+    watch = Watch(lambda: [metrics], _example_key)
 
     def live() -> Dict[int, int]:
         holders: Dict[int, int] = {}
@@ -499,7 +611,7 @@ def run_mecefo(
 
     all_pids: List[int] = []
     try:
-        rc = _wait(proc, killer, live, lambda s, t: None, t0 + budget)
+        rc = _wait(proc, killer, live, lambda s, t: None, t0 + budget, watch=watch)
     finally:
         if pid_file.exists():
             all_pids = [
@@ -538,15 +650,21 @@ def run_mecefo(
         },
         t0,
         load0,
+        watch,
+        iters,
+        sorted(run_dir.glob("metrics.jsonl.clock*")),
     )
 
 
 LIGHTHOUSE = """
-import sys, time
+import os, sys, time
 from torchft._torchft import LighthouseServer
 s = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000,
                      heartbeat_timeout_ms=5000)
-print("LIGHTHOUSE_ADDR", s.address(), flush=True)
+# A file of its own: the server's log lines interleave with stdout.
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(s.address())
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 time.sleep(1e9)
 """
 
@@ -555,19 +673,23 @@ def run_torchft(
     run_dir: Path, iters: int, data: str, period: float, repair: float, seed: int, budget: float
 ) -> Dict:
     """torchft at DP4: 4 replica groups of one process, Lighthouse, heal from a peer."""
-    for f in run_dir.glob("replica*.jsonl"):
-        f.unlink()
+    _clean(run_dir)
     load0, t0 = os.getloadavg(), time.time()
     lh_log = run_dir / "lighthouse.txt"
-    lh = _start([str(TFT_PYTHON), "-c", LIGHTHOUSE], lh_log)
+    lh_addr = run_dir / "lighthouse.addr"
+    lh_addr.unlink(missing_ok=True)
+    lh = _start([str(TFT_PYTHON), "-c", LIGHTHOUSE, str(lh_addr)], lh_log)
     procs: Dict[int, subprocess.Popen] = {}
     every: List[subprocess.Popen] = []
     pending: Dict[int, float] = {}  # slot -> when its replacement starts
     incarnation = {s: 0 for s in range(4)}
     error = None
-    killer = Killer(t0, period, repair, seed)
+    killer = Killer(None, period, repair, seed)
+    watch = Watch(lambda: sorted(run_dir.glob("replica*_*.jsonl")), _torchft_key, _torchft_first)
     try:
-        while not (m := re.search(r"LIGHTHOUSE_ADDR http://([^:\s]+):(\d+)", lh_log.read_text())):
+        while not (
+            lh_addr.exists() and (m := re.search(r"http://([^:\s]+):(\d+)", lh_addr.read_text()))
+        ):
             if lh.poll() is not None or time.time() > t0 + 120:
                 raise RuntimeError(f"the Lighthouse did not start: {lh_log.read_text()}")
             time.sleep(0.05)
@@ -594,6 +716,7 @@ def run_torchft(
                     str(run_dir / f"replica{slot}_{inc}.jsonl"),
                     "--wait-go",
                     str(go),
+                    *(["--device-clock", DEVICE_CLOCK] if DEVICE_CLOCK else []),
                 ],
                 run_dir / f"replica{slot}_{inc}.log",
             )
@@ -631,14 +754,17 @@ def run_torchft(
             if time.time() > deadline:
                 error = "deadline"
                 break
+            watch.poll()
+            watch.start_killer(killer)
             if killer.due():
                 killer.fire(live(), on_kill)
             time.sleep(0.05)
+        watch.poll()
     finally:
         _stop(lh, [p.pid for p in every])
         for p in every:
             _stop(p, [])
-    recs = [r for f in sorted(run_dir.glob("replica*.jsonl")) for r in _read_jsonl(f)]
+    recs = [r for f in sorted(run_dir.glob("replica*_*.jsonl")) for r in _read_jsonl(f)]
     return _finish(
         {
             "system": "torchft",
@@ -650,13 +776,21 @@ def run_torchft(
         },
         t0,
         load0,
+        watch,
+        iters,
+        sorted(run_dir.glob("replica*.clock")),
+        lambda k: torchft_accounting(recs, iters, after_step=k)["samples_used"],
     )
 
 
-def torchft_accounting(recs: List[Dict[str, Any]], iters: int) -> Dict[str, Any]:
+def torchft_accounting(
+    recs: List[Dict[str, Any]], iters: int, after_step: int = 0
+) -> Dict[str, Any]:
     """Samples of the torchft replicas' step records: a replica's share (GBS/4) of global
     batch s entered an update exactly when it took part in the committed step s; the shares of
-    replicas outside the quorum are skipped; an attempt that did not commit is redone."""
+    replicas outside the quorum are skipped; an attempt that did not commit is redone.
+    ``samples_used``: the samples of steps after the ``after_step``-th (1-based) that entered
+    an update."""
     # The job ends when the first replica has run the last step: a replacement that comes up
     # after that finds no peer and (min_replicas 1) would start a quorum of its own.
     finish = min((r["t"] for r in recs if r.get("type") == "eval"), default=math.inf)
@@ -689,6 +823,7 @@ def torchft_accounting(recs: List[Dict[str, Any]], iters: int) -> Dict[str, Any]
     stall = sum(g - med for g in gaps if g > 5 * med)
     return {
         "committed": committed,
+        "samples_used": sum(1 for s, _ in used if s + 1 > after_step) * share,
         "stall_s": round(stall, 3),
         "redone_iterations": len(failed_steps),
         "repeated_samples": repeated * share,
@@ -743,11 +878,9 @@ def run_one(
     k: int,
     budget: float,
 ) -> Dict[str, Any]:
-    """One run of ``system``; a run still going after ``budget`` seconds is stopped (what it
-    committed by then counts)."""
+    """One run of ``system`` (``period`` infinite: its failure-free run); a run still going
+    after ``budget`` seconds is stopped (what it committed by then counts)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    if system == "failure-free":
-        return run_failure_free(run_dir, a.iters, a.data_path)
     if system == "checkpoint-restart":
         return run_checkpoint_restart(
             run_dir, a.iters, a.data_path, period, repair, seed, k, budget
@@ -764,64 +897,139 @@ def _kills(run: Dict[str, Any]) -> int:
     return sum(1 for e in run["kills"] if e.get("slot") is not None)
 
 
-def summarize(runs: List[Dict[str, Any]], systems: List[str]) -> Dict[str, Any]:
-    """Per setting and system: ETTR (mean, min, max over rounds) and the sample counts."""
+# Two-sided 95% Student t quantiles by degrees of freedom (rounds - 1).
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+       9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179}  # fmt: skip
+
+
+def interval(xs: List[float]) -> Dict[str, Optional[float]]:
+    """Mean and 95% t half-width of ``xs`` (rounds are the samples)."""
+    if not xs:
+        return {"mean": None, "ci95": None, "n": 0}
+    mean = statistics.mean(xs)
+    half = (
+        T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+        if len(xs) > 1
+        else None
+    )
+    return {"mean": round(mean, 4), "ci95": None if half is None else round(half, 4), "n": len(xs)}
+
+
+def _loss(run: Dict[str, Any]) -> Optional[float]:
+    return run["eval"]["loss"] if run.get("eval") else None
+
+
+def _post(runs: List[Dict[str, Any]]) -> None:
+    """Per run with failures: ETTR = its samples trained on per second of its training window
+    over its own system's failure-free run of the same round (``samples_per_s``), and its
+    validation loss minus that run's; torchft's stall per kill."""
+    ff = {(r["setting"], r["round"], r["system"]): r for r in runs if r["failure_free"]}
+    for r in runs:
+        if r["failure_free"]:
+            r["ettr"] = 1.0
+            continue
+        ref = ff.get((r["setting"], r["round"], r["system"]))
+        r["ettr"] = None
+        if ref is not None and ref.get("samples_per_s"):
+            r["ettr"] = round((r.get("samples_per_s") or 0.0) / ref["samples_per_s"], 4)
+        lo, lf = _loss(r), _loss(ref) if ref else None
+        r["val_loss_minus_own_failure_free"] = (
+            None if lo is None or lf is None else round(lo - lf, 4)
+        )
+        if r["system"] == "torchft" and r.get("stall_s") is not None and _kills(r):
+            r["torchft_stall_s_per_kill"] = round(r["stall_s"] / _kills(r), 3)
+
+
+def _overruns(rs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    phases = sum((r.get("device_clock") or {}).get("phases", 0) for r in rs)
+    over = sum((r.get("device_clock") or {}).get("overruns", 0) for r in rs)
+    return {"phases": phases, "overruns": over,
+            "fraction": round(over / phases, 4) if phases else None}  # fmt: skip
+
+
+def summarize(
+    runs: List[Dict[str, Any]], systems: List[str], iters: int, emulated_step_s: Optional[float]
+) -> Dict[str, Any]:
+    """Per setting and system: ETTR over the rounds (mean, 95% t interval), the failure-free
+    samples per second, the sample counts, the validation-loss delta and the clock overruns."""
     table: Dict[str, Any] = {}
     for setting in sorted({r["setting"] for r in runs}):
         rows: Dict[str, Any] = {}
         for system in systems:
-            rs = [r for r in runs if r["setting"] == setting and r["system"] == system]
-            ettr = [r["ettr"] for r in rs if r.get("ettr") is not None]
-            ettr_med = [r["ettr_vs_median_ff"] for r in rs if "ettr_vs_median_ff" in r]
-            ff_loss = [r.get("ff_val_loss") for r in rs]
-            loss = [r["eval"]["loss"] if r.get("eval") else None for r in rs]
+            mine = [r for r in runs if r["setting"] == setting and r["system"] == system]
+            fails = sorted((r for r in mine if not r["failure_free"]), key=lambda r: r["round"])
+            refs = sorted((r for r in mine if r["failure_free"]), key=lambda r: r["round"])
+            if not fails:
+                continue
+            ettr = [r["ettr"] for r in fails if r.get("ettr") is not None]
+            ci = interval(ettr)
+            ff_rate = [r["samples_per_s"] for r in refs if r.get("samples_per_s")]
+            delta = [r["val_loss_minus_own_failure_free"] for r in fails]
+            bound = None if ci["ci95"] is None else 1 + ci["ci95"]
             rows[system] = {
-                "runs": len(rs),
-                "ettr_mean": round(statistics.mean(ettr), 4) if ettr else None,
-                "ettr_min": round(min(ettr), 4) if ettr else None,
-                "ettr_max": round(max(ettr), 4) if ettr else None,
-                "ettr_vs_median_ff_mean": round(statistics.mean(ettr_med), 4) if ettr_med else None,
+                "rounds": len(fails),
+                "ettr_mean": ci["mean"],
+                "ettr_ci95": ci["ci95"],
                 "ettr_per_round": ettr,
-                "wall_s_mean": round(statistics.mean(r["wall_s"] for r in rs), 1) if rs else None,
-                "kills_mean": (statistics.mean(_kills(r) for r in rs) if rs else None),
-                "committed": [r["committed"] for r in rs],
-                "skipped_samples": [r["skipped_samples"] for r in rs],
-                "repeated_samples": [r["repeated_samples"] for r in rs],
-                "exactly_once_samples": [r["exactly_once_samples"] for r in rs],
-                "redone_iterations": [r["redone_iterations"] for r in rs],
-                "val_loss": [None if x is None else round(x, 4) for x in loss],
-                "val_loss_minus_failure_free": [
-                    None if x is None or f is None else round(x - f, 4)
-                    for x, f in zip(loss, ff_loss, strict=True)
+                "ettr_min": min(ettr) if ettr else None,
+                "ettr_max": max(ettr) if ettr else None,
+                "runs_above_1_plus_ci95": [
+                    r["round"] for r in fails if bound is not None and (r["ettr"] or 0) > bound
                 ],
+                "ff_samples_per_s": ff_rate,
+                "ff_samples_per_s_mean": round(statistics.mean(ff_rate), 4) if ff_rate else None,
+                "ff_over_emulated_ideal": (
+                    round(statistics.mean(ff_rate) * emulated_step_s / GBS, 4)
+                    if ff_rate and emulated_step_s
+                    else None
+                ),
+                "kills_mean": statistics.mean(_kills(r) for r in fails),
+                "committed": [r["committed"] for r in fails],
+                "samples_trained": [r["samples_trained"] for r in fails],
+                "samples_trained_fraction": [
+                    round(r["samples_trained"] / (iters * GBS), 4) for r in fails
+                ],
+                "skipped_samples": [r["skipped_samples"] for r in fails],
+                "repeated_samples": [r["repeated_samples"] for r in fails],
+                "val_loss": [_loss(r) for r in fails],
+                "ff_val_loss": [_loss(r) for r in refs],
+                "val_loss_minus_own_failure_free": delta,
+                "val_loss_delta_mean": (
+                    round(statistics.mean(d for d in delta if d is not None), 4)
+                    if any(d is not None for d in delta)
+                    else None
+                ),
+                "clock_overruns_failure_free": _overruns(refs),
+                "clock_overruns_failures": _overruns(fails),
+                "loadavg_end": [r["loadavg_start_end"][1][0] for r in mine],
             }
         table[setting] = rows
     return table
 
 
 def markdown(table: Dict[str, Any], iters: int) -> str:
-    """The README table: per setting and system, ETTR over the rounds and the sample counts."""
+    """The docs table: per setting and system, ETTR in samples with its interval."""
 
     def cell(xs: List[Any], fmt: str = "{}") -> str:
         return ", ".join("-" if x is None else fmt.format(x) for x in xs)
 
     lines = [
-        "| setting | system | ETTR mean (min-max) | ETTR per round | ETTR vs median "
-        "failure-free | kills | batches committed | samples skipped | samples repeated | "
-        "val loss - failure-free |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | system | ETTR (emulated) mean ± 95% | per round | failure-free samples/s "
+        "(emulated) | kills | samples trained | val loss − own failure-free | phases overrun |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for setting, rows in table.items():
         for system, r in rows.items():
             if r["ettr_mean"] is None:
                 continue
+            over = r["clock_overruns_failures"]
             lines.append(
-                f"| {setting} | {system} | {r['ettr_mean']:.3f} ({r['ettr_min']:.3f}-"
-                f"{r['ettr_max']:.3f}) | {cell(r['ettr_per_round'], '{:.3f}')} | "
-                f"{r['ettr_vs_median_ff_mean']:.3f} | {r['kills_mean']:.1f} | "
-                f"{cell(r['committed'])} of {iters} | {cell(r['skipped_samples'])} | "
-                f"{cell(r['repeated_samples'])} | "
-                f"{cell(r['val_loss_minus_failure_free'], '{:+.3f}')} |"
+                f"| {setting} | {system} | {r['ettr_mean']:.3f} ± {r['ettr_ci95'] or 0:.3f} | "
+                f"{cell(r['ettr_per_round'], '{:.3f}')} | "
+                f"{r['ff_samples_per_s_mean'] or 0:.2f} | {r['kills_mean']:.1f} | "
+                f"{cell(r['samples_trained_fraction'], '{:.2f}')} of {iters * GBS} | "
+                f"{cell(r['val_loss_minus_own_failure_free'], '{:+.3f}')} | "
+                f"{over['overruns']} of {over['phases']} |"
             )
     return "\n".join(lines)
 
@@ -833,30 +1041,28 @@ def plot(table: Dict[str, Any], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     settings = list(table)
-    systems = list(next(iter(table.values())))
+    systems = list(dict.fromkeys(s for rows in table.values() for s in rows))
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / max(1, len(settings))
     top = 1.0
     for i, setting in enumerate(settings):
-        xs, ys, lo, hi = [], [], [], []
+        xs, ys, err = [], [], []
         for j, system in enumerate(systems):
-            row = table[setting][system]
-            if row["ettr_mean"] is None:
+            row = table[setting].get(system)
+            if not row or row["ettr_mean"] is None:
                 continue
-            xs.append(j + (i - (len(settings) - 1) / 2) * width)
+            x = j + (i - (len(settings) - 1) / 2) * width
+            xs.append(x)
             ys.append(row["ettr_mean"])
-            lo.append(row["ettr_mean"] - row["ettr_min"])
-            hi.append(row["ettr_max"] - row["ettr_mean"])
-        bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=setting.replace("_", ", "))
-        for x, system in zip(xs, [s for s in systems if table[setting][s]["ettr_mean"] is not None],
-                             strict=True):  # fmt: skip
-            pts = table[setting][system]["ettr_per_round"]
+            err.append(row["ettr_ci95"] or 0.0)
+            pts = row["ettr_per_round"]
             ax.plot([x] * len(pts), pts, "o", ms=3, color="black", alpha=0.6)
-        top = max(top, *(y + h for y, h in zip(ys, hi, strict=True)))
-        del bars
+            top = max(top, max(pts), row["ettr_mean"] + (row["ettr_ci95"] or 0))
+        ax.bar(xs, ys, width, yerr=err, capsize=3, label=setting.replace("_", ", "))
     ax.set_xticks(range(len(systems)))
     ax.set_xticklabels(systems, rotation=15)
-    ax.set_ylabel("ETTR (bar: mean; whiskers: min-max; dots: rounds)", fontsize=8)
+    ax.set_ylabel("ETTR in samples, emulated\n(bar: mean; whiskers: 95% t; dots: rounds)",
+                  fontsize=8)  # fmt: skip
     ax.set_ylim(0, top + 0.1)
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_title(title, fontsize=9)
@@ -867,31 +1073,41 @@ def plot(table: Dict[str, Any], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def emulated_step(shape: Optional[str], microbatches: int) -> Optional[float]:
+    """The device clock's failure-free step time of ``shape`` (None without a clock)."""
+    if not shape:
+        return None
+    from megatron_mecefo.runtime.device_clock import clock_for
+
+    t = clock_for(shape).target
+    return microbatches * (t["forward"] + t["backward"]) + t["optimizer"]
+
+
 def main() -> None:
+    global DEVICE_CLOCK
     if len(sys.argv) > 2 and sys.argv[1] == "--delayed-exec":  # the checkpoint-restart shim
         delayed_exec(sys.argv[2], sys.argv[4:])
         return
     # A SIGTERM (a timeout, CI) unwinds through the finally blocks that end every process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="one setting (T20_R10), one round, 100 batches, --max-slowdown 2: the " "smoke test",
-    )
-    p.add_argument(
-        "--settings", default=",".join(SETTINGS), help="comma list of T<seconds>_R<seconds>"
-    )
+    p.add_argument("--quick", action="store_true",
+                   help="the smoke test: T10_R5, one round, 12 batches, checkpoint-restart, "
+                   "torchft and mecefo-auto")  # fmt: skip
+    p.add_argument("--settings", default="T20_R10", help="comma list of T<seconds>_R<seconds>")
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--iters", type=int, default=400, help="global batches per run")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--iters", type=int, default=24, help="global batches per run")
     p.add_argument("--seed", type=int, default=30)
+    p.add_argument("--device-clock", default="llama-1b-h100",
+                   help="emulated GPU shape of every rank (megatron_mecefo/runtime/"
+                   "device_clock.py); 'none': CPU time, load-dependent")  # fmt: skip
     p.add_argument(
         "--max-slowdown",
         type=float,
-        default=2.5,
-        help="stop a run after this many failure-free walls (+30 s): its ETTR is "
-        "below 1/this then anyway; what it committed counts",
+        default=3.0,
+        help="stop a run after this many emulated failure-free training times (+60 s): "
+        "what it committed by then counts",
     )
     p.add_argument(
         "--save-time",
@@ -904,10 +1120,13 @@ def main() -> None:
     p.add_argument("--plot", default=None, help="default results/plots/goodput.png")
     p.add_argument("--workdir", default=str(REPO / "results" / "goodput"))
     p.add_argument("--plot-only", default=None, metavar="JSON", help="only plot this result")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs in --output (a partial file); run the rest")  # fmt: skip
     p.add_argument("--recount", action="store_true",
                    help="rebuild --output's table, derived fields and plot from its runs (a "
                    "partial file too), with the same flags as the run")  # fmt: skip
     a = p.parse_args()
+    DEVICE_CLOCK = None if a.device_clock == "none" else a.device_clock
     if a.plot_only:
         res = json.loads(Path(a.plot_only).read_text())
         plot(
@@ -917,13 +1136,13 @@ def main() -> None:
         )
         return
     if a.quick:
-        a.settings, a.repeats, a.iters, a.max_slowdown = "T20_R10", 1, 100, 2.0
+        a.settings, a.repeats, a.iters = "T10_R5", 1, 12
+        a.systems = "checkpoint-restart,torchft,mecefo-auto"
         a.save_time = 0.5 if a.save_time is None else a.save_time
     suffix = "_quick" if a.quick else ""
     a.output = a.output or str(REPO / "results" / f"goodput{suffix}.json")
     a.plot = a.plot or str(REPO / "results" / "plots" / f"goodput{suffix}.png")
     systems = [s for s in a.systems.split(",") if s]
-    assert "failure-free" in systems, "ETTR needs the failure-free reference"
     if "torchft" in systems and not TFT_PYTHON.exists() and not a.recount:
         print(f"goodput: {TFT_PYTHON} missing (make bench-goodput sets it up): torchft left out")
         systems.remove("torchft")
@@ -932,6 +1151,7 @@ def main() -> None:
         m = re.fullmatch(r"T([\d.]+)_R([\d.]+)", s)
         assert m, f"bad setting {s}"
         settings[s] = (float(m.group(1)), float(m.group(2)))
+    step_s = emulated_step(DEVICE_CLOCK, GBS // (2 * 4))
     if a.recount:
         old = json.loads(Path(a.output).read_text())
         runs = old["runs"]
@@ -944,7 +1164,7 @@ def main() -> None:
                (old.get("config") or {}).get("save_time_calibration"),
                old.get("date", "unknown"),
                old.get("duration_s", sum(r["wall_s"] for r in runs)),
-               tuple(loads[0][0]), tuple(loads[-1][1]))  # fmt: skip
+               tuple(loads[0][0]), tuple(loads[-1][1]), step_s)  # fmt: skip
         return
     out = Path(a.workdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -952,90 +1172,66 @@ def main() -> None:
     started = datetime.datetime.now().isoformat(timespec="seconds")
     calibration = None
     if a.save_time is None:
-        calibration = measure_save_time(out, a.data_path)
+        calibration = measure_save_time(out, a.data_path, iters=12, every=3)
         a.save_time = calibration["save_s"]
         print(f"goodput: save time {a.save_time:.2f} s ({calibration})", flush=True)
+    # Without the clock the per-step time is the calibration's (start-up included).
+    step_ref = step_s or (calibration["wall_plain_s"] / 12 if calibration else 0.2)
+    budget = a.max_slowdown * a.iters * step_ref + 60
     runs: List[Dict[str, Any]] = []
+    if a.resume and Path(a.output).exists():  # keep the finished runs of an interrupted run
+        runs = json.loads(Path(a.output).read_text())["runs"]
+        print(f"goodput: resuming after {len(runs)} finished runs", flush=True)
+    done = {(r["setting"], r["round"], r["system"], r["failure_free"]) for r in runs}
     for setting, (period, repair) in settings.items():
+        k = young_daly(a.save_time, period, step_ref)
         for rnd in range(a.repeats):
             seed = a.seed * 1000 + rnd * 17 + int(period)
-            ff_step, ff_loss, k = None, None, None
-            for system in systems:
-                if system == "checkpoint-restart":
-                    assert ff_step is not None, "the failure-free run goes first"
-                    k = young_daly(a.save_time, period, ff_step)
-                budget = a.max_slowdown * (ff_step or 0) * a.iters + 30
-                run = run_one(
-                    system,
-                    out / setting / f"r{rnd}" / system,
-                    a,
-                    period,
-                    repair,
-                    seed,
-                    k or 0,
-                    budget,
-                )
-                if system == "failure-free":
-                    ff_step = run["wall_s"] / a.iters
-                    ff_loss = run["eval"]["loss"] if run.get("eval") else None
-                run["setting"], run["round"], run["seed"] = setting, rnd, seed
-                run["ettr"] = round(ff_step * run["committed"] / run["wall_s"], 4)
-                run["exactly_once_samples"] = (
-                    a.iters * GBS
-                    - run["skipped_samples"]
-                    - min(run["repeated_samples"], a.iters * GBS - run["skipped_samples"])
-                )
-                run["ff_val_loss"] = ff_loss
-                runs.append(run)
-                ev = run.get("eval") or {}
-                print(
-                    f"goodput {setting} round {rnd} {system:>18}: wall {run['wall_s']:7.1f} s, "
-                    f"committed {run['committed']}/{a.iters}, ETTR {run['ettr']:.3f}, kills "
-                    f"{_kills(run)}, skipped "
-                    f"{run['skipped_samples']}, repeated {run['repeated_samples']}, val loss "
-                    f"{ev.get('loss', float('nan')):.4f} (rc {run['rc']}, load "
-                    f"{run['loadavg_start_end'][1][0]:.1f})",
-                    flush=True,
-                )
-                Path(a.output).write_text(
-                    json.dumps({"partial": True, "date": started, "runs": runs}, indent=1)
-                )
+            # Rotate the systems' order, and alternate which run of a pair goes first.
+            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
+            kinds = (True, False) if rnd % 2 == 0 else (False, True)
+            for system in order:
+                for failure_free in kinds:
+                    if (setting, rnd, system, failure_free) in done:
+                        continue
+                    name = "failure-free" if failure_free else "failures"
+                    try:
+                        run = run_one(
+                            system,
+                            out / setting / f"r{rnd}" / system / name,
+                            a,
+                            math.inf if failure_free else period,
+                            repair,
+                            seed,
+                            k,
+                            budget,
+                        )
+                    except Exception as e:  # a harness error ends this run, not the benchmark
+                        load = list(os.getloadavg())
+                        run = {"error": repr(e), "rc": None, "committed": 0, "kills": [],
+                               "skipped_samples": a.iters * GBS, "repeated_samples": 0,
+                               "samples_trained": 0, "window_s": None, "samples_per_s": None,
+                               "wall_s": 0.0, "loadavg_start_end": [load, load]}  # fmt: skip
+                    run["system"], run["failure_free"] = system, failure_free
+                    run["setting"], run["round"], run["seed"] = setting, rnd, seed
+                    runs.append(run)
+                    ev = run.get("eval") or {}
+                    oc = run.get("device_clock") or {}
+                    print(
+                        f"goodput {setting} round {rnd} {system:>18} {name:>12}: wall "
+                        f"{run['wall_s']:6.1f} s, window {run['window_s']} s, committed "
+                        f"{run['committed']}/{a.iters}, samples/s {run['samples_per_s']}, "
+                        f"kills {_kills(run)}, skipped {run['skipped_samples']}, val loss "
+                        f"{ev.get('loss', float('nan')):.4f}, overruns "
+                        f"{oc.get('overruns')}/{oc.get('phases')} (rc {run['rc']}, load "
+                        f"{run['loadavg_start_end'][1][0]:.1f})",
+                        flush=True,
+                    )
+                    Path(a.output).write_text(
+                        json.dumps({"partial": True, "date": started, "runs": runs}, indent=1)
+                    )
     finish(a, runs, systems, settings, calibration, started, time.time() - t_start, load_start,
-           os.getloadavg())  # fmt: skip
-
-
-def _post(runs: List[Dict[str, Any]], iters: int, workdir: Path) -> None:
-    """Derived fields: ETTR against the setting's median failure-free run (less exposed to a
-    load swing during one reference run than the round's own), and torchft's stall per kill
-    (from the replicas' records in ``workdir``, where they are still there)."""
-    ff = {(r["setting"], r["round"]): r for r in runs if r["system"] == "failure-free"}
-    for r in runs:
-        if r["system"].startswith("mecefo") and r["rc"] == 0 and r["committed"] < iters:
-            # Recorded before run_mecefo counted a finished run's unlogged iterations as
-            # committed (see there): the same correction.
-            r["unlogged_iterations"] = iters - r["committed"]
-            r["skipped_samples"] -= r["unlogged_iterations"] * GBS
-            r["committed"] = iters
-        ref = ff[(r["setting"], r["round"])]
-        r["ettr"] = round(ref["wall_s"] / iters * r["committed"] / r["wall_s"], 4)
-        total = iters * GBS - r["skipped_samples"]
-        r["exactly_once_samples"] = total - min(r["repeated_samples"], total)
-    for setting in {r["setting"] for r in runs}:
-        ffs = [r["wall_s"] / iters for r in runs if r["setting"] == setting
-               and r["system"] == "failure-free"]  # fmt: skip
-        med = statistics.median(ffs)
-        for r in runs:
-            if r["setting"] == setting:
-                r["ettr_vs_median_ff"] = round(med * r["committed"] / r["wall_s"], 4)
-    for r in runs:
-        if r["system"] != "torchft":
-            continue
-        d = workdir / r["setting"] / f"r{r['round']}" / "torchft"
-        if "stall_s" not in r and d.is_dir():
-            recs = [x for f in sorted(d.glob("replica*.jsonl")) for x in _read_jsonl(f)]
-            r["stall_s"] = torchft_accounting(recs, iters)["stall_s"]
-        if r.get("stall_s") is not None and _kills(r):
-            r["torchft_stall_s_per_kill"] = round(r["stall_s"] / _kills(r), 3)
+           os.getloadavg(), step_s)  # fmt: skip
 
 
 def finish(
@@ -1048,14 +1244,22 @@ def finish(
     duration: float,
     load_start: Tuple[float, ...],
     load_end: Tuple[float, ...],
+    step_s: Optional[float],
 ) -> None:
     """The table, JSON, plot and summary line of ``runs``."""
-    _post(runs, a.iters, Path(a.workdir))
-    table = summarize(runs, systems)
+    _post(runs)
+    table = summarize(runs, systems, a.iters, step_s)
+    clock = None
+    if DEVICE_CLOCK:
+        from megatron_mecefo.runtime.device_clock import clock_for
+
+        clock = clock_for(DEVICE_CLOCK).summary()
+        del clock["stats"]
     result = {
         "benchmark": "goodput",
         "date": started,
         "duration_s": round(duration, 1),
+        "emulated": bool(DEVICE_CLOCK),
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
@@ -1068,14 +1272,20 @@ def finish(
             "model": MODEL,
             "global_batches": a.iters,
             "global_batch_size": GBS,
+            "device_clock": clock,
+            "emulated_step_s": step_s,
             "settings": {s: {"T_s": t, "R_s": r} for s, (t, r) in settings.items()},
+            "kill_schedule": "kill k at k * T s after the first training step's record",
             "repeats": a.repeats,
             "seed": a.seed,
             "systems": systems,
+            "order": "per round: the systems rotated by the round number; each system's "
+            "failure-free run and its run with failures back to back, failure-free first in "
+            "even rounds",
             "save_time_s": a.save_time,
             "save_time_calibration": calibration,
-            "checkpoint_interval": "Young/Daly: round(sqrt(2 * save_time_s * T) / failure-free "
-            "s per batch) iterations, per round (the run's save_interval)",
+            "checkpoint_interval": "Young/Daly: round(sqrt(2 * save_time_s * T) / step s) "
+            "iterations (the run's save_interval); its failure-free run saves at the same K",
             "torchrun": "--nproc_per_node=4 --max-restarts 1000 --rdzv-backend c10d "
             "--rdzv-endpoint 127.0.0.1:<port>; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
             "supervisor": [
@@ -1088,19 +1298,23 @@ def finish(
                 *SUPERVISOR_TIMEOUTS,
             ],
             "mecefo": ["--mecefo", "--mecefo-rank", "16", "--mecefo-policy", "P"],
-            "torchft": "0.2.0 in .venv-tft; Lighthouse min_replicas 1, join_timeout 1 s, "
-            "heartbeat timeout 5 s; Manager min_replica_size 1, synchronous quorum, "
-            "ProcessGroupGloo timeout 30 s; one replica group per process",
-            "ettr": "failure-free wall s per global batch (same round) x committed / wall s",
+            "torchft": "0.2.0 in .venv-tft (the newest release on PyPI here); Lighthouse "
+            "min_replicas 1, join_timeout 1 s, heartbeat timeout 5 s; Manager "
+            "min_replica_size 1, synchronous quorum, ProcessGroupGloo timeout 30 s; one "
+            "replica group per process; the same model, data shares and AdamW settings and "
+            "parameter groups as the example trainer, no Megatron DDP",
+            "ettr": "samples trained on (entered a committed update) in steps 2..N per second "
+            "of the training window (step 1's record to step N's), over the same system's "
+            "failure-free run of the same round",
+            "interval": "95% Student t over the rounds",
             "max_slowdown": a.max_slowdown,
-            "ettr_vs_median_ff": "the same with the median failure-free wall of the setting",
         },
         "table": table,
         "runs": runs,
     }
     title = (
-        f"goodput, DP4 on 4 CPU ranks, {a.iters} global batches, {a.repeats} round(s); "
-        f"load {load_start[0]:.1f} -> {load_end[0]:.1f}"
+        f"goodput (emulated: {DEVICE_CLOCK}), DP4 on 4 CPU ranks, {a.iters} global batches, "
+        f"{a.repeats} round(s); load {load_start[0]:.1f} -> {load_end[0]:.1f}"
     )
     result["plot_title"] = title
     Path(a.output).write_text(json.dumps(result, indent=1))
@@ -1118,11 +1332,14 @@ def finish(
     print(markdown(table, a.iters))
     parts = []
     for setting, rows in table.items():
-        cells = ", ".join(f"{s} {r['ettr_mean']}" for s, r in rows.items() if r["ettr_mean"])
+        cells = ", ".join(
+            f"{s} {r['ettr_mean']} ± {r['ettr_ci95']}" for s, r in rows.items() if r["ettr_mean"]
+        )
         parts.append(f"{setting}: {cells}")
     print(
-        f"goodput (DP4, {a.iters} batches, {a.repeats} round(s), save every K by Young/Daly "
-        f"from {a.save_time:.2f} s saves, load {load_start[0]:.1f} -> {load_end[0]:.1f}): ETTR "
+        f"goodput (DP4, emulated {DEVICE_CLOCK}, {a.iters} batches, {a.repeats} round(s), "
+        f"save every K by Young/Daly from {a.save_time:.2f} s saves, load {load_start[0]:.1f} "
+        f"-> {load_end[0]:.1f}, {duration:.0f} s): ETTR in samples "
         + "; ".join(parts)
         + f"; wrote {a.output}"
     )

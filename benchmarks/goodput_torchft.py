@@ -17,10 +17,14 @@ every survivor crashed in its comm hook (``assert fut._fut``, ``torchft/ddp.py``
 plain one), so the survivors died with the victim. A replica that is not in a step's quorum
 does not train on its share of that global batch: torchft drops it.
 
-Differences from the example trainer, on purpose or forced: the optimizer is
-``torch.optim.AdamW`` on every parameter (megatron-core's optimizer exempts biases and norms
-from weight decay), and the quorum is synchronous (``use_async_quorum=False``) so that the
-step number, and with it the data share, is known before the forward pass.
+The optimizer is megatron-core's on CPU: ``torch.optim.AdamW`` with the same settings and the
+same parameter groups (no weight decay on biases and 1-D parameters). Differences from the
+example trainer, forced: no Megatron DDP (the gradients are averaged on one flat buffer
+through torchft), no LR scheduler object (the benchmark's schedule is constant), and the
+quorum is synchronous (``use_async_quorum=False``) so that the step number, and with it the
+data share, is known before the forward pass. ``--device-clock SHAPE`` pads forward, backward
+(per micro-batch) and the optimizer phase (all-reduce, clipping, step) as the example trainer's
+device clock does.
 
 Writes one JSON line per step attempt to ``--metrics-file``: the step, whether it committed,
 the quorum's participants, whether this replica took part, and the time; at the end one
@@ -64,6 +68,7 @@ def _parse(argv: List[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-file", required=True)
     p.add_argument("--wait-go", default=None, help="touch PATH.ready<id>, wait for PATH")
     p.add_argument("--timeout", type=float, default=30.0, help="torchft op timeout, seconds")
+    p.add_argument("--device-clock", default=None, help="emulated GPU shape (device_clock.py)")
     return p.parse_args(argv)
 
 
@@ -145,9 +150,22 @@ def main(argv: List[str] | None = None) -> None:
         rotary_base=10000,
     )
     layout_invariant_init_([model], cfg, a.seed)
+    # megatron-core's parameter groups: no weight decay on biases and 1-D parameters (norms).
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
     inner = torch.optim.AdamW(
-        model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=a.lr,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=a.weight_decay,
     )
+    clock = None
+    if a.device_clock:  # the example trainer's emulated phases (forward, backward, optimizer)
+        from megatron_mecefo.runtime.device_clock import clock_for
+
+        clock = clock_for(a.device_clock, a.metrics_file.removesuffix(".jsonl") + ".clock")
 
     def state_dict() -> Dict[str, Any]:
         return {"model": model.state_dict(), "optim": inner.state_dict()}
@@ -216,9 +234,16 @@ def main(argv: List[str] | None = None) -> None:
         it = share(step)
         loss_sum = 0.0
         for _ in range(n_micro):
+            t_fwd = time.perf_counter()
             loss = _loss(model, next(it)) / n_micro
+            if clock is not None:
+                clock.pad("forward", t_fwd)
+            t_bwd = time.perf_counter()
             loss.backward()
             loss_sum += float(loss)
+            if clock is not None:
+                clock.pad("backward", t_bwd)
+        t_opt = time.perf_counter()
         # The fault-tolerant average over the quorum's replicas (a replica that is healing
         # sends zeros; an error makes should_commit() False), on one flat buffer.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -234,6 +259,9 @@ def main(argv: List[str] | None = None) -> None:
         committed = manager.should_commit()
         if committed:
             inner.step()
+        if clock is not None:
+            clock.pad("optimizer", t_opt)
+            clock.end_step()
         rec = {
             "type": "train",
             "replica": a.replica_id,

@@ -136,6 +136,10 @@ class Trainer:
             apply_abft(self.model_chunks, self.abft)
         self.forward_backward = self._forward_backward_func()
         self.fail_slow = self._fail_slow_monitor()
+        if args.device_clock:  # emulated GPU phase times (CPU benchmarks: goodput)
+            from megatron_mecefo.runtime import device_clock
+
+            device_clock.install(self, args.device_clock, self.rank)
         resumed = args.load or self.recovery_path  # a restart appends to the run's log
         self.log.open(args, "a" if resumed else recovery.metrics_mode() if recovery else "w")
         if restore_record:

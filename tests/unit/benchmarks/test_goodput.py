@@ -52,3 +52,49 @@ def test_killer_passes_a_kill_on_to_the_next_live_rank() -> None:
     hit = []
     k.fire({(drawn + 1) % 4: 999999999}, lambda slot, t: hit.append(slot))
     assert hit == [(drawn + 1) % 4] and k.events[0]["drawn"] == drawn and k.next_k == 2
+
+
+def _run(system: str, ff: bool, rate: float, loss: float, rnd: int = 0) -> dict:
+    return {"system": system, "failure_free": ff, "setting": "T20_R5", "round": rnd,
+            "samples_per_s": rate, "eval": {"loss": loss}, "kills": []}  # fmt: skip
+
+
+def test_ettr_is_samples_per_second_over_the_systems_own_failure_free_run() -> None:
+    """Each system against its own failure-free run of the same round, never another's."""
+    runs = [
+        _run("torchft", True, 10.0, 3.0),
+        _run("torchft", False, 7.5, 3.2),
+        _run("mecefo-auto", True, 8.0, 2.9),
+        _run("mecefo-auto", False, 8.0, 2.95),
+        _run("mecefo-auto", False, None, 2.95, rnd=1),  # no own reference: no ETTR
+    ]
+    goodput._post(runs)
+    assert runs[1]["ettr"] == 0.75 and runs[1]["val_loss_minus_own_failure_free"] == 0.2
+    assert runs[3]["ettr"] == 1.0 and runs[3]["val_loss_minus_own_failure_free"] == 0.05
+    assert runs[4]["ettr"] is None and runs[0]["ettr"] == 1.0
+
+
+def test_interval_is_the_95_percent_t_half_width() -> None:
+    ci = goodput.interval([0.9, 1.0, 1.1])  # sd 0.1, t(2) = 4.303
+    assert ci["mean"] == 1.0 and ci["ci95"] == round(4.303 * 0.1 / 3**0.5, 4)
+    assert goodput.interval([0.5])["ci95"] is None
+
+
+def test_watch_times_each_step_and_the_killer_starts_at_step_one(tmp_path) -> None:
+    """The kill schedule counts from the first training record, not from the launch."""
+    metrics = tmp_path / "m.jsonl"
+    watch = goodput.Watch(lambda: [metrics], goodput._example_key)
+    killer = goodput.Killer(None, 5.0, 1.0, 1)
+    metrics.write_text('{"type": "start"}\n')
+    watch.poll()
+    watch.start_killer(killer)
+    assert killer.t0 is None and not killer.due()
+    with open(metrics, "a") as f:
+        f.write('{"type": "train", "iteration": 1}\n{"type": "train", "iteration": 2')
+    watch.poll()  # the torn second line is read once it is complete
+    watch.start_killer(killer)
+    assert killer.t0 == watch.first[1] and set(watch.first) == {1}
+    with open(metrics, "a") as f:
+        f.write("}\n")
+    watch.poll()
+    assert set(watch.first) == {1, 2} and watch.last[2] >= watch.first[1]
