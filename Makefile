@@ -137,7 +137,7 @@ etcd:
 # .venv-tft and MeCeFO auto on a schedule of real kills, under the device clock; and the device
 # clock's check (failure-free step time at 4 and at 3 ranks within 2%, the phases fit).
 test-goodput: venv data $(TFT)/.installed
-	$(PY) -m pytest -q -m slow --timeout=900 tests/integration/benchmarks/test_device_clock.py \
+	$(PY) -m pytest -q -m slow --timeout=900 tests/integration/benchmarks/test_device_clock_agreement.py \
 	    tests/integration/benchmarks/test_goodput_quick.py
 
 # The CPU evidence suite (README "Results"), about 90 minutes on 2 cores (about 60 of them the goodput comparison; the n = 32 study is make bench-convergence): costs, ABFT overhead, degraded

@@ -18,8 +18,8 @@ def test_quick_run(tmp_path: Path, text_data: str) -> None:
     """The --quick mode end to end (T = 10 s, one round, 12 batches; checkpoint-restart,
     torchft where .venv-tft exists, MeCeFO auto; each with its own failure-free run, under the
     device clock): every run was measured, each failure-free run (torchft's apart) trained every
-    sample at the emulated step time, a MeCeFO run that finished skipped no sample, ETTR is in samples, and
-    no process is left.
+    sample at the emulated step time, a MeCeFO run that finished skipped no sample, ETTR is in
+    samples, and no process is left.
 
     Marked slow (several minutes); ``make test-goodput`` runs it, and ``.ci/run`` with it.
     Whether checkpoint-restart finishes depends on its restarts: at T = 10 s they can outlast
