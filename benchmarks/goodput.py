@@ -3,7 +3,7 @@
 One workload for every system: the example trainer's small GPT (the demo's model and data,
 ``data/stdlib_text_document``) at DP4 (TP1 PP1) on 4 CPU ranks (gloo), ``--iters`` global
 batches of 16 sequences, under the **device clock** (``--device-clock llama-1b-h100``,
-``megatron_mecefo/runtime/device_clock.py``): each rank's forward, backward and optimizer
+``megatron_mecefo/planner/device_clock.py``): each rank's forward, backward and optimizer
 phases last what the step-cost model gives for Llama-1B on one H100 at 40% MFU (1.43 s a step),
 so a run's step time does not depend on how many ranks share the 2 cores; every figure is
 *emulated*. Recovery costs (detection, regroup, restart, heal) are real. One seeded schedule of
@@ -417,7 +417,7 @@ def _finish(
     else:
         run["window_s"] = run["samples_window"] = run["samples_per_s"] = None
     if DEVICE_CLOCK and clock_logs is not None:
-        from megatron_mecefo.runtime.device_clock import read_logs
+        from megatron_mecefo.planner.device_clock import read_logs
 
         run["device_clock"] = read_logs([str(p) for p in clock_logs])
     return run
@@ -1077,7 +1077,7 @@ def emulated_step(shape: Optional[str], microbatches: int) -> Optional[float]:
     """The device clock's failure-free step time of ``shape`` (None without a clock)."""
     if not shape:
         return None
-    from megatron_mecefo.runtime.device_clock import clock_for
+    from megatron_mecefo.planner.device_clock import clock_for
 
     t = clock_for(shape).target
     return microbatches * (t["forward"] + t["backward"]) + t["optimizer"]
@@ -1251,7 +1251,7 @@ def finish(
     table = summarize(runs, systems, a.iters, step_s)
     clock = None
     if DEVICE_CLOCK:
-        from megatron_mecefo.runtime.device_clock import clock_for
+        from megatron_mecefo.planner.device_clock import clock_for
 
         clock = clock_for(DEVICE_CLOCK).summary()
         del clock["stats"]

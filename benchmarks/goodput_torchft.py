@@ -163,7 +163,7 @@ def main(argv: List[str] | None = None) -> None:
     )
     clock = None
     if a.device_clock:  # the example trainer's emulated phases (forward, backward, optimizer)
-        from megatron_mecefo.runtime.device_clock import clock_for
+        from megatron_mecefo.planner.device_clock import clock_for
 
         clock = clock_for(a.device_clock, a.metrics_file.removesuffix(".jsonl") + ".clock")
 

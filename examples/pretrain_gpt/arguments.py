@@ -453,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_mecefo.failslow.arguments import add_arguments as add_fail_slow_arguments
 
     add_fail_slow_arguments(p)  # --mecefo-fail-slow* (straggling replicas)
-    from megatron_mecefo.runtime.device_clock import add_arguments as add_clock_arguments
+    from megatron_mecefo.planner.device_clock import add_arguments as add_clock_arguments
 
     add_clock_arguments(p)  # --device-clock (emulated GPU phase times)
     p.add_argument_group("MeCeFO simulation (example trainer)").add_argument(

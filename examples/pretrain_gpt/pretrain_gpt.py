@@ -137,7 +137,7 @@ class Trainer:
         self.forward_backward = self._forward_backward_func()
         self.fail_slow = self._fail_slow_monitor()
         if args.device_clock:  # emulated GPU phase times (CPU benchmarks: goodput)
-            from megatron_mecefo.runtime import device_clock
+            from megatron_mecefo.planner import device_clock
 
             device_clock.install(self, args.device_clock, self.rank)
         resumed = args.load or self.recovery_path  # a restart appends to the run's log

@@ -21,6 +21,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("techniques",),
     ("takeover",),
     ("planner",),
+    ("failslow",),
     ("snapshot",),
     ("recovery",),
     ("megatron_lm",),
@@ -38,6 +39,8 @@ uses it) and ``docs/design.md``:
   group also carries ``abft``'s flags);
 * ``planner`` plans with ``takeover``'s real policies (``--mecefo-policy auto`` plugs into
   ``takeover`` through :func:`megatron_mecefo.takeover.config.register_auto_policy`);
+* ``failslow`` (a straggler's micro-batches handed to its neighbours) wraps ``takeover``'s
+  policies in all-exact plans;
 * ``snapshot`` copies the training state; ``recovery`` uses ``snapshot`` and ``takeover``;
 * ``megatron_lm`` is the glue into Megatron-LM and uses them all;
 * ``<package>`` is ``megatron_mecefo/__init__.py``, which names them all (and plugs the

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import TRAINER, child_env, free_port
 
-from megatron_mecefo.runtime.device_clock import SHAPES, DeviceClock, read_logs
+from megatron_mecefo.planner.device_clock import SHAPES, DeviceClock, read_logs
 
 SHAPE = "llama-1b-h100"
 ITERS = 8

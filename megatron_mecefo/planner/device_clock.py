@@ -88,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=sorted(SHAPES),
         help="Emulate a GPU's step time: forward, backward and optimizer phases last what "
-        "the step-cost model gives for SHAPE (megatron_mecefo/runtime/device_clock.py); the "
+        "the step-cost model gives for SHAPE (megatron_mecefo/planner/device_clock.py); the "
         "rank sleeps out the rest of each phase after its CPU work. Figures are emulated.",
     )
 

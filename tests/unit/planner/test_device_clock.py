@@ -1,4 +1,4 @@
-"""``megatron_mecefo.runtime.device_clock``: the emulated phase times and the overrun count
+"""``megatron_mecefo.planner.device_clock``: the emulated phase times and the overrun count
 (the 4-rank against 3-rank check on the example trainer is
 ``tests/integration/benchmarks/test_device_clock.py``)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mecefo.runtime.device_clock import SHAPES, DeviceClock, DeviceShape, read_logs
+from megatron_mecefo.planner.device_clock import SHAPES, DeviceClock, DeviceShape, read_logs
 
 
 def test_llama_1b_h100_phase_times_follow_the_flop_model() -> None:
