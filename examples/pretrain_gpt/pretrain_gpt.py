@@ -178,14 +178,13 @@ class Trainer:
 
     def _fail_slow_monitor(self) -> Any:
         """--mecefo-fail-slow: times the forward-backward, wraps the policy (rebalance)."""
-        import torch.distributed as dist
 
         from megatron_mecefo.failslow.monitor import build_monitor
 
         a = self.args
         monitor = build_monitor(
-            a.fail_slow_config, self.dp_rank, self.dp_size, dist.get_world_size(),
-            a.num_microbatches,
+            a.fail_slow_config, self.dp_rank, self.dp_size,
+            a.tensor_model_parallel_size * a.pipeline_model_parallel_size, a.num_microbatches,
             self.controller, self.virtual is not None, self.log.print,
         )  # fmt: skip
         if monitor is not None:

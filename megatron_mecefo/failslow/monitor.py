@@ -219,20 +219,23 @@ def build_monitor(
     config: FailSlowConfig,
     replica: int,
     num_replicas: int,
-    world_size: int,
+    ranks_per_replica: int,
     microbatches: int,
     controller: Any,
     virtual: bool,
     print_line: Callable[[str], None],
 ) -> Optional[FailSlowMonitor]:
-    """The monitor of a run, or None when off (or simulated replicas: one process)."""
+    """The monitor of a run, or None when off (or simulated replicas: one process).
+
+    ``ranks_per_replica`` is TP x PP, not the world size over ``num_replicas``: after a real
+    death the regrouped world is smaller than the data-parallel layout it keeps."""
     if not config.enabled or virtual or num_replicas < 2:
         return None
     return FailSlowMonitor(
         config,
         replica,
         num_replicas,
-        world_size // num_replicas,
+        ranks_per_replica,
         microbatches,
         controller,
         print_line,

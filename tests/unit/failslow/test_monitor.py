@@ -69,5 +69,5 @@ def test_off_and_single_replica_build_nothing() -> None:
     assert build_monitor(FailSlowConfig(mode="off"), 0, 2, 2, 4, None, False, print) is None
     assert build_monitor(FailSlowConfig(), 0, 1, 1, 4, None, False, print) is None
     assert build_monitor(FailSlowConfig(), 0, 4, 1, 4, None, True, print) is None
-    mon = build_monitor(FailSlowConfig(), 1, 2, 8, 4, None, False, print)
+    mon = build_monitor(FailSlowConfig(), 1, 2, 4, 4, None, False, print)  # TP x PP = 4
     assert mon is not None and mon.ranks_per_replica == 4
