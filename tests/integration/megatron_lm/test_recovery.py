@@ -141,6 +141,8 @@ def test_second_death_while_the_world_is_built(
     assert sorted(schedule) == ["1:3", "3:3"], schedule
 
 
+# About 45 s (a save, a restart, a load): make test-all, to keep .ci/run within 35 min.
+@pytest.mark.slow
 def test_sigterm_saves_and_the_run_resumes_there(megatron_lm: Path, tmp_path: Path) -> None:
     """Slurm's ``--signal`` before the time limit: the supervisor passes SIGTERM to the ranks,
     Megatron-LM's ``--exit-signal-handler`` saves at the next iteration boundary and every
