@@ -141,14 +141,6 @@ def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
     return True
 
 
-def resolve_after_failover(ms: MembershipStore, generation: int, iteration: int) -> bool:
-    """A vote in flight when the leader's hot store was lost: the member is in doubt and does
-    not apply the step (``False``); the regroup that the takeover starts settles it (module
-    docstring)."""
-    del ms, generation, iteration
-    return False
-
-
 def _outcome(
     ms: MembershipStore, generation: int, iteration: int, count: int, n: int, wait_s: float
 ) -> bool:
@@ -239,11 +231,12 @@ class AsyncVoter:
         self, generation: int, iteration: int, slot: int, members: List[int], outcome: Dict
     ) -> bool:
         """The leader's store was lost during this vote: a vote of a generation made before
-        the takeover was in flight there (its outcome is resolved on etcd); one of a later
-        generation has only met the stale client, and is held on the new leader's store."""
+        the takeover was in flight there: the member is in doubt and does not apply the step
+        (``False``; the regroup the takeover starts settles it, module docstring); one of a
+        later generation has only met the stale client, and is held on the new leader's store."""
         taken = json.loads(self._ms.store.get(PRIMARY_KEY))["generation"]
         if generation <= taken:
-            return resolve_after_failover(self._ms, generation, iteration)
+            return False
         return vote(
             self._ms, generation, iteration, slot, members, self.poll_interval_s, outcome,
             self.decision_wait_s,

@@ -158,13 +158,6 @@ class MembershipStore:
         """The ``HOST:PORT`` this client talks to now (etcd mode: the current leader's)."""
         return getattr(self.store, "address", None) or self._address
 
-    def on_standby(self, name: str, *args: Any) -> Any:
-        """``name(*args)`` where a write must outlive the store's host (etcd mode: the commit's
-        outcome claim on etcd, :meth:`~.store_etcd.EtcdStore.on_standby`); ``None`` with a
-        single store."""
-        call = getattr(self.store, "on_standby", None)
-        return call(name, *args) if call is not None else None
-
     # -------------------------------------------------------------- raw helpers
     def get_str(self, key: str) -> Optional[str]:
         if not self.store.check([key]):
@@ -172,10 +165,9 @@ class MembershipStore:
         return self.store.get(key).decode()
 
     def set_durable(self, key: str, value: str) -> None:
-        """Set ``key`` where it must outlive the store's host (:meth:`on_standby`) and then
-        here: a generation, the fatal message, the committed and logged iteration, a recovery
-        record (etcd mode: :meth:`~.store_etcd.EtcdStore.set` writes them to etcd first)."""
-        self.on_standby("set", key, value)
+        """Set a key that must outlive the store's host: a generation, the fatal message, the
+        committed and logged iteration, a recovery record (etcd mode:
+        :meth:`~.store_etcd.EtcdStore.set` writes them to etcd first)."""
         self.store.set(key, value)
 
     def set_json(self, key: str, value: Any) -> None:

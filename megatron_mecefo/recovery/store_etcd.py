@@ -316,15 +316,6 @@ class EtcdStore(ForwardingStore):
             raise Fenced(str(err)) from None
 
     # ------------------------------------------------------------------ Store methods
-    commits_on_hot_store = True
-    """The commit vote is decided on the hot store alone: a commit claims nothing on etcd, and
-    a vote cut off by the leader's loss is settled by the regroup (:mod:`.commit`)."""
-
-    def on_standby(self, name: str, *args: Any) -> Any:
-        """The durable-write hook, a no-op here: the commit claims nothing on etcd (the hot
-        path stays off etcd); the durable ``set`` is done by :meth:`set` itself."""
-        return None
-
     def set(self, key: str, value: Any) -> None:
         text = value.decode() if isinstance(value, bytes) else str(value)
         if key.startswith("gen/"):
