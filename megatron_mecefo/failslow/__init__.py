@@ -8,11 +8,13 @@ the others, exactly (``--mecefo-fail-slow {off,detect,rebalance}``).
 * :mod:`.rebalance`: how many micro-batches each slow replica gives away and to whom
   (:func:`plan_rebalance`), and the takeover-policy wrapper that turns it into a plan
   (:class:`RebalancePolicy`);
+* :mod:`.compute_clock`: the compute timer, on the device the compute runs on (CUDA events
+  on a GPU, where host timings only see the kernels being queued);
 * :mod:`.monitor`: the trainer glue (timing, the piggybacked exchange, records, summary);
 * :mod:`.duty_cycle`: an outside SIGSTOP/SIGCONT duty cycle that slows a process down (tests
   and the benchmark).
 
-Torch-free except :mod:`.monitor`.
+Torch-free except :mod:`.compute_clock` and :mod:`.monitor`.
 """
 
 from __future__ import annotations

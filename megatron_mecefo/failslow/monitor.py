@@ -20,11 +20,11 @@ and its assignment is set here between steps; the controller plans the next step
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_mecefo.failslow.compute_clock import ComputeClock
 from megatron_mecefo.failslow.config import FailSlowConfig
 from megatron_mecefo.failslow.detector import FailSlowDetector, SlowState
 from megatron_mecefo.failslow.rebalance import RebalanceController, RebalancePolicy
@@ -71,8 +71,7 @@ class FailSlowMonitor:
             self.rebalancer = RebalanceController(
                 num_replicas, microbatches, config.window, config.replan_gain
             )
-        self._t_start: Optional[float] = None
-        self._compute_s: Optional[float] = None
+        self.clock = ComputeClock()
         self._iteration = 0
         self._lines: List[str] = []
         self._fields: Dict[str, Any] = {}
@@ -92,18 +91,16 @@ class FailSlowMonitor:
         def timed(*a: Any, **kw: Any) -> Any:
             if kw.get("forward_only", False):
                 return forward_backward(*a, **kw)
-            self._t_start, self._compute_s = time.perf_counter(), None
+            self.clock.start(tag=self._local_microbatches())
             out = forward_backward(*a, **kw)
-            if self._compute_s is None:  # no finalize ran: the whole call is compute
-                self._compute_s = time.perf_counter() - self._t_start
+            self.clock.stop()  # no finalize ran: the whole call is compute
             return out
 
         if finalize is not None:
 
             @functools.wraps(finalize)
             def finalize_timed(*a: Any, **kw: Any) -> Any:
-                if self._t_start is not None and self._compute_s is None:
-                    self._compute_s = time.perf_counter() - self._t_start
+                self.clock.stop()
                 return finalize(*a, **kw)
 
             config.finalize_model_grads_func = finalize_timed
@@ -119,10 +116,11 @@ class FailSlowMonitor:
     def piggyback(self, total: torch.Tensor) -> torch.Tensor:
         """``total`` with this rank's ``n`` slots appended (to be all-reduced with SUM)."""
         slots = torch.zeros(self.num_replicas, dtype=total.dtype, device=total.device)
-        count = self._local_microbatches()
-        if self._compute_s is not None and count > 0:
-            slots[self.replica] = self._compute_s / count / self.ranks_per_replica
-        self._t_start = self._compute_s = None
+        # The count is the measured step's own (on CUDA the step before: the clock's module).
+        measured = self.clock.take()
+        if measured is not None and measured[1] > 0:
+            seconds, count = measured
+            slots[self.replica] = seconds / count / self.ranks_per_replica
         return torch.cat([total, slots])
 
     def observe(self, reduced: torch.Tensor, iteration: int) -> torch.Tensor:

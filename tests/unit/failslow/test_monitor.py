@@ -9,8 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_mecefo.failslow import FailSlowConfig
-from megatron_mecefo.failslow import monitor as monitor_module
+from megatron_mecefo.failslow import FailSlowConfig, compute_clock
 from megatron_mecefo.failslow.monitor import FailSlowMonitor, build_monitor
 
 
@@ -37,7 +36,7 @@ def _rank(replica: int, clock: Clock, cfg: FailSlowConfig, tp: int = 1):
 
 def test_exchange_measures_compute_only_and_every_rank_decides_alike(monkeypatch) -> None:
     clock = Clock()
-    monkeypatch.setattr(monitor_module.time, "perf_counter", clock)
+    monkeypatch.setattr(compute_clock.time, "perf_counter", clock)
     cfg = FailSlowConfig(mode="detect", window=3)
     # TP2: two ranks per replica, each adds half of its time into its replica's slot.
     ranks = [_rank(0, clock, cfg, tp=2), _rank(0, clock, cfg, tp=2)]
