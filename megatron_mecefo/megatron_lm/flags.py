@@ -5,7 +5,8 @@ checksums', ``--mecefo-kill`` and ``--mecefo-snapshot-*``) and hooks :func:`chec
 into the parser, so that a bad flag stops every rank within seconds, before Megatron-LM's own
 ``validate_args`` and before any process group exists. :func:`validated_config` is the checked
 :class:`~megatron_mecefo.takeover.config.FaultToleranceConfig` of Megatron-LM's ``args``;
-:func:`check_recovery_args` and :func:`job_args` are the recovery supervisor's side;
+:func:`fail_slow_config` checks ``--mecefo-fail-slow*``; :func:`check_recovery_args` and
+:func:`job_args` are the recovery supervisor's side;
 :func:`check_token_ids` reads the training data's token ids once the tokenizer is built.
 
 Every error is one line, ``pretrain_gpt.py: error: <what>; <how to fix it>`` (exit 2; exit 1
@@ -31,6 +32,7 @@ __all__ = [
     "check_token_ids",
     "data_prefixes",
     "extra_args_provider",
+    "fail_slow_config",
     "job_args",
     "train_iters",
     "validated_config",
@@ -56,6 +58,9 @@ def extra_args_provider(other: Optional[Callable] = None) -> Callable:
         from megatron_mecefo.snapshot.arguments import add_arguments as add_snapshot_arguments
 
         add_snapshot_arguments(parser)  # --mecefo-snapshot-* (the distributed optimizer's)
+        from megatron_mecefo.failslow.arguments import add_arguments as add_fail_slow_arguments
+
+        add_fail_slow_arguments(parser)  # --mecefo-fail-slow* (straggling replicas)
         sys.argv[:] = normalize_argv(sys.argv)
         _check_after_parsing(parser)
         return parser
@@ -129,6 +134,12 @@ def check_parsed_args(args: Any) -> None:
         )
     if supervised or getattr(args, "mecefo_kill", None):
         check_recovery_args(args)
+    ns = _with_derived_sizes(args)
+    if ns is not None and hasattr(ns, "fail_slow"):
+        try:
+            fail_slow_config(ns)
+        except MecefoConfigError as err:
+            exit_with_config_error(err)
     if not getattr(args, "mecefo", False):
         given = mecefo_flags_given(args, add_arguments(argparse.ArgumentParser()))
         if given:
@@ -137,7 +148,6 @@ def check_parsed_args(args: Any) -> None:
                 "or drop it"
             )
         return
-    ns = _with_derived_sizes(args)
     if ns is None or not (getattr(ns, "train_iters", None) or getattr(ns, "train_samples", None)):
         return
     try:
@@ -299,6 +309,44 @@ def validated_config(args: Any, warnings: Optional[List[str]] = None) -> FaultTo
     if warnings is not None:
         warnings.extend(found)
     return ft
+
+
+def fail_slow_config(args: Any, warnings: Optional[List[str]] = None) -> Any:
+    """The checked :class:`~megatron_mecefo.failslow.config.FailSlowConfig` of Megatron-LM's
+    ``args`` (with ``data_parallel_size``); a warning is appended to ``warnings``.
+
+    In Megatron-LM fail-slow runs inside the ``--mecefo`` training hooks (without ``--mecefo``
+    nothing of Megatron-LM is wrapped), so a ``--mecefo-fail-slow*`` flag given without
+    ``--mecefo`` would be ignored: that is an error, as for every other ``--mecefo-*`` flag
+    (``--mecefo-fail-slow off`` excepted).
+
+    Raises:
+        MecefoConfigError: The first problem, naming the flag, the value and the fix.
+    """
+    from megatron_mecefo.failslow.config import FailSlowConfig
+
+    d = FailSlowConfig()  # args built without these flags (a caller's own parser) get defaults
+    config = FailSlowConfig(
+        mode=getattr(args, "fail_slow", d.mode),
+        threshold=getattr(args, "fail_slow_threshold", d.threshold),
+        window=getattr(args, "fail_slow_window", d.window),
+    )
+    mecefo = bool(getattr(args, "mecefo", False))
+    given = next((a.split("=")[0] for a in sys.argv if a.startswith("--mecefo-fail-slow")), None)
+    if not mecefo and given and config.mode in ("detect", "rebalance"):
+        raise MecefoConfigError(
+            f"{given} was given without --mecefo: in Megatron-LM's pretrain_gpt.py fail-slow "
+            "detection and rebalancing run in the --mecefo training hooks, so it would be "
+            "ignored; add --mecefo or drop it"
+        )
+    warning = config.validate(
+        data_parallel_size=int(args.data_parallel_size),
+        mecefo=mecefo,
+        virtual_pipeline=getattr(args, "virtual_pipeline_model_parallel_size", None) is not None,
+    )
+    if warning and warnings is not None:
+        warnings.append(warning)
+    return config
 
 
 def _skip_message(skip: Any, what: str) -> str:

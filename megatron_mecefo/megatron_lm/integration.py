@@ -10,7 +10,8 @@ The patch for each Megatron-LM tag adds a few lines to ``pretrain_gpt.py`` and n
 * :mod:`.checksum_hooks`: ``--mecefo-abft``'s step counting and its log lines;
 * :mod:`.training_hooks`: with ``--mecefo``, Megatron-LM's loop runs each iteration's
   takeover plan, re-weights the gradients, reads a failed replica's samples and keeps the
-  low-rank bases in the checkpoints.
+  low-rank bases in the checkpoints; it also times each replica for ``--mecefo-fail-slow``
+  and, with ``rebalance``, moves a slow replica's micro-batches.
 
 :class:`MegatronLMIntegration` joins them: one object per process (:func:`install`), whose
 :meth:`~MegatronLMIntegration._setup` validates the flags once ``args`` exist and installs
@@ -32,6 +33,7 @@ from megatron_mecefo.megatron_lm.flags import (
     check_parsed_args,
     check_token_ids,
     extra_args_provider,
+    fail_slow_config,
     train_iters,
     validated_config,
 )
@@ -77,6 +79,11 @@ class MegatronLMIntegration(LayerSpecHooks, ChecksumHooks, TrainingLoopHooks):
         self.abft_config: Any = None
         self.abft: Any = None
         self._abft_open_step: Optional[int] = None
+        self.fail_slow_config: Any = None
+        self.fail_slow: Any = None
+        """The :class:`~megatron_mecefo.failslow.monitor.FailSlowMonitor` of the current
+        controller (``--mecefo-fail-slow`` detect or rebalance), built at its first step."""
+        self._fail_slow_for: Any = None
         self.recovery: Any = None
         """The Megatron-LM adapter of the recovery session
         (:class:`~megatron_mecefo.megatron_lm.recovery.MegatronLMTrainer`) under the
@@ -94,6 +101,7 @@ class MegatronLMIntegration(LayerSpecHooks, ChecksumHooks, TrainingLoopHooks):
         warnings: List[str] = []
         try:
             self.config = validated_config(args, warnings)
+            self.fail_slow_config = fail_slow_config(args, warnings)
             self.abft_config = abft_config_from_args(
                 args, getattr(args, "transformer_impl", None), on_uncorrectable="raise"
             )

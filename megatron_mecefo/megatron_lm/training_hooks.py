@@ -15,14 +15,22 @@
 * ``save_checkpoint`` and ``load_checkpoint``: each rank's low-rank basis V
   (:mod:`.basis_checkpoint`).
 
-Rank 0 prints the plan's announcements and, at exit, the summary.
+With ``--mecefo-fail-slow`` (``detect`` by default), every training forward-backward is
+timed up to the gradient sync and one all-reduce of ``n`` floats (``n`` the data-parallel size)
+over every rank follows it: each replica's time per micro-batch, the same numbers on every
+rank, so every rank reaches the same decision (:mod:`megatron_mecefo.failslow.monitor`). With
+``rebalance`` the takeover policy is wrapped and the next iteration's plan moves whole
+micro-batches of a slow replica to the others, read by sample index as a failed replica's are.
+
+Rank 0 prints the plan's announcements, fail-slow's lines and, at exit, the summary.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-from typing import Any, Callable, List, Optional
+import time
+from typing import Any, Callable, Dict, List, Optional
 
 from megatron_mecefo.megatron_lm.flags import train_iters as _train_iters
 
@@ -42,6 +50,10 @@ class TrainingLoopHooks:
     train_dataset: Any
     loader_offset: int
     recovery: Any
+    fail_slow_config: Any
+    fail_slow: Any
+    _fail_slow_for: Any
+    _fail_slow_timed: Callable
     _hooks_installed: bool
     _summary_registered: bool
 
@@ -177,9 +189,8 @@ class TrainingLoopHooks:
             from megatron.core.utils import get_model_config
 
             model = kw["model"]
-            finalize = self.finalize_hook(
-                get_model_config(model[0] if isinstance(model, list) else model)
-            )
+            config = get_model_config(model[0] if isinstance(model, list) else model)
+            finalize = self.finalize_hook(config)
             # The sampler's offset, not the run's: they differ after a phase transition.
             consumed = args.consumed_train_samples - self.loader_offset
             ctrl.begin_iteration(args.curr_iteration + 1, consumed)
@@ -190,6 +201,9 @@ class TrainingLoopHooks:
                 kw["forward_step_func"] = phase_forward_step(
                     kw["forward_step_func"], self.recovery.phase, args.curr_iteration + 1
                 )
+            monitor = self._fail_slow_monitor(ctrl, config, args)
+            if monitor is not None:  # the timed finalize (the end of the replica's compute)
+                finalize = config.finalize_model_grads_func
             wrapped = ctrl.wrap_forward_backward(
                 inner,
                 fetch=self._fetch,
@@ -197,9 +211,95 @@ class TrainingLoopHooks:
                 zero_report=lambda: {"lm loss": torch.zeros(2, device=self._device)},
                 is_last_stage=lambda: ps.is_pipeline_last_stage(ignore_virtual=True),
             )
-            return wrapped(**kw)
+            if monitor is None:
+                return wrapped(**kw)
+            t0 = time.perf_counter()
+            out = self._fail_slow_timed(wrapped, **kw)
+            self._fail_slow_step(monitor, args.curr_iteration + 1, time.perf_counter() - t0)
+            return out
 
         return run
+
+    # ------------------------------------------------------------------ fail-slow
+    def _fail_slow_monitor(self, ctrl: Any, config: Any, args: Any) -> Any:
+        """The fail-slow monitor of ``ctrl``, built at its first step (once per entry into
+        ``pretrain()``): it times the forward-backward up to ``config``'s finalize, and with
+        ``rebalance`` wraps ``ctrl``'s policy. None when off."""
+        if self._fail_slow_for is ctrl:
+            return self.fail_slow
+        self._fail_slow_for = ctrl
+        self.fail_slow = None
+        if self.fail_slow_config is None:
+            return None
+        import torch
+
+        from megatron_mecefo.failslow.monitor import build_monitor
+
+        ranks = (
+            int(args.tensor_model_parallel_size)
+            * int(args.pipeline_model_parallel_size)
+            * int(getattr(args, "context_parallel_size", 1) or 1)
+        )
+        first = torch.distributed.get_rank() == 0
+
+        def print_line(line: str) -> None:
+            if first:
+                print(line, flush=True)
+
+        monitor = build_monitor(
+            self.fail_slow_config, ctrl.replica, ctrl.layout.num_replicas, ranks,
+            ctrl.layout.microbatches, ctrl, False, print_line,
+        )  # fmt: skip
+        if monitor is not None:
+            # The schedule calls config.finalize_model_grads_func at the start of the gradient
+            # sync; the timed version stamps the end of this replica's compute there.
+            self._fail_slow_timed = monitor.wrap(lambda fbf, **kw: fbf(**kw), config)
+        self.fail_slow = monitor
+        return monitor
+
+    def _fail_slow_step(self, monitor: Any, iteration: int, step_s: float) -> None:
+        """Exchange each replica's time per micro-batch (one all-reduce of ``n`` floats over
+        every rank, right after the gradient sync every rank has just joined), update the
+        detection and the plan of the next iteration, print and record."""
+        import torch
+
+        slots = monitor.piggyback(torch.zeros(0, dtype=torch.float32, device=self._device))
+        torch.distributed.all_reduce(slots)
+        monitor.observe(slots, iteration)
+        fields, lines = monitor.step_fields(step_s)
+        for line in lines:
+            monitor.print_line(line)
+        self._fail_slow_record(iteration, fields["fail_slow"])
+
+    def _fail_slow_record(self, iteration: int, fields: Dict[str, Any]) -> None:
+        """The step's ``fail_slow`` metrics in Megatron-LM's TensorBoard and W&B writers, where
+        the run has them (``--tensorboard-dir``, ``--wandb-project``): per replica its smoothed
+        ratio to the median and the micro-batches it ran, and the number of slow replicas."""
+        from megatron.training import global_vars
+
+        writers = [
+            w
+            for w in (
+                getattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None),
+                getattr(global_vars, "_GLOBAL_WANDB_WRITER", None),
+            )
+            if w is not None
+        ]
+        if not writers:
+            return
+        plan = self.controller.plan if self.controller is not None else None
+        scalars: Dict[str, float] = {"mecefo/fail-slow/slow-replicas": float(len(fields["slow"]))}
+        for r, ratio in enumerate(fields["ratio"]):
+            if ratio is not None:
+                scalars[f"mecefo/fail-slow/ratio/replica{r}"] = float(ratio)
+            if plan is not None:
+                scalars[f"mecefo/fail-slow/microbatches/replica{r}"] = float(len(plan.work[r]))
+        for w in writers:
+            if hasattr(w, "add_scalar"):  # TensorBoard
+                for key, value in scalars.items():
+                    w.add_scalar(key, value, iteration)
+            else:  # wandb
+                w.log(scalars, iteration)
 
     def _log(self, ctrl: Any) -> None:
         import torch
@@ -221,6 +321,9 @@ class TrainingLoopHooks:
             f"{c.samples_processed} / skipped {c.samples_skipped}",
             flush=True,
         )
+        if self.fail_slow is not None:
+            for key, value in self.fail_slow.summary_rows():
+                print(f"> MeCeFO summary: {key}: {value}", flush=True)
         if self.recovery is not None:
             for key, value in self.recovery.summary_rows():
                 print(f"> MeCeFO recovery summary: {key}: {value}", flush=True)

@@ -211,7 +211,8 @@ class MecefoController:
         self, own: Sequence[Any], fetch: Optional[Callable[[List[int]], Any]]
     ) -> None:
         """Check, once per change of the failed set, that the sample indices the plan reads
-        by index are the ones this replica's own data loader produced.
+        by index are the ones this replica's own data loader produced (on a plan that reads
+        any: a replica down, or micro-batches moved by fail-slow rebalancing).
 
         Absorbed micro-batches are read as ``layout.samples(consumed_samples, failed, i)``;
         that is right only if ``consumed_samples`` is the offset the loaders were built at.
@@ -223,7 +224,7 @@ class MecefoController:
             SampleOffsetError: If the two differ.
         """
         plan = self._require_plan()
-        if not plan.degraded or fetch is None or not own or own[0] is None:
+        if not (plan.degraded or plan.remapped) or fetch is None or not own or own[0] is None:
             return
         if self._sampler_checked == plan.failed:
             return

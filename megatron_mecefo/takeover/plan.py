@@ -61,6 +61,12 @@ class StepPlan:
         return bool(self.failed)
 
     @property
+    def remapped(self) -> bool:
+        """Whether some replica runs another's micro-batch (read by sample index): a takeover,
+        or fail-slow rebalancing."""
+        return any(mb.source != r for r, work in enumerate(self.work) for mb in work)
+
+    @property
     def total_microbatches(self) -> int:
         """Micro-batches in the global batch (``n M``)."""
         return self.num_replicas * self.microbatches_per_replica
