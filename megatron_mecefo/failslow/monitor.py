@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron_mecefo.failslow.config import FailSlowConfig
-from megatron_mecefo.failslow.detector import FailSlowDetector, SlowState
+from megatron_mecefo.failslow.detector import FailSlowDetector, SlowState, persistent_steps
 from megatron_mecefo.failslow.rebalance import RebalanceController, RebalancePolicy
 
 PREFIX = "> MeCeFO fail-slow"
@@ -161,7 +161,9 @@ class FailSlowMonitor:
             ratio, t = state.ratios[r], state.smoothed[r]
             what = (
                 f"replica {r} is slow: {ratio:.2f}x the median time per micro-batch "
-                f"({t * 1e3:.1f} ms, threshold {self.config.threshold:g}x)"
+                f"({t * 1e3:.1f} ms; above the threshold {self.config.threshold:g}x in at "
+                f"least {persistent_steps(self.config.window)} of the last "
+                f"{self.config.window} steps)"
                 if now_slow
                 else f"replica {r} recovered: {ratio:.2f}x the median time per micro-batch "
                 f"(<= {self.config.recover_threshold:g}x)"
