@@ -10,22 +10,27 @@ One rank (replica 1) is slowed from the start by an outside process
 (:mod:`megatron_mecefo.failslow.duty_cycle`: SIGSTOP for half of every 20 ms, SIGCONT for the
 other half). For M = 4 and 8 micro-batches per replica, each layout runs:
 
-* ``failure_free``: nobody slowed;
+* ``failure_free``: nobody slowed (``detect``: its false slow marks are counted);
 * ``none``: slowed, no mitigation (``--mecefo-fail-slow detect``);
 * ``eviction``: slowed, and the slow replica treated as failed from iteration 1 (MeCeFO's
   takeover, ``--mecefo-fail 1:1``, policy ``neighbor``): its micro-batches are absorbed in
   takeover mode and it only joins the gradient sync;
 * ``rebalance``: slowed, ``--mecefo-fail-slow rebalance`` (exact).
 
-Throughput is samples per second over the iterations after the first ``--warmup`` (detection
-and rebalancing happen inside the warm-up), relative to ``failure_free`` of the same layout and
-M. The ideal is the sum of the replicas' speeds over n (0.75 at DP2, 0.875 at DP4 with one
-replica at half speed); with whole micro-batches the best split reaches less (the integer
-ideal, e.g. 5 + 3 at DP2, M = 4: 0.667). The JSON states the machine's load average before and
-after: the shares are only meaningful on a quiet machine.
+``--repeats`` rounds (default 3) each run the four once, in an order rotated from round to
+round, so that a change of the machine's load hits every case alike. Throughput is samples per
+second over the iterations after the first ``--warmup`` (detection and rebalancing happen
+inside the warm-up), relative to ``failure_free`` of the same layout and M: per round
+(``relative_per_round``, its median ``relative_median_of_rounds``) and as the ratio of the
+median runs (``relative``). The ideal is the sum of the replicas' speeds over n (0.75 at DP2,
+0.875 at DP4 with one replica at half speed); with whole micro-batches the best split reaches
+less (the integer ideal, e.g. 5 + 3 at DP2, M = 4: 0.667); ``ideal_measured_speeds`` puts the
+replicas' measured times per micro-batch (unmitigated, rebalanced) in place of 0.5. Every run
+records the load average before and after it.
 
-Usage (repo root, under the heavy-run lock):
-``flock /tmp/mecefo-heavy.lock .venv/bin/python benchmarks/fail_slow.py``.
+Usage (repo root, under the heavy-run lock; about 22 min on 2 cores):
+``flock /tmp/mecefo-heavy.lock .venv/bin/python benchmarks/fail_slow.py --work-dir DIR``;
+``--resummarise --work-dir DIR`` rebuilds the JSON's cases and the plot from the kept runs.
 """
 
 from __future__ import annotations
@@ -197,10 +202,10 @@ def plot(result: Dict[str, Any], path: Path) -> None:
         whole = "ideal, whole micro-batches" if c == 0 else None
         ax.hlines(case["integer_ideal"], c - 1.5 * width, c + 1.5 * width, colors="grey",
                   linestyles=":", label=whole)  # fmt: skip
-        if case.get("ideal_measured_speeds"):
-            ax.hlines(case["ideal_measured_speeds"], c - 1.5 * width, c + 1.5 * width,
-                      colors="tab:blue", linestyles="-.",
-                      label="ideal, measured speeds" if c == 0 else None)  # fmt: skip
+        got = case.get("ideal_measured_speeds", {}).get("rebalance")
+        if got:
+            ax.hlines(got, c - 1.5 * width, c + 1.5 * width, colors="tab:blue", linestyles="-.",
+                      label="ideal, speeds measured rebalanced" if c == 0 else None)  # fmt: skip
     ax.set_xticks(range(len(cases)), cases)
     ax.set_ylabel("throughput / failure-free")
     top = max(v for k in cases for v in result["cases"][k]["relative"].values())
@@ -239,27 +244,63 @@ def _case(layout: str, m: int, tries: Dict[str, List[Dict[str, Any]]]) -> Dict[s
     }
     ideal = (n - 1 + SPEED) / n
     # The speeds the slowdown really gave: each replica's time per micro-batch unslowed over
-    # slowed (no mitigation), same round; at DP4 the slowed rank's core partner speeds up.
-    measured = []
-    for t, f in zip(tries["none"], tries["failure_free"], strict=True):
-        if "time_per_microbatch_s" in t and "time_per_microbatch_s" in f:
-            sp = [
-                a / b
-                for a, b in zip(f["time_per_microbatch_s"], t["time_per_microbatch_s"], strict=True)
-            ]
-            measured.append(sum(sp) / n)
+    # slowed, same round, (a) without mitigation, (b) rebalanced (on this shared machine the
+    # slowed rank ran slower per micro-batch when it ran fewer); their mean is the throughput
+    # a perfect split would reach at those speeds.
+    measured: Dict[str, List[float]] = {"none": [], "rebalance": []}
+    for mit, got in measured.items():
+        for t, f in zip(tries[mit], tries["failure_free"], strict=True):
+            if "time_per_microbatch_s" in t and "time_per_microbatch_s" in f:
+                sp = [
+                    a / b
+                    for a, b in zip(
+                        f["time_per_microbatch_s"], t["time_per_microbatch_s"], strict=True
+                    )
+                ]
+                got.append(sum(sp) / n)
     return {
         "layout": layout, "replicas": n, "microbatches": m, "runs": runs,
         "relative": rel, "relative_per_round": per_round,
         "relative_median_of_rounds": {k: statistics.median(v) for k, v in per_round.items()},
         "ideal": ideal, "integer_ideal": integer_ideal(n, m, SPEED),
-        "ideal_measured_speeds": statistics.median(measured) if measured else None,
+        "ideal_measured_speeds": {
+            k: statistics.median(v) if v else None for k, v in measured.items()
+        },
         "rebalance_of_ideal": rel["rebalance"] / ideal,
         "rebalance_of_integer_ideal": rel["rebalance"] / integer_ideal(n, m, SPEED),
         "false_slow_steps_failure_free": sum(
             t.get("steps_marked_slow", 0) for t in tries["failure_free"]
         ),
     }  # fmt: skip
+
+
+def _tries(work: Path, layout: str, m: int, warmup: int) -> Dict[str, List[Dict[str, Any]]]:
+    """The kept runs of one cell, by mitigation, in round order."""
+    tries: Dict[str, List[Dict[str, Any]]] = {mit: [] for mit in MITIGATIONS}
+    for rnd in sorted(work.glob("r*"), key=lambda d: int(d.name[1:])):
+        for mit in MITIGATIONS:
+            metrics = rnd / f"{layout}_m{m}_{mit}" / "metrics.jsonl"
+            recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+            t = summarise([r for r in recs if r["type"] == "train"], warmup)
+            tries[mit].append(t)
+    return tries
+
+
+def resummarise(a: argparse.Namespace) -> None:
+    """Rebuild ``--out``'s cases and the plot from the runs kept in ``--work-dir``."""
+    result = json.loads(Path(a.out).read_text())
+    work = Path(a.work_dir)
+    for key, case in result["cases"].items():
+        old = case["runs"]
+        tries = _tries(work, case["layout"], case["microbatches"], result["config"]["warmup"])
+        for mit, ts in tries.items():  # the load average each run saw, from the first pass
+            loads = {round(s, 6): lo for s, lo in zip(old[mit]["samples_per_s_all"],
+                     old[mit]["loadavg_all"], strict=True)}  # fmt: skip
+            for t in ts:
+                t["loadavg"] = loads.get(round(t["samples_per_s"], 6))
+        result["cases"][key] = _case(case["layout"], case["microbatches"], tries)
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, Path(a.plot))
 
 
 def main() -> None:
@@ -275,7 +316,12 @@ def main() -> None:
                    "mitigation once, in an order rotated from round to round; the median "
                    "samples/s is reported (every run is in the JSON).")  # fmt: skip
     p.add_argument("--work-dir", default=None, help="Keep the runs' logs and metrics here.")
+    p.add_argument("--resummarise", action="store_true", help="Do not run: rebuild the JSON's "
+                   "cases and the plot from the runs kept in --work-dir.")  # fmt: skip
     a = p.parse_args()
+    if a.resummarise:
+        resummarise(a)
+        return
     from megatron_mecefo.data import prepare_stdlib_dataset
 
     iters = {k: int(v) for k, v in (x.split("=") for x in a.iters)}
@@ -317,7 +363,7 @@ def main() -> None:
         print(
             f"{k}: none {r['none']:.3f} eviction {r['eviction']:.3f} rebalance "
             f"{r['rebalance']:.3f} (ideal {c['ideal']:.3f}, whole micro-batches "
-            f"{c['integer_ideal']:.3f}, measured speeds {c['ideal_measured_speeds']}; "
+            f"{c['integer_ideal']:.3f}, at measured speeds {c['ideal_measured_speeds']}; "
             f"rebalance/ideal {c['rebalance_of_ideal']:.3f}; per round "
             f"{[round(x, 3) for x in c['relative_per_round']['rebalance']]})"
         )
