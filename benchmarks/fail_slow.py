@@ -159,10 +159,11 @@ def summarise(records: List[Dict[str, Any]], warmup: int) -> Dict[str, Any]:
     if fs:
         out["ratio_last"] = fs[-1]["ratio"]
         # Each replica's median time per micro-batch over the steady steps (its speed).
-        per = [f["time_per_microbatch_s"] for f in fs]
-        out["time_per_microbatch_s"] = [
-            statistics.median(p[r] for p in per if p[r] is not None) for r in range(len(per[0]))
-        ]
+        per = [f["time_per_microbatch_s"] for f in fs if f.get("time_per_microbatch_s")]
+        if per:
+            out["time_per_microbatch_s"] = [
+                statistics.median(p[r] for p in per if p[r] is not None) for r in range(len(per[0]))
+            ]
         out["rebalanced_steps"] = sum(bool(f["rebalanced"]) for f in fs)
         first = next((r["iteration"] for r in records if r.get("fail_slow", {}).get("slow")), None)
         out["first_iteration_marked_slow"] = first
