@@ -24,13 +24,14 @@ Usage: ``python benchmarks/fail_slow_gpu_clock.py [--output results/fail_slow_gp
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -85,6 +86,58 @@ def _detect(reference: float, times: List[float], phases: List[str]) -> Dict[str
     }
 
 
+def _summarise(records: List[Dict[str, Any]]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Per-phase medians of each clock, and the detector's verdicts from each clock."""
+
+    def med(phase: str, key: str) -> float:
+        vals = [r[key] for r in records if r["phase"] == phase and r[key] is not None]
+        return statistics.median(vals) if vals else float("nan")
+
+    phases = [r["phase"] for r in records]
+    summary: Dict[str, Any] = {}
+    for key in ("wall_ms", "host_ms", "device_ms"):
+        calm, slowed = med("calm", key), med("slowed", key)
+        summary[key] = {
+            "calm": round(calm, 3),
+            "slowed": round(slowed, 3),
+            "calm_after": round(med("calm_after", key), 3),
+            "slowed_over_calm": round(slowed / calm, 3),
+        }
+    detection = {}
+    for key in ("host_ms", "device_ms"):
+        ref = med("calm", key) / 1e3
+        times = [(r[key] or 0.0) / 1e3 for r in records]
+        detection[key] = _detect(ref, times, phases)
+    return summary, detection
+
+
+def _line(machine: Dict[str, Any], summary: Dict[str, Any], detection: Dict[str, Any]) -> str:
+    host, dev = detection["host_ms"], detection["device_ms"]
+    return (
+        f"fail_slow_gpu_clock ({machine.get('gpu', 'cpu smoke')}): slowed/calm step "
+        f"{summary['wall_ms']['slowed_over_calm']:.2f}x; host clock "
+        f"{summary['host_ms']['slowed_over_calm']:.2f}x, flagged "
+        f"{host['slowed_steps_flagged']}/{host['slowed_steps']} slowed steps; CUDA events "
+        f"{summary['device_ms']['slowed_over_calm']:.2f}x, flagged "
+        f"{dev['slowed_steps_flagged']}/{dev['slowed_steps']}; recovered at the end: "
+        f"{not dev['flagged_at_end_after_recovery']}"
+    )
+
+
+def _redetect(path: Path) -> int:
+    out = json.loads(path.read_text())
+    summary, detection = _summarise(out["steps"])
+    out["medians_ms"], out["detection"] = summary, detection
+    out["summary"] = _line(out["machine"], summary, detection)
+    out["redetected"] = (
+        "detection recomputed from the recorded steps with the detector of "
+        f"{datetime.date.today().isoformat()} (the GPU run itself is unchanged)"
+    )
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(out["summary"])
+    return 0
+
+
 def main(argv: List[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=4096)
@@ -92,8 +145,17 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--steps", type=int, default=30, help="steps per phase")
     p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument(
+        "--redetect",
+        action="store_true",
+        help="no GPU run: recompute the detection of --output's recorded steps with the "
+        "current detector (its rules changed after the run) and rewrite the file",
+    )
     p.add_argument("--output", default=str(REPO / "results" / "fail_slow_gpu_clock.json"))
     a = p.parse_args(argv)
+
+    if a.redetect:
+        return _redetect(Path(a.output))
 
     import torch
 
@@ -157,25 +219,7 @@ def main(argv: List[str] | None = None) -> int:
     run_phase("calm_after")
     finish_pending()
 
-    def med(phase: str, key: str) -> float:
-        vals = [r[key] for r in records if r["phase"] == phase and r[key] is not None]
-        return statistics.median(vals) if vals else float("nan")
-
-    phases = [r["phase"] for r in records]
-    summary: Dict[str, Any] = {}
-    for key in ("wall_ms", "host_ms", "device_ms"):
-        calm, slowed = med("calm", key), med("slowed", key)
-        summary[key] = {
-            "calm": round(calm, 3),
-            "slowed": round(slowed, 3),
-            "calm_after": round(med("calm_after", key), 3),
-            "slowed_over_calm": round(slowed / calm, 3),
-        }
-    detection = {}
-    for key in ("host_ms", "device_ms"):
-        ref = med("calm", key) / 1e3
-        times = [(r[key] or 0.0) / 1e3 for r in records]
-        detection[key] = _detect(ref, times, phases)
+    summary, detection = _summarise(records)
 
     out = run_header("fail_slow_gpu_clock")
     if not a.cpu_smoke:
@@ -191,16 +235,7 @@ def main(argv: List[str] | None = None) -> int:
     out["medians_ms"] = summary
     out["detection"] = detection
     out["steps"] = records
-    line = (
-        f"fail_slow_gpu_clock ({out['machine'].get('gpu', 'cpu smoke')}): slowed/calm step "
-        f"{summary['wall_ms']['slowed_over_calm']:.2f}x; host clock "
-        f"{summary['host_ms']['slowed_over_calm']:.2f}x, flagged "
-        f"{detection['host_ms']['slowed_steps_flagged']}/{detection['host_ms']['slowed_steps']}"
-        f" slowed steps; CUDA events {summary['device_ms']['slowed_over_calm']:.2f}x, flagged "
-        f"{detection['device_ms']['slowed_steps_flagged']}/"
-        f"{detection['device_ms']['slowed_steps']}; recovered at the end: "
-        f"{not detection['device_ms']['flagged_at_end_after_recovery']}"
-    )
+    line = _line(out["machine"], summary, detection)
     out["summary"] = line
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
     Path(a.output).write_text(json.dumps(out, indent=1) + "\n")

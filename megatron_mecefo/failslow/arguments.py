@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         default=d.threshold,
         metavar="RATIO",
-        help="A replica is slow when its smoothed compute time per micro-batch exceeds RATIO "
-        f"times the group's median (default {d.threshold:g}); it recovers at half that margin.",
+        help="A replica is slow when its compute time per micro-batch exceeds RATIO times the "
+        f"group's median (default {d.threshold:g}) in at least 80%% of the window's steps; it "
+        "recovers when the window's median ratio falls to half that margin.",
     )
     g.add_argument(
         "--mecefo-fail-slow-window",
@@ -42,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=d.window,
         metavar="STEPS",
-        help="Steps the time per micro-batch is smoothed over (a median), and the least steps "
-        f"between two changes of the rebalancing (default {d.window}).",
+        help="Steps the time per micro-batch is judged (80%% of them slow to mark a replica) "
+        "and smoothed over (a median), and the least steps between two changes of the "
+        f"rebalancing (default {d.window}).",
     )
     return parser
 

@@ -9,13 +9,15 @@ detector then, identically on every rank:
    lower median at an even count, so at DP2 the faster replica is the reference and a replica
    at half speed shows as 2x, not 1.33x). Per step, so that what slows every replica alike
    (the machine's load, a longer sequence) cancels;
-2. keeps each replica's last ``window`` ratios and smooths them by their median (a
-   duty-cycled or bursty slowdown makes single steps noisy; the median needs a majority of
-   the window slow, which is what "persistently" means here); the times are smoothed the
-   same way, for the log and the planner;
-3. marks a replica slow when its smoothed ratio exceeds ``threshold``, and healthy again only
-   when it falls to ``recover_threshold`` or below (hysteresis: a ratio in between keeps the
-   state it had).
+2. keeps each replica's last ``window`` ratios. Their median is the replica's smoothed ratio
+   (for the log, the planner and recovery); the times are smoothed the same way;
+3. marks a replica slow only when the slowdown is persistent: at least
+   ``ceil(0.8 * window)`` of its last ``window`` ratios exceed ``threshold`` (4 of 5 at the
+   default window; every one at windows up to 4). A median (3 of 5) marked a replica of a
+   loaded, unslowed machine that a neighbour's burst slowed for three steps; the duty-cycled
+   half-speed replica is above 1.3x on every step. A replica is healthy again only when its
+   smoothed ratio falls to ``recover_threshold`` or below (hysteresis: a ratio in between
+   keeps the state it had).
 
 A replica that ran nothing (down, or given nothing) reports 0 and keeps its last smoothed
 value. The detector makes no collective call and no random draw: given the same sequence of
@@ -24,12 +26,21 @@ exchanged numbers every rank reaches the same states, bit for bit.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Deque, List, Optional, Sequence, Tuple
 
 from megatron_mecefo.failslow.config import FailSlowConfig
+
+PERSISTENCE = 0.8
+"""Share of the window's steps that must exceed the threshold for a replica to be marked slow."""
+
+
+def persistent_steps(window: int) -> int:
+    """Steps of a full window that must exceed the threshold: ``ceil(0.8 * window)``."""
+    return max(1, math.ceil(PERSISTENCE * window - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,9 @@ class SlowState:
         reference: The group's (lower) median of ``smoothed`` (None before any).
         ratios: Per replica, the median of its last ``window`` per-step ratios to the step's
             median (None before its first measurement).
+        persistent: Per replica, the ratio that ``ceil(0.8 * window)`` of its last ``window``
+            ratios reach or exceed (None before a full window): above the threshold, it is
+            marked slow.
         slow: The replicas currently marked slow, ascending.
         changed: Replicas whose mark changed at this step, as (replica, now_slow).
     """
@@ -53,6 +67,7 @@ class SlowState:
     ratios: Tuple[Optional[float], ...]
     slow: Tuple[int, ...]
     changed: Tuple[Tuple[int, bool], ...]
+    persistent: Tuple[Optional[float], ...] = ()
 
     def plan_times(self) -> Tuple[Optional[float], ...]:
         """Per replica, the time per micro-batch the planner uses: its smoothed ratio times the
@@ -69,6 +84,7 @@ class SlowState:
         return {
             "time_per_microbatch_s": [None if s is None else round(s, 6) for s in self.smoothed],
             "ratio": [None if r is None else round(r, 4) for r in self.ratios],
+            "persistent_ratio": [None if r is None else round(r, 4) for r in self.persistent],
             "slow": list(self.slow),
         }
 
@@ -117,12 +133,16 @@ class FailSlowDetector:
         reference = statistics.median_low(known) if known else None
         ratios = tuple(statistics.median(h) if h else None for h in self._ratios)
         cfg = self.config
+        need = persistent_steps(cfg.window)
+        persistent = tuple(
+            sorted(h)[len(h) - need] if len(h) >= cfg.window else None for h in self._ratios
+        )
         changed: List[Tuple[int, bool]] = []
         for r, ratio in enumerate(ratios):
-            full = len(self._ratios[r]) >= cfg.window  # no verdict on a half-empty window
-            if ratio is None or not full:
+            low = persistent[r]
+            if ratio is None or low is None:  # no verdict on a half-empty window
                 continue
-            if not self._slow[r] and ratio > cfg.threshold:
+            if not self._slow[r] and low > cfg.threshold:
                 self._slow[r] = True
                 changed.append((r, True))
             elif self._slow[r] and ratio <= cfg.recover_threshold:
@@ -135,5 +155,6 @@ class FailSlowDetector:
             ratios,
             tuple(r for r in range(self.num_replicas) if self._slow[r]),
             tuple(changed),
+            persistent,
         )
         return self.state

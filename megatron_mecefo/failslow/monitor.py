@@ -26,7 +26,7 @@ import torch
 
 from megatron_mecefo.failslow.compute_clock import ComputeClock
 from megatron_mecefo.failslow.config import FailSlowConfig
-from megatron_mecefo.failslow.detector import FailSlowDetector, SlowState
+from megatron_mecefo.failslow.detector import FailSlowDetector, SlowState, persistent_steps
 from megatron_mecefo.failslow.rebalance import RebalanceController, RebalancePolicy
 
 PREFIX = "> MeCeFO fail-slow"
@@ -159,7 +159,9 @@ class FailSlowMonitor:
             ratio, t = state.ratios[r], state.smoothed[r]
             what = (
                 f"replica {r} is slow: {ratio:.2f}x the median time per micro-batch "
-                f"({t * 1e3:.1f} ms, threshold {self.config.threshold:g}x)"
+                f"({t * 1e3:.1f} ms; above the threshold {self.config.threshold:g}x in at "
+                f"least {persistent_steps(self.config.window)} of the last "
+                f"{self.config.window} steps)"
                 if now_slow
                 else f"replica {r} recovered: {ratio:.2f}x the median time per micro-batch "
                 f"(<= {self.config.recover_threshold:g}x)"
