@@ -180,7 +180,11 @@ def _group_voters(
     heads = {g[0] for g in groups_of(nodes, group_size).values()}
     before = set(os.listdir("/proc/self/task"))
     stores = {n: GroupStore("127.0.0.1") for n in mine if n in heads}
-    server_tids = sorted(set(os.listdir("/proc/self/task")) - before)  # the servers' threads
+    server_tids = [  # the group stores' server threads (a libuv loop each)
+        t
+        for t in sorted(set(os.listdir("/proc/self/task")) - before)
+        if Path(f"/proc/self/task/{t}/comm").read_text().strip() == "pt_tcpstore_uv"
+    ]
     hot = [_membership(address, None) for _ in mine]
     voters = [
         GroupVote(n, stores.get(n), hot[k], lambda: _membership(address, None),
@@ -188,7 +192,7 @@ def _group_voters(
         for k, n in enumerate(mine)
     ]  # fmt: skip
     for v in voters:
-        v.prepare(nodes)
+        v.prepare(generation, nodes)
     clients = len(voters)
     go = threading.Barrier(clients + 1)
     done = threading.Barrier(clients + 1)

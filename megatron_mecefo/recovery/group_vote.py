@@ -154,7 +154,8 @@ class GroupVote:
         self.doubt_grace_s = doubt_grace_s
         self._hot_lock = threading.Lock()  # the shared hot client: one request at a time
         self._lock = threading.Lock()
-        self._clients: Dict[int, object] = {}  # head -> client of its store (member side)
+        # head -> (address, client of its store, generation it was looked up for)
+        self._clients: Dict[int, Tuple[str, object, int]] = {}
         self._idle: List[object] = []  # the collectors' clients of this node's own store
         self._collecting: Dict[Tuple[int, int], threading.Thread] = {}
         self._last: Dict[Tuple[int, int], bool] = {}
@@ -165,28 +166,34 @@ class GroupVote:
             hot.store.set(STORE_KEY.format(node=node), store.address)
 
     # ------------------------------------------------------------------ member side
-    def _head_client(self, head: int):
+    def _head_client(self, head: int, generation: int = -1):
+        """A client of ``head``'s store; its address is looked up again once per generation
+        (a node that rejoined serves a new store)."""
         with self._lock:
-            client = self._clients.get(head)
-        if client is None:
-            if head == self.node and self.own is not None:
-                address = self.own.address
-            else:
-                with self._hot_lock:
-                    address = self.hot.store.get(STORE_KEY.format(node=head)).decode()
+            cached = self._clients.get(head)
+        if cached is not None and cached[2] >= generation:
+            return cached[1]
+        if head == self.node and self.own is not None:
+            address = self.own.address
+        else:
+            with self._hot_lock:
+                address = self.hot.store.get(STORE_KEY.format(node=head)).decode()
+        if cached is not None and cached[0] == address:
+            client = cached[1]
+        else:
             client = _client(address, self.call_timeout_s)
-            with self._lock:
-                self._clients[head] = client
+        with self._lock:
+            self._clients[head] = (address, client, generation)
         return client
 
     def _drop(self, head: int) -> None:
         with self._lock:
             self._clients.pop(head, None)
 
-    def prepare(self, nodes: Sequence[int]) -> None:
-        """Connect to this node's head for a generation of ``nodes`` ahead of its first vote
-        (a connect can stall; the vote's path should not)."""
-        self._head_client(self._shape(nodes)[0])
+    def prepare(self, generation: int, nodes: Sequence[int]) -> None:
+        """Connect to this node's head for ``generation`` (of ``nodes``) ahead of its first
+        vote (a connect can stall; the vote's path should not)."""
+        self._head_client(self._shape(nodes)[0], generation)
 
     def _shape(self, nodes: Sequence[int]) -> Tuple[int, int, int]:
         """(head, group size, number of groups) of this node in a generation of ``nodes``."""
@@ -209,7 +216,7 @@ class GroupVote:
             self._collect(g, i, n, ngroups)
         votes, wake, _ = _keys(g, i)
         try:
-            client = self._head_client(head)
+            client = self._head_client(head, g)
             count = int(client.add(votes, amount))
             # The vote that completes the count, or the abort that comes before it, wakes the
             # head: exactly one of them, by the counter's order.

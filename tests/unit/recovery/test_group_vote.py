@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, Iterator, List, Sequence
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, List, Sequence
 
 import pytest
 
@@ -31,10 +32,26 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 G = 2  # nodes per group
 
 
+class _Daemons:
+    """Runs each call on a daemon thread: a vote that never ends (a failed test) must not
+    hold up the test process's exit, as a pool's worker would."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:  # noqa: BLE001 (handed to the test)
+                future.set_exception(err)
+
+        threading.Thread(target=run, daemon=True).start()
+        return future
+
+
 @pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(max_workers=16) as ex:
-        yield ex
+def pool() -> _Daemons:
+    return _Daemons()
 
 
 def _job(store: str, nodes: int, **kw) -> List[GroupVote]:
@@ -48,7 +65,7 @@ def _job(store: str, nodes: int, **kw) -> List[GroupVote]:
     ]  # fmt: skip
 
 
-def _vote(pool: ThreadPoolExecutor, gvs: Sequence[GroupVote], it: int, skip=()) -> Dict:
+def _vote(pool: _Daemons, gvs: Sequence[GroupVote], it: int, skip=()) -> Dict:
     nodes = list(range(len(gvs)))
     return {gv.node: pool.submit(gv.vote, 0, it, nodes) for gv in gvs if gv.node not in skip}
 
@@ -67,9 +84,7 @@ def test_groups_follow_the_membership() -> None:
     assert two_level(range(3), 2) and not two_level(range(2), 2) and not two_level(range(9), 0)
 
 
-def test_every_node_commits_and_the_hot_store_counts_groups(
-    store: str, pool: ThreadPoolExecutor
-) -> None:
+def test_every_node_commits_and_the_hot_store_counts_groups(store: str, pool: _Daemons) -> None:
     """Five nodes in groups of two (three groups), three iterations: every node commits, the
     hot store's counter counts groups (3), each head's counter its group's nodes, and only the
     heads cast on the hot store; exactly one head completes the hot count per iteration."""
@@ -88,7 +103,24 @@ def test_every_node_commits_and_the_hot_store_counts_groups(
     assert not gvs[0]._head_client(0).check(["gv/0/1"])
 
 
-def test_a_member_abort_aborts_every_group(store: str, pool: ThreadPoolExecutor) -> None:
+def test_a_rejoined_head_is_found_in_the_next_generation(store: str, pool: _Daemons) -> None:
+    """Group 1's head (node 2) dies between two votes and comes back with a new store (a new
+    supervisor): in the next generation its member, whose cached client is of the dead store,
+    finds the new one (looked up once per generation) and every node commits."""
+    gvs = _job(store, 4)
+    assert all(f.result(timeout=30)[0] for f in _vote(pool, gvs, 1).values())
+    gvs[2].own.close()
+    ms = MembershipStore.connect(store)
+    ms.publish(Generation(number=1, replicas=(), members={n: 0 for n in range(4)}))
+    connect = lambda: MembershipStore.connect(store)  # noqa: E731
+    gvs[2] = GroupVote(2, GroupStore("127.0.0.1"), connect(), connect, group_size=G,
+                       poll_interval_s=0.005, decision_wait_s=5.0)  # fmt: skip
+    nodes = list(range(4))
+    futures = {gv.node: pool.submit(gv.vote, 1, 2, nodes) for gv in gvs}
+    assert all(f.result(timeout=30)[0] for f in futures.values())
+
+
+def test_a_member_abort_aborts_every_group(store: str, pool: _Daemons) -> None:
     """Node 3 (a member of group 1) aborts while the others vote: every node of every group
     sees ABORT, and group 1's head aborted on the hot store (the other groups are woken)."""
     gvs = _job(store, 6)
@@ -101,9 +133,7 @@ def test_a_member_abort_aborts_every_group(store: str, pool: ThreadPoolExecutor)
     assert int(ms.store.add("votes/0/1", 0)) >= ABORT_WEIGHT
 
 
-def test_head_dying_before_its_cast_leaves_its_group_in_doubt(
-    store: str, pool: ThreadPoolExecutor
-) -> None:
+def test_head_dying_before_its_cast_leaves_its_group_in_doubt(store: str, pool: _Daemons) -> None:
     """Group 1's head (node 2) dies (its store stops) after its member voted and before it
     cast: node 3 is in doubt at once (no step applied); groups 0 and 2 cast and wait, and
     abort when the failure generation supersedes the vote. No node commits."""
@@ -122,7 +152,7 @@ def test_head_dying_before_its_cast_leaves_its_group_in_doubt(
     assert not ms.store.check(["commit/0/1"])
 
 
-def test_head_dying_after_its_cast_never_splits(store: str, pool: ThreadPoolExecutor) -> None:
+def test_head_dying_after_its_cast_never_splits(store: str, pool: _Daemons) -> None:
     """Group 1's head (node 2) casts its group's vote on the hot store, which completes the
     count, and dies before it tells its group: group 0 commits; node 3 is in doubt (it does
     not apply the step; the regroup heals it). No node of group 1 sees COMMIT while another
@@ -144,7 +174,7 @@ def test_head_dying_after_its_cast_never_splits(store: str, pool: ThreadPoolExec
 
 
 def test_superseded_without_a_head_decision_is_doubt_for_the_whole_group(
-    store: str, pool: ThreadPoolExecutor
+    store: str, pool: _Daemons
 ) -> None:
     """Group 0's head (node 0) never votes (its ranks died before voting): node 1 waits; when
     a newer generation supersedes the vote, node 1 writes ``doubt`` after its grace, and the
