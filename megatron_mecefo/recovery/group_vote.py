@@ -130,6 +130,8 @@ class GroupVote:
             ``doubt`` for its group (an alive head decides within about a second then; a
             doubt is always safe, so the grace only spares a group a heal).
         call_timeout_s: The bound on any call to a head's store (a hung head).
+        member_wait_s: A member's wait slice for its group's outcome (it looks for a
+            superseding generation after each).
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class GroupVote:
         decision_wait_s: float = DECISION_WAIT_S,
         doubt_grace_s: float = 2.0,
         call_timeout_s: float = 10.0,
+        member_wait_s: float = 1.0,
     ) -> None:
         self.node, self.own, self.hot = node, store, hot
         # Connected now, not at the first vote: a connect can stall (the server resolves the
@@ -151,7 +154,7 @@ class GroupVote:
         self._hot_voter = hot_voter() if store is not None else hot
         self.group_size, self.poll_interval_s = group_size, poll_interval_s
         self.decision_wait_s, self.call_timeout_s = decision_wait_s, call_timeout_s
-        self.doubt_grace_s = doubt_grace_s
+        self.doubt_grace_s, self.member_wait_s = doubt_grace_s, member_wait_s
         self._hot_lock = threading.Lock()  # the shared hot client: one request at a time
         self._lock = threading.Lock()
         # head -> (address, client of its store, generation it was looked up for)
@@ -230,12 +233,16 @@ class GroupVote:
 
     def _await(self, client, g: int, i: int) -> bool:
         """The group's outcome from the head's store; ``doubt`` written by this member once
-        the vote is superseded and the head has not decided within ``decision_wait_s``."""
+        the vote is superseded and the head has not decided within ``doubt_grace_s``."""
         from torch.distributed import DistNetworkError, DistStoreError
 
         _, _, out = _keys(g, i)
-        wait = timedelta(seconds=max(self.poll_interval_s * 10, 0.02))
-        looks, superseded_at = 0, None
+        # The head's store answers the wait the moment the outcome is written, and a dead
+        # head's closes the connection: the slice only paces the look for a superseding
+        # generation (one hot-store read per node per slice of waiting, none in a normal
+        # iteration; short slices made every waiting node poll both stores).
+        wait = timedelta(seconds=self.member_wait_s)
+        superseded_at = None
         while True:
             try:
                 client.wait([out], wait)
@@ -243,9 +250,6 @@ class GroupVote:
             except DistStoreError as err:
                 if isinstance(err, DistNetworkError):
                     raise
-            looks += 1
-            if looks % 5:
-                continue
             if superseded_at is None:
                 with self._hot_lock:
                     if _superseded(self.hot, g, i):
