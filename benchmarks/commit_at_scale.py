@@ -17,12 +17,17 @@ iteration, all released together by a barrier. Runs:
   watch of ``hot_store``); the vote claims nothing on etcd (the hot path's rule,
   :mod:`.commit`), so etcd's share is the watches' reads. The etcd members' CPU per
   iteration is reported;
-* ``top_level``: ``--nodes / --group-size`` voters only: the hot store's share if nodes were
-  gathered in groups of ``--group-size`` and each group's leader cast one vote (a two-level
-  gather, not built: this measures its top level alone; the groups' own gathers would run in
-  parallel on their leaders' machines);
-* ``one_group``: ``--group-size`` voters: one group's gather, as if its leader served it with
-  a TCPStore (the two levels in sequence would cost about the two runs' times together).
+* ``two_level``: the real two-level vote (:mod:`.group_vote`) at ``--nodes`` nodes in groups
+  of ``--group-size``: every emulated node is a :class:`.group_vote.GroupVote` (a thread of a
+  voter process); each group's head (its first node) serves its
+  :class:`.group_vote.GroupStore` in the same voter process, gathers its group's votes there
+  and casts one vote on the hot store; every node learns the outcome from its head. Node 1 is
+  a real :class:`.node_vote.NodeVoteServer` (``group_size`` set) with ``--ranks-per-node``
+  real rank clients. Besides the hot store's CPU, the heads' servers' CPU (their threads'
+  CPU, read from ``/proc``) per iteration is reported, in all and per head;
+* ``top_level``: ``--nodes / --group-size`` voters only: the hot store's share of the
+  two-level vote alone (one ``commit.vote`` per group);
+* ``one_group``: ``--group-size`` voters: one group's size on one TCPStore.
 
 Per iteration: the time from the first voter's start to the last voter knowing the outcome
 (every voter, including the real node's ranks), p50 and p99; and the store server's CPU
@@ -145,6 +150,80 @@ def _voters(
     out.put((result, sum(ms.store.ops for ms in stores)))
 
 
+def _thread_cpu_s(tids: Sequence[str]) -> float:
+    """User + system CPU seconds of this process's threads ``tids``."""
+    total = 0.0
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _group_voters(
+    address: str,
+    mine: Sequence[int],
+    nodes: Sequence[int],
+    group_size: int,
+    generation: int,
+    iterations: int,
+    barrier: Any,
+    out: Any,
+) -> None:
+    """A process of emulated nodes ``mine`` of the two-level vote, one thread each; the heads
+    among them serve their group stores here. Puts the rows as :func:`_voters` does, the hot
+    store requests, and the heads' servers' CPU seconds over the iterations."""
+    from megatron_mecefo.recovery.group_vote import GroupStore, GroupVote, groups_of
+
+    heads = {g[0] for g in groups_of(nodes, group_size).values()}
+    before = set(os.listdir("/proc/self/task"))
+    stores = {n: GroupStore("127.0.0.1") for n in mine if n in heads}
+    server_tids = [  # the group stores' server threads (a libuv loop each)
+        t
+        for t in sorted(set(os.listdir("/proc/self/task")) - before)
+        if Path(f"/proc/self/task/{t}/comm").read_text().strip() == "pt_tcpstore_uv"
+    ]
+    hot = [_membership(address, None) for _ in mine]
+    voters = [
+        GroupVote(n, stores.get(n), hot[k], lambda: _membership(address, None),
+                  group_size=group_size, poll_interval_s=POLL_S)
+        for k, n in enumerate(mine)
+    ]  # fmt: skip
+    for v in voters:
+        v.prepare(generation, nodes)
+    clients = len(voters)
+    go = threading.Barrier(clients + 1)
+    done = threading.Barrier(clients + 1)
+    rows: List[List[Any]] = [[0.0, 0.0, True] for _ in range(clients)]
+
+    def voter(k: int) -> None:
+        for it in range(1, iterations + 1):
+            go.wait()
+            t0 = time.monotonic()
+            ok, _ = voters[k].vote(generation, it, nodes)
+            rows[k] = [t0, time.monotonic(), ok]
+            done.wait()
+
+    threads = [threading.Thread(target=voter, args=(k,), daemon=True) for k in range(clients)]
+    for t in threads:
+        t.start()
+    result, cpu0 = [], None
+    for _ in range(iterations):
+        barrier.wait()
+        if cpu0 is None:
+            cpu0 = _thread_cpu_s(server_tids)
+        go.wait()
+        done.wait()
+        result.append((min(r[0] for r in rows), max(r[1] for r in rows), all(r[2] for r in rows)))
+    head_cpu = _thread_cpu_s(server_tids) - (cpu0 or 0.0)
+    ops = sum(ms.store.ops for ms in hot) + sum(
+        v._hot_voter.store.ops for v in voters if v.own is not None
+    )
+    out.put((result, ops, head_cpu))
+
+
 def run(
     address: str,
     server_pid: int,
@@ -156,9 +235,11 @@ def run(
     real_node_ranks: int,
     etcd: Optional[str],
     etcd_pids: Sequence[int] = (),
+    group_size: int = 0,
 ) -> Dict[str, Any]:
     """One configuration: ``voters`` store voters, of which one is a real node (a
-    :class:`NodeVoteServer` with ``real_node_ranks`` ranks) when ``real_node_ranks``."""
+    :class:`NodeVoteServer` with ``real_node_ranks`` ranks) when ``real_node_ranks``. With
+    ``group_size``: ``voters`` nodes of the two-level vote (node 1 the real one)."""
     from megatron_mecefo.recovery.membership import Generation, MembershipStore
     from megatron_mecefo.recovery.node_vote import NodeVoteClient, NodeVoteServer
 
@@ -168,14 +249,28 @@ def run(
     per = [emulated // procs + (1 if p < emulated % procs else 0) for p in range(procs)]
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(procs + 1), ctx.Queue()
-    workers = [
-        ctx.Process(
-            target=_voters,
-            args=(address, n, voters, generation, iterations, etcd, barrier, out),
-            daemon=True,
-        )
-        for n in per
-    ]
+    real = 1 if group_size else 0  # the real node's index (two-level: a member of group 0)
+    if group_size:
+        nodes = list(range(voters))
+        emulated_nodes = [n for n in nodes if not (real_node_ranks and n == real)]
+        workers = [
+            ctx.Process(
+                target=_group_voters,
+                args=(address, emulated_nodes[p::procs], nodes, group_size, generation,
+                      iterations, barrier, out),
+                daemon=True,
+            )  # fmt: skip
+            for p in range(procs)
+        ]
+    else:
+        workers = [
+            ctx.Process(
+                target=_voters,
+                args=(address, n, voters, generation, iterations, etcd, barrier, out),
+                daemon=True,
+            )
+            for n in per
+        ]
     server = clients = tmp = None
     try:
         for w in workers:
@@ -183,13 +278,16 @@ def run(
         if real_node_ranks:
             tmp = tempfile.TemporaryDirectory(prefix="nvb")
             server = NodeVoteServer(
-                f"{tmp.name}/node", address, node=0, poll_interval_s=POLL_S,
-                membership=lambda: _membership(address, etcd),
+                f"{tmp.name}/node", address, node=real, poll_interval_s=POLL_S,
+                membership=lambda: _membership(address, etcd), group_size=group_size,
             )  # fmt: skip
             ranks = range(real_node_ranks)
-            # Every emulated voter is a node of its own: slots past the real node's ranks.
-            members = list(ranks) + [real_node_ranks + k for k in range(voters - 1)]
-            node_of = lambda s: 0 if s < real_node_ranks else s  # noqa: E731
+            if group_size:  # slot s >= R is node s - R; the real node's ranks are node 1
+                members = list(ranks) + [real_node_ranks + n for n in emulated_nodes]
+                node_of = lambda s: real if s < real_node_ranks else s - real_node_ranks  # noqa
+            else:  # every emulated voter is a node of its own: slots past the real node's
+                members = list(ranks) + [real_node_ranks + k for k in range(voters - 1)]
+                node_of = lambda s: 0 if s < real_node_ranks else s  # noqa: E731
             clients = [NodeVoteClient(f"{tmp.name}/node", node_of) for _ in ranks]
         spans: List[tuple] = []
         cpu0 = None
@@ -208,6 +306,7 @@ def run(
         got = [out.get(timeout=600) for _ in workers]
         per_proc = [g[0] for g in got]
         ops = sum(g[1] for g in got)
+        head_cpu = sum(g[2] for g in got) if group_size else None
         cpu = _cpu_s(server_pid) - cpu0
         etcd_cpu = sum(_cpu_s(p) for p in etcd_pids) - etcd_cpu0
         wall = time.monotonic() - t_run
@@ -243,6 +342,18 @@ def run(
         "server_requests_per_cpu_s": round(ops / cpu) if cpu > 0 else None,
         "run_wall_s": round(wall, 1),
         "etcd_cpu_ms_per_iteration": round(1e3 * etcd_cpu / iterations, 2) if etcd else None,
+        **(
+            {
+                "group_size": group_size,
+                "heads": -(-voters // group_size),
+                "heads_server_cpu_ms_per_iteration": round(1e3 * head_cpu / iterations, 2),
+                "per_head_server_cpu_ms_per_iteration": round(
+                    1e3 * head_cpu / iterations / -(-voters // group_size), 3
+                ),
+            }
+            if group_size
+            else {}
+        ),
         "load_after": round(os.getloadavg()[0], 2),
     }
 
@@ -257,7 +368,10 @@ def main() -> None:
     p.add_argument("--rank-counts", default="512,1024,2048", help="per-rank runs (voters)")
     p.add_argument("--skip-etcd", action="store_true")
     p.add_argument("--skip-node", action="store_true", help="no node run without etcd")
-    p.add_argument("--group-size", type=int, default=32, help="top_level run: nodes per group")
+    p.add_argument(
+        "--group-size", type=int, default=32, help="two_level and top_level runs: nodes per group"
+    )
+    p.add_argument("--only", default="", help="comma-separated run names to run (default: all)")
     p.add_argument(
         "--poll-interval", type=float, default=POLL_S, help="commit.vote's (waits: 10x it)"
     )
@@ -288,32 +402,27 @@ def main() -> None:
     }
     cluster = None
     gen = 0
+    only = {x for x in a.only.split(",") if x}
+
+    def measure(name: str, voters: int, ranks: int = 0, **kw: Any) -> None:
+        nonlocal gen
+        if only and name not in only:
+            return
+        gen += 1
+        r = run(address, host.pid, name, voters, a.procs, a.iterations, gen, ranks, **kw)
+        result["runs"].append(r)
+        print(json.dumps(r), flush=True)
+
     try:
         for n in [int(x) for x in a.rank_counts.split(",") if x]:
-            gen += 1
-            r = run(address, host.pid, "per_rank", n, a.procs, a.iterations, gen, 0, None)
-            result["runs"].append(r)
-            print(json.dumps(r), flush=True)
+            measure("per_rank", n, etcd=None)
         if not a.skip_node:
-            gen += 1
-            r = run(
-                address, host.pid, "node", a.nodes, a.procs, a.iterations, gen,
-                a.ranks_per_node, None,
-            )  # fmt: skip
-            result["runs"].append(r)
-            print(json.dumps(r), flush=True)
+            measure("node", a.nodes, a.ranks_per_node, etcd=None)
         if a.group_size > 1:
-            gen += 1
-            top = -(-a.nodes // a.group_size)
-            r = run(address, host.pid, "top_level", top, a.procs, a.iterations, gen, 0, None)
-            result["runs"].append(r)
-            print(json.dumps(r), flush=True)
-            gen += 1  # one group's gather, as if its leader served it with a TCPStore
-            r = run(address, host.pid, "one_group", a.group_size, a.procs, a.iterations, gen, 0,
-                    None)  # fmt: skip
-            result["runs"].append(r)
-            print(json.dumps(r), flush=True)
-        if not a.skip_etcd:
+            measure("two_level", a.nodes, a.ranks_per_node, etcd=None, group_size=a.group_size)
+            measure("top_level", -(-a.nodes // a.group_size), etcd=None)
+            measure("one_group", a.group_size, etcd=None)
+        if not a.skip_etcd and (not only or "node_etcd" in only):
             from etcd_cluster import EtcdCluster, etcd_missing_reason
 
             if etcd_missing_reason() is None:

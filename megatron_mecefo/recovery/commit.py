@@ -49,7 +49,7 @@ import threading
 import time
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from torch.distributed import DistStoreError
 
@@ -192,6 +192,35 @@ def _superseded(ms: MembershipStore, generation: int, iteration: int) -> bool:
     return gen.at_iteration is None or gen.at_iteration <= iteration
 
 
+def vote_after_failover(
+    ms: MembershipStore,
+    generation: int,
+    iteration: int,
+    slot: int,
+    members: Sequence[int],
+    poll_interval_s: float,
+    outcome: Optional[Dict[str, bool]] = None,
+    decision_wait_s: float = DECISION_WAIT_S,
+) -> bool:
+    """The outcome of a vote whose store client raised ``StoreFailedOver`` (``ms`` now talks
+    to the new leader's store). A vote of a generation made before the takeover was in flight
+    on the lost store: the member is in doubt and does not apply the step (``False``; the
+    regroup the takeover starts settles it, module docstring). One of a later generation has
+    only met the stale client: it is cast again on the new store (and again after each later
+    takeover: each one is a leader lost, so the loop ends)."""
+    while True:
+        taken = json.loads(ms.store.get(PRIMARY_KEY))["generation"]
+        if generation <= taken:
+            return False
+        try:
+            return vote(
+                ms, generation, iteration, slot, members, poll_interval_s, outcome,
+                decision_wait_s,
+            )  # fmt: skip
+        except StoreFailedOver:
+            continue
+
+
 class AsyncVoter:
     """Runs :func:`vote` on a daemon worker thread with a store client of its own.
 
@@ -227,21 +256,6 @@ class AsyncVoter:
         self._jobs.put((future, (generation, iteration, slot, list(members), report_progress)))
         return future
 
-    def _after_failover(
-        self, generation: int, iteration: int, slot: int, members: List[int], outcome: Dict
-    ) -> bool:
-        """The leader's store was lost during this vote: a vote of a generation made before
-        the takeover was in flight there: the member is in doubt and does not apply the step
-        (``False``; the regroup the takeover starts settles it, module docstring); one of a
-        later generation has only met the stale client, and is held on the new leader's store."""
-        taken = json.loads(self._ms.store.get(PRIMARY_KEY))["generation"]
-        if generation <= taken:
-            return False
-        return vote(
-            self._ms, generation, iteration, slot, members, self.poll_interval_s, outcome,
-            self.decision_wait_s,
-        )  # fmt: skip
-
     def _run(self) -> None:
         while True:
             future, (generation, iteration, slot, members, progress) = self._jobs.get()
@@ -256,7 +270,10 @@ class AsyncVoter:
                         outcome, self.decision_wait_s,
                     )  # fmt: skip
                 except StoreFailedOver:
-                    ok = self._after_failover(generation, iteration, slot, members, outcome)
+                    ok = vote_after_failover(
+                        self._ms, generation, iteration, slot, members, self.poll_interval_s,
+                        outcome, self.decision_wait_s,
+                    )  # fmt: skip
                 future.set_result((ok, outcome["last"], time.perf_counter() - t0))
                 if ok and progress:
                     self._ms.set_durable("progress", str(iteration))

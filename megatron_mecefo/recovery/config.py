@@ -59,6 +59,12 @@ class RecoveryConfig:
     """A rejoin is scheduled this many iterations after the last committed one, so every
     member sees the plan before it reaches the switch boundary."""
 
+    vote_group_size: int = 32
+    """Nodes per group of the two-level commit vote (:mod:`.group_vote`), with the node vote
+    (:mod:`.node_vote_host`): a generation of more nodes than this gathers each group's node
+    votes on its head (the group's first live node), which casts one vote on the leader's
+    hot store; 0: never. At 2,048 nodes: 64 votes on the hot store, 32 on each head."""
+
     records_file: Optional[str] = None
     """JSONL file for the recovery records (also written to the trainer's metrics file)."""
 
@@ -85,6 +91,10 @@ class RecoveryConfig:
         build_replacement(self.replace)  # raises on a bad value
         if self.orphan not in ("wait", "exit"):
             raise RecoveryConfigError(f"--orphan={self.orphan}: use wait or exit")
+        if self.vote_group_size < 0:
+            raise RecoveryConfigError(
+                f"--vote-group-size={self.vote_group_size}: must be >= 0 (0: no groups)"
+            )
         if self.join_margin_iterations < 2:
             raise RecoveryConfigError(
                 f"--join-margin={self.join_margin_iterations}: must be >= 2 (ranks of one "

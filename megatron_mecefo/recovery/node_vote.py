@@ -40,8 +40,16 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from megatron_mecefo.recovery.commit import DECISION_WAIT_S, abort, forget, vote
+from megatron_mecefo.recovery.commit import (
+    DECISION_WAIT_S,
+    abort,
+    forget,
+    vote,
+    vote_after_failover,
+)
+from megatron_mecefo.recovery.group_vote import GroupStore, GroupVote, two_level
 from megatron_mecefo.recovery.membership import MembershipStore
+from megatron_mecefo.recovery.store_forwarding import StoreFailedOver
 
 GATHER_TIMEOUT_S = 30.0
 """Default bound on the wait for a node's last local vote after its first: the local ranks
@@ -68,7 +76,7 @@ class _Round:
     """One (generation, iteration) on one node."""
 
     local: int
-    nodes: int
+    nodes: Tuple[int, ...]  # the generation's nodes (their count is the store's member count)
     first_vote: float
     voters: Dict[int, Connection] = field(default_factory=dict)
     progress: bool = False
@@ -91,6 +99,9 @@ class NodeVoteServer:
             :meth:`MembershipStore.connect` of ``store``.
         vote_membership: The factory of the casting client only (default: ``membership``);
             a supervisor's raises ``StoreFailedOver`` on a takeover (:mod:`.node_vote_host`).
+        group_size: Nodes per group of the two-level vote (:mod:`.group_vote`), used by a
+            generation of more nodes than that; 0: never (every node of a job must agree).
+        group_host: This machine's address for its group store (``group_size`` > 0).
     """
 
     def __init__(
@@ -103,12 +114,22 @@ class NodeVoteServer:
         decision_wait_s: float = DECISION_WAIT_S,
         membership: Optional[Callable[[], MembershipStore]] = None,
         vote_membership: Optional[Callable[[], MembershipStore]] = None,
+        group_size: int = 0,
+        group_host: str = "127.0.0.1",
     ) -> None:
         self.path, self.node = path, node
         self.poll_interval_s, self.gather_timeout_s = poll_interval_s, gather_timeout_s
         self.decision_wait_s = decision_wait_s
         connect = membership or (lambda: MembershipStore.connect(store))
         self._vote_ms, self._ms = (vote_membership or connect)(), connect()
+        self.group: Optional[GroupVote] = None
+        """The two-level vote (``group_size`` > 0)."""
+        if group_size > 0:
+            self.group = GroupVote(
+                node, GroupStore(group_host), connect(), vote_membership or connect,
+                group_size=group_size, poll_interval_s=poll_interval_s,
+                decision_wait_s=decision_wait_s,
+            )  # fmt: skip
         self._ms_lock = threading.Lock()  # one request at a time on the shared client
         self._lock = threading.Condition()
         self._rounds: Dict[Tuple[int, int], _Round] = {}
@@ -168,8 +189,11 @@ class NodeVoteServer:
             pass  # the rank is gone; nothing to tell
 
     # ------------------------------------------------------------------ rounds
+    def _two_level(self, nodes: Tuple[int, ...]) -> bool:
+        return self.group is not None and two_level(nodes, self.group.group_size)
+
     def _on_vote(
-        self, conn: Connection, g: int, i: int, local: int, nodes: int, progress: bool
+        self, conn: Connection, g: int, i: int, local: int, nodes: Tuple[int, ...], progress: bool
     ) -> None:
         with self._lock:
             r = self._rounds.setdefault((g, i), _Round(local, nodes, time.monotonic()))
@@ -190,7 +214,9 @@ class NodeVoteServer:
         else:
             self._send(conn, reply)
 
-    def _on_abort(self, conn: Optional[Connection], g: int, i: int, nodes: int, why: str) -> None:
+    def _on_abort(
+        self, conn: Optional[Connection], g: int, i: int, nodes: Tuple[int, ...], why: str
+    ) -> None:
         """Abort the node's vote of ``g/i`` (or, once cast, learn the outcome that stands)."""
         with self._lock:
             r = self._rounds.setdefault((g, i), _Round(0, nodes, time.monotonic()))
@@ -200,8 +226,12 @@ class NodeVoteServer:
             was_gathering = r.state == "gathering"
             if was_gathering:
                 r.state = "aborting"  # no cast after this; later votes wait for the outcome
-        with self._ms_lock:
-            ok = abort(self._ms, g, i, r.nodes, self.decision_wait_s)
+        if self._two_level(r.nodes):
+            assert self.group is not None
+            ok = self.group.abort(g, i, r.nodes)
+        else:
+            with self._ms_lock:
+                ok = abort(self._ms, g, i, len(r.nodes), self.decision_wait_s)
         # Gathering: this abort decides the node's vote (its voters learn it here). Cast: the
         # cast's own outcome goes to the voters; this abort only learns the one that stands.
         for c in self._decide(g, i, ok, False) if was_gathering else []:
@@ -229,11 +259,32 @@ class NodeVoteServer:
                 g, i = self._casts.pop(0)
                 r = self._rounds[(g, i)]
             outcome: Dict[str, bool] = {"last": False}
+            if self._two_level(r.nodes):  # the group's head casts; the hot store counts groups
+                assert self.group is not None
+                try:
+                    ok, completed = self.group.vote(g, i, r.nodes)
+                except Exception:  # noqa: BLE001 (e.g. this node not in the generation)
+                    for c in self._decide(g, i, False, False):
+                        self._send(c, ("lost", g, i, None, False))
+                    continue
+                self.casts += 1
+                for c in self._decide(g, i, ok, completed):
+                    self._send(c, ("outcome", g, i, ok, completed))
+                if ok and r.progress:
+                    with contextlib.suppress(Exception), self._ms_lock:
+                        self._ms.set_durable("progress", str(i))
+                continue
             try:
-                ok = vote(
-                    self._vote_ms, g, i, self.node, range(r.nodes), self.poll_interval_s,
-                    outcome, self.decision_wait_s,
-                )  # fmt: skip
+                try:
+                    ok = vote(
+                        self._vote_ms, g, i, self.node, range(len(r.nodes)),
+                        self.poll_interval_s, outcome, self.decision_wait_s,
+                    )  # fmt: skip
+                except StoreFailedOver:  # etcd mode: the leader's store moved mid-vote
+                    ok = vote_after_failover(
+                        self._vote_ms, g, i, self.node, range(len(r.nodes)),
+                        self.poll_interval_s, outcome, self.decision_wait_s,
+                    )  # fmt: skip
             except Exception:  # noqa: BLE001 (store lost: the ranks must not apply the step)
                 for c in self._decide(g, i, False, False):
                     self._send(c, ("lost", g, i, None, False))
@@ -274,6 +325,8 @@ class NodeVoteServer:
         self._listener.close()
         for c in conns:
             _hang_up(c)
+        if self.group is not None and self.group.own is not None:
+            self.group.own.close()
 
 
 class NodeVoteClient:
@@ -305,11 +358,11 @@ class NodeVoteClient:
         """Kept for the supervisor's accounting (the rank's thread only reads replies)."""
         threading.Thread(target=self._read, name="mecefo-node-vote", daemon=True).start()
 
-    def _shape(self, slot: int, members: Sequence[int]) -> Tuple[int, int]:
-        """(this node's members, the number of nodes) of ``members``."""
+    def _shape(self, slot: int, members: Sequence[int]) -> Tuple[int, Tuple[int, ...]]:
+        """(this node's members, the generation's nodes, sorted) of ``members``."""
         node = self.node_of(slot)
-        nodes = {self.node_of(m) for m in members}
-        return sum(1 for m in members if self.node_of(m) == node), len(nodes)
+        nodes = tuple(sorted({self.node_of(m) for m in members}))
+        return sum(1 for m in members if self.node_of(m) == node), nodes
 
     def _request(
         self, kind: str, g: int, i: int, slot: int, members: Sequence[int], progress: bool

@@ -1,55 +1,79 @@
-"""The node-level commit vote in supervised runs (issue 43, item 9), behind a switch.
+"""The node-level commit vote in supervised runs (issue 43, item 9).
 
-With ``MECEFO_NODE_VOTE=1`` in a supervisor's environment, the supervisor hosts a
-:class:`~.node_vote.NodeVoteServer` on a Unix socket, and its ranks vote through a
-:class:`~.node_vote.NodeVoteClient` instead of :class:`~.commit.AsyncVoter`: the node's
-ranks' votes are gathered locally and the node casts one vote on the hot store, so the
-store serves one ``add`` (and one wait) per node per iteration, not per rank. Off by default:
-it is tested in-process (``tests/unit/recovery/test_node_vote.py``,
-``tests/unit/recovery/test_node_vote_host.py``) and in failure-free supervised DP4 runs,
-but switched on it fails 3 of the 4 tests of ``tests/integration/recovery/test_etcd_mode.py``:
-after a takeover, the node's casting client raises ``StoreFailedOver`` for the first vote of
-the new generation (it only met the old store), and the node reports the vote lost instead
-of casting it again on the new store as :meth:`.commit.AsyncVoter._after_failover` does; the
-extra regroup breaks those tests' expectations (and the SIGSTOP test's time bound).
+The supervisor hosts a :class:`~.node_vote.NodeVoteServer` on a Unix socket, and its ranks
+vote through a :class:`~.node_vote.NodeVoteClient` instead of :class:`~.commit.AsyncVoter`:
+the node's ranks' votes are gathered locally and the node casts one vote on the hot store, so
+the store serves one ``add`` (and one wait) per node per iteration, not per rank. A job of
+more nodes than ``--vote-group-size`` (default 32) also gathers the nodes' votes per group on
+the group's head, which casts one vote per group (:mod:`.group_vote`).
 
-The supervisor calls :func:`host` once its store is open and adds :func:`rank_env` to each
-rank's environment; the rank's session calls :func:`voter`. Every node of a job must use the
-same switch: the counter counts nodes under it, ranks without it.
+On by default in ``--store-mode etcd`` with more than one node (the node vote passes
+``tests/integration/recovery/test_etcd_mode.py``: a vote cut off by a takeover is in doubt,
+one of a later generation is cast again on the new leader's store,
+:func:`.commit.vote_after_failover`). ``MECEFO_NODE_VOTE=1`` switches it on in any mode,
+``MECEFO_NODE_VOTE=0`` off. The supervisor calls :func:`host` once its store is open and adds
+:func:`rank_env` to each rank's environment; the rank's session calls :func:`voter`. Every
+node of a job must take the same choice (the counter counts nodes under it, ranks without
+it): the default follows the job's flags, which every node shares; set the variable on all
+nodes or none.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from typing import Any, Dict, Optional
 
 SWITCH = "MECEFO_NODE_VOTE"
-"""Set to ``1`` in the supervisors' environment to vote per node."""
+"""``1``: vote per node in any store mode; ``0``: per rank; unset: per node in multi-node
+``--store-mode etcd``."""
 SOCKET_ENV = "MECEFO_NODE_VOTE_SOCKET"
 """What a rank gets: its node's vote socket."""
 NPROC_ENV = "MECEFO_NODE_VOTE_NPROC"
 """What a rank gets: the ranks per node (slot ``s`` is on node ``s // nproc``)."""
 
 
-def enabled(environ: Optional[Dict[str, str]] = None) -> bool:
-    return (environ if environ is not None else os.environ).get(SWITCH, "") == "1"
+def enabled(environ: Optional[Dict[str, str]] = None, store: str = "", nnodes: int = 1) -> bool:
+    """Whether the node vote is on for a job of ``nnodes`` on the store ``store``."""
+    value = (environ if environ is not None else os.environ).get(SWITCH, "")
+    if value in ("0", "1"):
+        return value == "1"
+    return store.startswith("etcd://") and nnodes > 1
 
 
-def host(store: str, node: int, poll_interval_s: float) -> Optional[Any]:
-    """The node's vote server when the switch is on (else None). The vote's store client
+def host(
+    store: str,
+    node: int,
+    poll_interval_s: float,
+    nnodes: int = 1,
+    group_size: int = 0,
+    group_host: str = "127.0.0.1",
+) -> Optional[Any]:
+    """The node's vote server when the node vote is on (else None). The vote's store client
     raises ``StoreFailedOver`` (etcd mode: a vote cut off by the leader's loss is not applied;
-    :mod:`.commit`); the abort and bookkeeping client follows the store."""
-    if not enabled():
+    :mod:`.commit`); the abort and bookkeeping client follows the store. A job of more than
+    ``group_size`` nodes also serves a group store on ``group_host`` (:mod:`.group_vote`)."""
+    if not enabled(store=store, nnodes=nnodes):
         return None
     from megatron_mecefo.recovery.membership import MembershipStore
     from megatron_mecefo.recovery.node_vote import NodeVoteServer
 
     path = os.path.join(tempfile.gettempdir(), f"mecefo-vote-{os.getpid()}-{node}.sock")
-    print(f"[supervisor node {node}] node vote: this node's ranks vote through {path}", flush=True)
+    groups = group_size if 0 < group_size < nnodes else 0
+    if groups and group_host in ("127.0.0.1", "localhost", "::1"):
+        # The default --store-host; the group store listens on every interface, and the
+        # other nodes reach this one by its name.
+        group_host = socket.gethostname()
+    print(
+        f"[supervisor node {node}] node vote: this node's ranks vote through {path}"
+        + (f"; nodes vote in groups of {groups}" if groups else ""),
+        flush=True,
+    )
     return NodeVoteServer(
         path, store, node=node, poll_interval_s=poll_interval_s,
         vote_membership=lambda: MembershipStore.connect(store, raise_on_failover=True),
+        group_size=groups, group_host=group_host,
     )  # fmt: skip
 
 

@@ -43,7 +43,9 @@ LEADER_NODE = "leader_node"
 DURABLE_KEYS = (
     "layout", "world_size", "progress", "logged", "done", "fatal", "stopping", "rdzv",
 )  # fmt: skip
-DURABLE_PREFIXES = ("dead/", "inc/", "ready/", "node/", "record/", "outcome/")
+DURABLE_PREFIXES = (
+    "dead/", "inc/", "ready/", "node/", "record/", "outcome/", "groupstore/",
+)  # fmt: skip
 
 FAILOVER_WAIT_MIN_S = 10.0
 """At least this long a client waits for a new leader's address after its store failed."""

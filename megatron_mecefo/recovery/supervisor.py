@@ -156,7 +156,10 @@ class Supervisor:
     def open_store(self) -> None:
         """Host or join the membership store, or lead it on etcd (:mod:`.store_host`)."""
         self.ms = self.store_host.open()
-        self.node_vote = node_vote_host.host(self.cfg.store, self.node, self.cfg.poll_interval_s)
+        self.node_vote = node_vote_host.host(
+            self.cfg.store, self.node, self.cfg.poll_interval_s, self.args.nnodes,
+            self.cfg.vote_group_size, self.args.store_host,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ processes
     def spawn(self, slot: int, inc: int) -> None:

@@ -162,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="iterations after the last committed one at which a rejoin takes effect (>= 2), "
         "so every rank sees the plan first",
     )
+    p.add_argument(
+        "--vote-group-size",
+        type=int,
+        default=d.vote_group_size,
+        help="nodes per group of the two-level commit vote (a job of more nodes votes per "
+        "group on the hot store; 0: never); every node of a job must pass the same value",
+    )
     p.add_argument("--records", default=None, help="JSONL file for the recovery records")
     p.add_argument(
         "--max-replacements",
@@ -286,6 +293,7 @@ def validate(args: argparse.Namespace) -> RecoveryConfig:
         replace=args.replace,
         orphan=args.orphan,
         join_margin_iterations=args.join_margin,
+        vote_group_size=args.vote_group_size,
         records_file=os.path.abspath(args.records) if args.records else None,
     ).validate()
 

@@ -22,6 +22,16 @@ def test_off_by_default(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(node_vote_host.voter(store, 0.005, 5.0), AsyncVoter)
 
 
+def test_default_follows_the_store_mode_and_node_count() -> None:
+    """On by default in multi-node etcd mode only; the variable overrides either way."""
+    etcd = "etcd://127.0.0.1:2379/mecefo/j?ttl=8"
+    assert node_vote_host.enabled({}, etcd, nnodes=2)
+    assert not node_vote_host.enabled({}, etcd, nnodes=1)
+    assert not node_vote_host.enabled({}, "127.0.0.1:29500", nnodes=4)
+    assert not node_vote_host.enabled({node_vote_host.SWITCH: "0"}, etcd, nnodes=2)
+    assert node_vote_host.enabled({node_vote_host.SWITCH: "1"}, "127.0.0.1:29500", nnodes=1)
+
+
 def test_switched_on_the_store_counts_nodes(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two nodes of two ranks: every rank commits, through its node's server, and the vote
     counter holds 2 (nodes), not 4 (ranks)."""
