@@ -441,6 +441,14 @@ class EtcdDesign(Design):
                 step = self._leader(st, c)
                 if step is not None:
                     yield f"coordinator {c}: {step[0]}", step[1], False
+                elif ld.lease and not live.alive(ld.lease):
+                    # Idle with its lease gone (it hung past the TTL and resumed): its keepalive
+                    # (EtcdControl._keep_alive, every TTL/3) finds the lease expired and the node
+                    # exits (store_host._control_lost). Without this step a resumed deposed
+                    # leader would idle for ever and count as one that can still lead.
+                    yield f"coordinator {c}: its keepalive finds the lease gone; exits", self._set(
+                        st, "coordinator", c, ld._replace(status=EXITED)
+                    ), False
         # Faults: crash or hang a running actor; resume or crash a hung one; a lease expires
         # when its holder has crashed or hangs.
         etcd = FakeEtcd.thaw(st.etcd)
