@@ -151,7 +151,7 @@ def _losses(log: str) -> List[Tuple[int, float]]:
     return [(int(i), float(v)) for i, v in LOSS.findall(log)]
 
 
-@pytest.mark.slow  # two Megatron-LM runs at DP2: about 50 s
+@pytest.mark.slow  # two Megatron-LM runs at DP2: 30-55 s measured
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin ranks")
 def test_slow_replica_is_rebalanced_exactly_and_given_back(
     megatron_lm: Path, tmp_path: Path
