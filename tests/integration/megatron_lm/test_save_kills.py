@@ -84,7 +84,7 @@ def _check(log: str, records: List[dict], lost: List[int], work: Path) -> None:
 
 def test_writer_killed_in_the_write(megatron_lm: Path, tmp_path: Path) -> None:
     """Rank 0 (the writer) dies as it writes iteration 3; slot 2 dies in the write of the
-    recovered world's save of 6 (its writer, slot 0, then holds world rank 0)."""
+    recovered world's save of 6 (a waiter: slot 1, world rank 0 there, writes)."""
     log, records = _run(megatron_lm, tmp_path, ["0:3:save-write", "2:6:save-write"])
     _check(log, records, [(0, 4), (2, 7)], tmp_path)
 

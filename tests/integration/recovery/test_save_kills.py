@@ -73,6 +73,8 @@ def test_deaths_in_the_write_and_the_finalize(tmp_path: Path, first: str, second
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
     # The checkpoint loads: a run resumes from it and trains iteration 10 only.
     resumed = tmp_path / "resumed"
-    run_torchrun(resumed, 4, _args(ITERS + 1) + ["--load", str(ckpt)])
+    run_torchrun(
+        resumed, 4, _args(ITERS + 1) + ["--load", str(ckpt), "--save", str(resumed / "ckpt")]
+    )
     assert [r["iteration"] for r in train_records(resumed / "metrics.jsonl")] == [ITERS + 1]
     print(f"deaths at {first}, {second}: kill -> redone {totals} s")
