@@ -36,7 +36,7 @@ def _data(text_data: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def _args(iters: int) -> list[str]:
     return SMALL_MODEL + [
         "--global-batch-size", str(GBS), "--train-iters", str(iters), "--mecefo",
-        "--data-path", os.environ["MECEFO_TEST_DATA"], "--optimizer", "sgd", "--lr", "0.05",
+        "--data-path", os.environ["MECEFO_TEST_DATA"],
         "--save-interval", "3",
     ]  # fmt: skip
 
@@ -73,8 +73,14 @@ def test_deaths_in_the_write_and_the_finalize(tmp_path: Path, first: str, second
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
     # The checkpoint loads: a run resumes from it and trains iteration 10 only.
     resumed = tmp_path / "resumed"
-    run_torchrun(
-        resumed, 4, _args(ITERS + 1) + ["--load", str(ckpt), "--save", str(resumed / "ckpt")]
-    )
+    # One iteration more changes the schedule's length, which --load checks.
+    resume = [
+        "--load",
+        str(ckpt),
+        "--save",
+        str(resumed / "ckpt"),
+        "--override-opt-param-scheduler",
+    ]
+    run_torchrun(resumed, 4, _args(ITERS + 1) + resume)
     assert [r["iteration"] for r in train_records(resumed / "metrics.jsonl")] == [ITERS + 1]
     print(f"deaths at {first}, {second}: kill -> redone {totals} s")
