@@ -58,8 +58,9 @@ kill events from a seeded plan (:func:`tail_schedule`), each in its own window o
 * ``regroup-kill``: a first death, then a survivor killed while the next world is built
   (``--mecefo-kill`` phases ``world`` and ``groups``, or the benchmark's own SIGKILL right
   after the first death's generation is published);
-* ``save``: ``--save-interval 5``; a rank killed as a save starts (``save``), after it ended
-  (``saved``), or by the benchmark at a random moment just after a save's iteration committed;
+* ``save``: ``--save-interval 5``; a rank killed as a save starts (``save``), in its write
+  (``save-write``), in its finalize (``save-finalize``), after it ended (``saved``), or by the
+  benchmark at a random moment just after a save's iteration committed;
 * ``rejoin-kill``: ``--standby 1``; a rank dies, and a survivor dies as the world of its
   replacement's rejoin is built (``world`` with the iteration after the failure);
 * ``loader-worker``: Megatron-LM only (``--num-workers 1``; the example trainer has no
@@ -1117,7 +1118,7 @@ def tail_schedule(scenario: str, trainer: str, kills: int, seed: int, spacing: i
                        "specs": [f"{a}:{w}:forward", f"{b}:{w}:{kind}"]}  # fmt: skip
         elif scenario == "save":
             it = -(-w // TAIL_SAVE_INTERVAL) * TAIL_SAVE_INTERVAL  # the first save in the window
-            kind = ("save", "saved", "during")[k % 3]
+            kind = ("save", "save-write", "save-finalize", "saved", "during")[k % 5]
             if kind == "during":
                 ev |= {"action": "external", "target": "save", "save_iteration": it,
                        "delay_s": rng.uniform(0, 0.3)}  # fmt: skip

@@ -17,7 +17,7 @@ case), the optimizer state is saved per rank beside the sharded checkpoint (see
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -214,9 +214,13 @@ def save_checkpoint(
     save_optimizer: bool,
     dist_optimizer: bool,
     run_record: Optional[dict] = None,
+    phase: Optional[Callable[[str], None]] = None,
 ) -> str:
     """Collective: every rank calls it. Returns the checkpoint directory. ``run_record``: the
-    flags a resume is checked against (``arguments.RUN_RECORD``), written by rank 0."""
+    flags a resume is checked against (``arguments.RUN_RECORD``), written by rank 0.
+    ``phase(name)`` marks ``save-write`` (the shards are about to be written) and
+    ``save-finalize`` (every rank wrote; the tracker file is not written yet), for kill
+    injection under the recovery supervisor."""
     ckpt_dir = os.path.join(save_dir, f"iter_{iteration:07d}")
     state = _sharded_state(model_chunks, optimizer, save_optimizer, False, dist_optimizer)
     state.update(
@@ -228,6 +232,8 @@ def save_checkpoint(
     if dist.get_rank() == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
     dist.barrier()
+    if phase is not None:
+        phase("save-write")
     dist_checkpointing.save(state, ckpt_dir)
     if save_optimizer and _per_rank_optimizer_state(dist_optimizer):
         _save_optimizer_per_rank(ckpt_dir, optimizer, model_chunks)
@@ -247,6 +253,8 @@ def save_checkpoint(
         with open(os.path.join(ckpt_dir, RUN_RECORD), "w") as f:
             json.dump(run_record, f, indent=1)
     dist.barrier()
+    if phase is not None:
+        phase("save-finalize")
     if dist.get_rank() == 0:  # written last: a crash mid-save never names a partial checkpoint
         with open(os.path.join(save_dir, TRACKER), "w") as f:
             f.write(str(iteration))

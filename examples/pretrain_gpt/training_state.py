@@ -45,6 +45,8 @@ def save(trainer: Any) -> None:
         save_optimizer=not a.no_save_optim,
         dist_optimizer=a.use_distributed_optimizer,
         run_record=run_record(a),
+        # --mecefo-kill R:I:save-write / save-finalize: in the write, in the finalize.
+        phase=None if recovery is None else lambda n: recovery.injector.phase(n, trainer.iteration),
     )
     trainer.saved.append(trainer.iteration)
     trainer.saved_layouts[trainer.iteration] = layout_name()

@@ -28,15 +28,55 @@ Rank 0 prints the plan's announcements, fail-slow's lines and, at exit, the summ
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from megatron_mecefo.megatron_lm.flags import train_iters as _train_iters
 
 __all__ = ["TrainingLoopHooks"]
 
 _TRAINING = "megatron.training.training"
+
+
+@contextlib.contextmanager
+def save_phases(phase: Callable[[str], None]) -> Iterator[None]:
+    """Within a save: fire ``save-write`` as the training thread starts its write (its first
+    ``torch.save``) or, a rank that writes nothing, waits for the writers (its first
+    ``torch.distributed.barrier``), and ``save-finalize`` once that first barrier returned
+    (every rank wrote; Megatron-LM's rank 0 writes the tracker file next). Kill injection
+    only (``--mecefo-kill R:I:save-write``); other threads' calls pass through."""
+    import threading
+
+    import torch
+
+    dist = torch.distributed
+    save, barrier = torch.save, dist.barrier
+    fired: List[str] = []
+
+    def once(name: str) -> None:
+        if name not in fired and threading.current_thread() is threading.main_thread():
+            fired.append(name)
+            phase(name)
+
+    @functools.wraps(save)
+    def phased_save(*a: Any, **kw: Any) -> Any:
+        once("save-write")
+        return save(*a, **kw)
+
+    @functools.wraps(barrier)
+    def phased_barrier(*a: Any, **kw: Any) -> Any:
+        once("save-write")
+        result = barrier(*a, **kw)
+        once("save-finalize")
+        return result
+
+    torch.save, dist.barrier = phased_save, phased_barrier
+    try:
+        yield
+    finally:
+        torch.save, dist.barrier = save, barrier
 
 
 class TrainingLoopHooks:
@@ -96,13 +136,15 @@ class TrainingLoopHooks:
 
         @functools.wraps(save)
         def save_checkpoint(iteration: int, *a: Any, **kw: Any) -> Any:
-            # Kill injection (--mecefo-kill R:I:save, R:I:saved): as the save of iteration I
-            # starts (the others then wait in its collectives for this rank) and once it ended.
-            if self.recovery is not None:
-                self.recovery.phase("save", iteration)
-            result = save(iteration, *a, **kw)
-            if self.recovery is not None:
-                self.recovery.phase("saved", iteration)
+            # Kill injection (--mecefo-kill R:I:save, save-write, save-finalize, saved): as the
+            # save of iteration I starts (the others then wait in its collectives for this
+            # rank), in its write, in its finalize, and once it ended.
+            if self.recovery is None:
+                return save(iteration, *a, **kw)
+            self.recovery.phase("save", iteration)
+            with save_phases(lambda name: self.recovery.phase(name, iteration)):
+                result = save(iteration, *a, **kw)
+            self.recovery.phase("saved", iteration)
             return result
 
         training.save_checkpoint = save_checkpoint

@@ -4,7 +4,10 @@ PHASE is one of :data:`PHASES`: ``forward`` (the first micro-batch's forward sta
 ``backward`` (the first backward starts), ``grad-sync`` (the data-parallel gradient sync is
 about to start), ``optimizer`` (the commit vote passed, the update is about to run) or
 ``between`` (after iteration ITERATION committed, before the next one starts), ``save`` and
-``saved`` (the checkpoint save of iteration ITERATION starts, or has ended); and, for tests
+``saved`` (the checkpoint save of iteration ITERATION starts, or has ended), ``save-write``
+(the save's write: this rank is about to write its files, or, writing none, to wait for the
+writers) and ``save-finalize`` (the write is done on every rank; the tracker file is not
+written yet); and, for tests
 of a failure during a recovery, ``regroup``, ``world``, ``groups`` and ``heal``
 (:data:`RECOVERY_PHASES`). Any field may be
 ``?``: it is drawn from a ``random.Random(seed)``, so every rank draws the same kill. Each kill
@@ -23,7 +26,7 @@ from typing import Callable, List, Optional, Sequence
 
 PHASES = (
     "forward", "backward", "grad-sync", "optimizer", "between", "regroup", "heal", "world",
-    "groups", "save", "saved",
+    "groups", "save", "saved", "save-write", "save-finalize",
 )  # fmt: skip
 RECOVERY_PHASES = ("regroup", "heal", "world", "groups")
 """Phases inside a recovery, for tests of a failure during a failure: ``regroup`` fires in a

@@ -250,6 +250,11 @@ class RecoverySession:
         while not self.ms.store.check(keys):
             if self.ms.generation_number() != gen.number:
                 return False
+            # Training finished before this generation's switch (a rejoin announced for an
+            # iteration past the last one): its members never arrive. Measured: a promoted
+            # standby waited here for ever and its supervisor never exited.
+            if self.ms.get_str("done") is not None or self.ms.get_str("fatal") is not None:
+                return False
             self.sleep()
         return True
 
