@@ -1,5 +1,5 @@
 """Deaths in the write and in the finalize of a checkpoint save, in the example trainer (issue
-44, item 1; the Megatron-LM twin is ``tests/integration/megatron_lm/test_save_kills.py``).
+44, item 1; the Megatron-LM twin is ``tests/integration/megatron_lm/test_mlm_save_kills.py``).
 
 DP4 under the recovery supervisor, ``--save-interval 3``: every rank writes its shards
 (``dist_checkpointing``), rank 0 writes the tracker last. A rank is SIGKILLed in the write
