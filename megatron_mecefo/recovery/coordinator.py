@@ -177,7 +177,12 @@ class Coordinator:
                 self._hb[key] = (count, max(now, self._hb_since))
                 continue
             silent = now - seen[1]
-            if silent < self.cfg.heartbeat_timeout_s:
+            # A count of 0: no beat on this store yet, i.e. a new leader's store (the counters
+            # are not restored) that the rank is still reconnecting to. Every client of every
+            # rank reconnects at once then, and a TCPStore stalls up to 5-10 s under such a
+            # burst (measured): twice the timeout, so a live rank is not killed for it.
+            limit = self.cfg.heartbeat_timeout_s * (2 if count == 0 else 1)
+            if silent < limit:
                 continue
             if key not in self._kill_requested:
                 self._kill_requested[key] = now

@@ -95,8 +95,9 @@ def test_heartbeat_goes_on_after_a_long_takeover(monkeypatch: pytest.MonkeyPatch
 
 def test_takeover_counts_silence_from_the_store_publication(store: str) -> None:
     """A new leader's coordinator that started well before its store was published (etcd slow
-    to answer the publication) must not count that time as the ranks' silence; after the
-    publication a rank that stays silent for the timeout is still asked to be killed."""
+    to answer the publication) must not count that time as the ranks' silence. After the
+    publication, a rank that has not beaten on the new store yet (reconnecting) gets twice the
+    timeout; one that beat there and fell silent, the timeout; both are then asked killed."""
     timeout = 6.0
     cfg = RecoveryConfig(store=store, heartbeat_interval_s=0.5, heartbeat_timeout_s=timeout)
     ms = MembershipStore.connect(store)
@@ -110,10 +111,17 @@ def test_takeover_counts_silence_from_the_store_publication(store: str) -> None:
     published = time.monotonic()
     coord._check_heartbeats(published)  # no beat yet: the rank is only now finding the store
     assert ms.get_str("kill/4/0") is None, "a live rank was killed for the takeover's duration"
-    coord._check_heartbeats(published + timeout - 0.5)
-    assert ms.get_str("kill/4/0") is None
-    coord._check_heartbeats(published + timeout + 0.5)  # silent for the timeout after it
-    assert ms.get_str("kill/4/0") is not None, "a rank silent for the timeout was not killed"
+    coord._check_heartbeats(published + timeout + 0.5)
+    assert ms.get_str("kill/4/0") is None, "killed while still reconnecting to the new store"
+    coord._check_heartbeats(published + 2 * timeout + 0.5)  # never beat here: twice the timeout
+    assert ms.get_str("kill/4/0") is not None, "a rank that never beat again was not killed"
+    # A rank that beat on the new store and then fell silent: the plain timeout.
+    ms.mark_ready(5, 0, {})
+    coord._rescan()
+    ms.heartbeat(5, 0)
+    coord._check_heartbeats(published + 1.0)
+    coord._check_heartbeats(published + 1.0 + timeout + 0.5)
+    assert ms.get_str("kill/5/0") is not None, "a rank silent for the timeout was not killed"
 
 
 def test_watchdog_survives_a_failed_look() -> None:
