@@ -335,8 +335,12 @@ class GenerationWatchdog:
                 checked = max(checked, now)
                 if not failure:
                     continue
-            except Exception:
-                return
+            except Exception:  # noqa: BLE001
+                # Looked at again, never given up: a watchdog that ended at a store error
+                # (etcd mode: a takeover under way) could no longer abort this world, and its
+                # rank stayed in a collective a newer generation had ended.
+                self._stop.wait(min(self.interval_s, 0.5))
+                continue
             with self._lock:
                 if self._stop.is_set():
                     return

@@ -58,6 +58,9 @@ class Coordinator:
         self.dead: Set[Tuple[int, int]] = set()
         self.ready: Set[Tuple[int, int]] = set()
         self._hb: Dict[Tuple[int, int], Tuple[int, float]] = {}
+        self._hb_since = 0.0
+        """No heartbeat counts as silent before this (``time.monotonic``): see
+        :meth:`restart_heartbeat_clock`."""
         self._kill_requested: Dict[Tuple[int, int], float] = {}
         self._errors_seen: Dict[int, float] = {}
         self._progress_at: Dict[int, int] = {}  # the progress key when a generation was made
@@ -87,6 +90,14 @@ class Coordinator:
             self.gen = first
         self.thread = threading.Thread(target=self._run, name="mecefo-coordinator", daemon=True)
         self.thread.start()
+
+    def restart_heartbeat_clock(self) -> None:
+        """Count every process's heartbeat silence from now on (etcd mode: a new leader calls
+        it once it has published its store's address). A takeover's coordinator starts before
+        any rank can reach its store; silence counted from then made a live rank whose beats
+        arrived only after the publication (etcd slow to answer) look hung, and it was
+        SIGKILLed."""
+        self._hb_since = time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
@@ -162,11 +173,16 @@ class Coordinator:
         for key, count in zip(keys, self.ms.heartbeats(keys), strict=True):
             slot, inc = key
             seen = self._hb.get(key)
-            if seen is None or seen[0] != count:
-                self._hb[key] = (count, now)
+            if seen is None or seen[0] != count or seen[1] < self._hb_since:
+                self._hb[key] = (count, max(now, self._hb_since))
                 continue
             silent = now - seen[1]
-            if silent < self.cfg.heartbeat_timeout_s:
+            # A count of 0: no beat on this store yet, i.e. a new leader's store (the counters
+            # are not restored) that the rank is still reconnecting to. Every client of every
+            # rank reconnects at once then, and a TCPStore stalls up to 5-10 s under such a
+            # burst (measured): twice the timeout, so a live rank is not killed for it.
+            limit = self.cfg.heartbeat_timeout_s * (2 if count == 0 else 1)
+            if silent < limit:
                 continue
             if key not in self._kill_requested:
                 self._kill_requested[key] = now

@@ -28,6 +28,8 @@ class Heartbeat:
         self.slot, self.inc, self.interval_s = slot, inc, interval_s
         self._stop = threading.Event()
         self.cpu_s = 0.0
+        self.failures = 0
+        """Beats that failed (each is retried at the next interval)."""
         """CPU seconds this thread has used (the supervisor's overhead accounting)."""
         self.thread = threading.Thread(target=self._run, name="mecefo-heartbeat", daemon=True)
 
@@ -40,8 +42,13 @@ class Heartbeat:
         while not self._stop.wait(self.interval_s):
             try:
                 self.ms.heartbeat(self.slot, self.inc)
-            except Exception:  # the store is gone: the job is over
-                return
+            except Exception:  # noqa: BLE001
+                # Retried at the next beat, never the end of the beats: in etcd mode a
+                # takeover makes calls fail for a while (the old store gone, the new one not
+                # yet published, etcd electing a member). A thread that ended there left a live
+                # rank silent, and the new leader had it SIGKILLed for a heartbeat timeout.
+                # At the job's end the rank exits, and this daemon thread with it.
+                self.failures += 1
             self.cpu_s = time.thread_time()
 
     def stop(self) -> None:

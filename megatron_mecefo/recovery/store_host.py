@@ -465,6 +465,8 @@ class StoreHost:
         self.hosts_store = True
         self._start_coordinator(self.hot_address, resume=True)
         c.put_fenced(HOT_STORE, self.hot_address)
+        # The ranks find this store only now: their heartbeats' silence counts from here.
+        self.coordinator.restart_heartbeat_clock()
 
     def _job_ended(self, line: str) -> None:
         """This node won a term after the job ended (a late spare): its supervisor exits 0

@@ -106,11 +106,12 @@ cleanup() {
             grep -E "^\[(supervisor|coordinator|mecefo_node|etcd_member)|MeCeFO|^etcd|^error|^note" "$out" \
                 | tail -n 40 | cut -c1-300
         done
-        # SLURM_TEST_KEEP=DIR: the jobs' run folders and outputs are copied there.
-        if [ -n "${SLURM_TEST_KEEP:-}" ]; then cp -r "$TMP/runs" "$SLURM_TEST_KEEP"; fi
         echo "---- slurmctld log (tail)"; tail -n 20 "$TMP/slurmctld.log" 2> /dev/null
         echo "---- slurmd log (tail)"; tail -n 20 "$TMP/slurmd.log" 2> /dev/null
     fi
+    # SLURM_TEST_KEEP=DIR: the jobs' run folders and outputs are copied there (also on success:
+    # the recovery records and supervisor lines of a passing run).
+    if [ -n "${SLURM_TEST_KEEP:-}" ]; then cp -r "$TMP/runs" "$SLURM_TEST_KEEP"; fi
     rm -rf "$TMP"
     say "stopped ${#DAEMONS[@]} daemons, removed $TMP (status $rc)"
 }
