@@ -294,6 +294,7 @@ def test_deaths_around_a_save(megatron_lm: Path, tmp_path: Path, first: str) -> 
     assert sorted(schedule) == ["1:4", "2:7"], schedule
 
 
+@pytest.mark.slow  # 45 s; .ci/run's 35 minutes (make test-all runs it)
 def test_data_loader_worker_killed(megatron_lm: Path, tmp_path: Path) -> None:
     """``--num-workers 1``: rank 1's data-loader worker is SIGKILLed from outside mid-run. The
     rank exits at once (exit code 75) and its replica is taken over as after the rank's own
