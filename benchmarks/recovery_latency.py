@@ -1623,6 +1623,13 @@ def main() -> None:
                    help="--scenarios: a smoke run, 3 kill events per scenario")  # fmt: skip
     a = p.parse_args()
     if a.scenarios:
+        example = "example" in a.trainers.split(",")
+    else:
+        example = a.trainer != "megatron-lm"
+    if example and not Path(a.data_path + ".bin").is_file():
+        # Else each of the example trainer's runs fails at start-up inside the supervisor.
+        p.error(f"--data-path {a.data_path}: no {a.data_path}.bin; build it with `make data`")
+    if a.scenarios:
         a.seed = a.seed if a.seed is not None else 44
         a.output = a.output or str(REPO / "results" / "recovery_tails.json")
         main_tails(a)
