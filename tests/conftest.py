@@ -113,6 +113,18 @@ def max_down(schedule: Any) -> int:
     return most
 
 
+@pytest.fixture(scope="module")
+def megatron_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Megatron-LM core_v0.16.1's tree, unpacked and patched once per test module
+    (``MEGATRON_LM_DIR`` names a checkout instead); skips the test without the tarball."""
+    from mlm_runs import unpack_megatron_lm
+
+    tree = unpack_megatron_lm(tmp_path_factory.mktemp("megatron_lm"))
+    if tree is None:
+        pytest.skip("no Megatron-LM tarball at ../shared/megatron-lm (set MEGATRON_LM_DIR)")
+    return tree
+
+
 @pytest.fixture(scope="session")
 def text_data(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A small Megatron indexed dataset of real text (stdlib docstrings), built once."""

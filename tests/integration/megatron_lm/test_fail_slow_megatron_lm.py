@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 from conftest import REPO, free_port
-from mlm_runs import CPU_GPT, MECEFO, final_params, max_difference, run_logged, unpack_megatron_lm
+from mlm_runs import CPU_GPT, MECEFO, final_params, max_difference, run_logged
 
 from megatron_mecefo.failslow.duty_cycle import DutyCycle
 from megatron_mecefo.takeover.data_remap import expand_ranges
@@ -59,14 +59,6 @@ PARAM_ATOL = 2e-5
 moved micro-batches' sums); a micro-batch lost or counted twice moves parameters by ~1e-3."""
 LOSS_RTOL = 1e-5
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
-
-
-@pytest.fixture(scope="module")
-def megatron_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tree = unpack_megatron_lm(tmp_path_factory.mktemp("megatron_lm"))
-    if tree is None:
-        pytest.skip("no Megatron-LM tarball at ../shared/megatron-lm (set MEGATRON_LM_DIR)")
-    return tree
 
 
 class Run:

@@ -21,17 +21,9 @@ from typing import List
 
 import pytest
 import torch
-from mlm_runs import MECEFO, SAMPLES, supervised, unpack_megatron_lm
+from mlm_runs import MECEFO, SAMPLES, supervised
 
 ITERS, INTERVAL, GBS = 9, 3, 16
-
-
-@pytest.fixture(scope="module")
-def megatron_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tree = unpack_megatron_lm(tmp_path_factory.mktemp("megatron_lm"))
-    if tree is None:
-        pytest.skip("no Megatron-LM tarball at ../shared/megatron-lm (set MEGATRON_LM_DIR)")
-    return tree
 
 
 def _records(work: Path) -> List[dict]:

@@ -31,7 +31,6 @@ from mlm_runs import (
     supervised,
     supervised_nodes,
     torchrun,
-    unpack_megatron_lm,
 )
 
 TOLERANCE = 5e-5
@@ -41,14 +40,6 @@ replica's zero gradient too: the same numbers summed in another order, which dif
 last bits, and Adam's m / (sqrt(v) + eps) grows them where v is small. Measured: 1.4e-7 to
 5.3e-7 after 6-8 iterations, 3.0e-6 after 40, 4.7e-6 after 60, and 0 (bitwise) where two
 members are left; the logged grad norms agree to every digit."""
-
-
-@pytest.fixture(scope="module")
-def megatron_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tree = unpack_megatron_lm(tmp_path_factory.mktemp("megatron_lm"))
-    if tree is None:
-        pytest.skip("no Megatron-LM tarball at ../shared/megatron-lm (set MEGATRON_LM_DIR)")
-    return tree
 
 
 @pytest.fixture()

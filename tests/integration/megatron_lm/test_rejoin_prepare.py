@@ -13,9 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from conftest import child_env
-from mlm_runs import CPU_GPT, MECEFO, unpack_megatron_lm
+from mlm_runs import CPU_GPT, MECEFO
 
 SCRIPT = """
 import os, sys
@@ -43,14 +42,6 @@ global_vars._GLOBAL_ARGS = again
 initialize.set_jit_fusion_options()  # pretrain()'s own call
 print(f"GRAPHS {warm} {counters['stats']['unique_graphs'] - warm}")
 """
-
-
-@pytest.fixture(scope="module")
-def megatron_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tree = unpack_megatron_lm(tmp_path_factory.mktemp("megatron_lm"))
-    if tree is None:
-        pytest.skip("no Megatron-LM tarball at ../shared/megatron-lm (set MEGATRON_LM_DIR)")
-    return tree
 
 
 def test_kernels_compiled_before_ready_are_reused_by_pretrain(megatron_lm: Path) -> None:
