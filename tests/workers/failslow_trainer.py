@@ -5,22 +5,15 @@ pins rank ``r`` to core ``cpus[r % len(cpus)]``."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dump_trainer  # noqa: E402  (patches the trainer: the parameter dump)
+from failslow_rank_env import pin_and_record_pid  # noqa: E402
 
-_rank = int(os.environ.get("RANK", "0"))
-_cpus = os.environ.get("MECEFO_TEST_CPUS")
-if _cpus:
-    cpus = [int(c) for c in _cpus.split(",")]
-    os.sched_setaffinity(0, {cpus[_rank % len(cpus)]})
-_pids = os.environ.get("MECEFO_TEST_PIDS")
-if _pids:
-    (Path(_pids) / f"rank{_rank}.pid").write_text(str(os.getpid()))
+pin_and_record_pid()
 
 if __name__ == "__main__":
     dump_trainer.pretrain_gpt.main()

@@ -24,20 +24,15 @@ from typing import Any, Dict, List
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "patches"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run_megatron_lm_cpu  # noqa: E402
+from failslow_rank_env import pin_and_record_pid  # noqa: E402
 
 from megatron_mecefo.megatron_lm import training_hooks  # noqa: E402
 from megatron_mecefo.takeover import data_remap  # noqa: E402
 
-_rank = int(os.environ.get("RANK", "0"))
-_cpus = os.environ.get("MECEFO_TEST_CPUS")
-if _cpus:
-    cpus = [int(c) for c in _cpus.split(",")]
-    os.sched_setaffinity(0, {cpus[_rank % len(cpus)]})
-_pids = os.environ.get("MECEFO_TEST_PIDS")
-if _pids:
-    (Path(_pids) / f"rank{_rank}.pid").write_text(str(os.getpid()))
+_rank = pin_and_record_pid()
 _records = os.environ.get("MECEFO_TEST_RECORDS")
 
 _ran: List[Any] = []
