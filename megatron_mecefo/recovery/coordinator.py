@@ -14,6 +14,7 @@ report, and the processes that are ready to (re)join, and publishes a new
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Dict, List, Optional, Set, Tuple
@@ -58,6 +59,10 @@ class Coordinator:
         self.dead: Set[Tuple[int, int]] = set()
         self.ready: Set[Tuple[int, int]] = set()
         self._hb: Dict[Tuple[int, int], Tuple[int, float]] = {}
+        self._supervisor_hb: Dict[str, Tuple[int, float]] = {}
+        """A supervisor's beats as :attr:`_hb` holds a rank's: (count, when it was seen)."""
+        self._supervisor_of: Dict[Tuple[int, int], str] = {}
+        """A ready process's supervisor (its ``ready`` key names it), when it says."""
         self._hb_since = 0.0
         """No heartbeat counts as silent before this (``time.monotonic``): see
         :meth:`restart_heartbeat_clock`."""
@@ -160,31 +165,53 @@ class Coordinator:
                 if self.ms.get_str(f"dead/{slot}/{inc}") is not None:
                     self.dead.add(key)
                     self.ready.discard(key)
-                elif key not in self.ready and self.ms.get_str(f"ready/{slot}/{inc}"):
-                    self.ready.add(key)
+                elif key not in self.ready:
+                    text = self.ms.get_str(f"ready/{slot}/{inc}")
+                    if text:
+                        self.ready.add(key)
+                        supervisor = _supervisor_named(text)
+                        if supervisor is not None:
+                            self._supervisor_of[key] = supervisor
+
+    def _silence(self, seen: Dict, key: object, count: int, now: float) -> Optional[float]:
+        """Seconds ``key``'s heartbeat ``count`` has not moved, once that reaches the timeout
+        (else None); ``seen`` keeps (count, when it was seen) per key."""
+        last = seen.get(key)
+        if last is None or last[0] != count or last[1] < self._hb_since:
+            seen[key] = (count, max(now, self._hb_since))
+            return None
+        silent = now - last[1]
+        # A count of 0: no beat on this store yet, i.e. a new leader's store (the counters
+        # are not restored) that the process is still reconnecting to. Every client of every
+        # rank reconnects at once then, and a TCPStore stalls up to 5-10 s under such a
+        # burst (measured): twice the timeout, so a live process is not killed for it.
+        limit = self.cfg.heartbeat_timeout_s * (2 if count == 0 else 1)
+        return silent if silent >= limit else None
 
     def _check_heartbeats(self, now: float) -> None:
         """A ready process whose heartbeat has not moved for the timeout is killed (by its
-        supervisor); if nobody confirms the death within another timeout (its supervisor is
-        gone too), the coordinator declares it dead itself."""
+        supervisor); if nobody confirms the death within another timeout, the coordinator
+        declares it dead itself. When its supervisor has not beaten for the timeout either
+        (its node died or hangs: nobody will confirm), it is declared dead at once: a
+        follower node's loss costs one heartbeat timeout, not two."""
         keys = sorted(self.ready - self.dead)
+        supervisors = sorted({self._supervisor_of[k] for k in keys if k in self._supervisor_of})
+        counts = self.ms.heartbeats(keys, supervisors)
+        gone = {
+            sup: silent
+            for sup, count in zip(supervisors, counts[len(keys) :], strict=True)
+            if (silent := self._silence(self._supervisor_hb, sup, count, now)) is not None
+        }
         declare: List[Tuple[int, int]] = []
         unanswered: List[Tuple[int, int]] = []
-        for key, count in zip(keys, self.ms.heartbeats(keys), strict=True):
+        for key, count in zip(keys, counts[: len(keys)], strict=True):
             slot, inc = key
-            seen = self._hb.get(key)
-            if seen is None or seen[0] != count or seen[1] < self._hb_since:
-                self._hb[key] = (count, max(now, self._hb_since))
+            silent = self._silence(self._hb, key, count, now)
+            if silent is None:
                 continue
-            silent = now - seen[1]
-            # A count of 0: no beat on this store yet, i.e. a new leader's store (the counters
-            # are not restored) that the rank is still reconnecting to. Every client of every
-            # rank reconnects at once then, and a TCPStore stalls up to 5-10 s under such a
-            # burst (measured): twice the timeout, so a live rank is not killed for it.
-            limit = self.cfg.heartbeat_timeout_s * (2 if count == 0 else 1)
-            if silent < limit:
-                continue
+            supervisor_silent = gone.get(self._supervisor_of.get(key, ""))
             if key not in self._kill_requested:
+                # Asked also when its supervisor is silent: a hung one that wakes kills it.
                 self._kill_requested[key] = now
                 self.ms.set_json(f"kill/{slot}/{inc}", {"reason": "heartbeat", "silent_s": silent})
                 self.ms.notify()
@@ -192,6 +219,12 @@ class Coordinator:
                     f"[coordinator] rank {slot} (incarnation {inc}): no heartbeat for "
                     f"{silent:.1f} s; asking its supervisor to SIGKILL it"
                 )
+            if supervisor_silent is not None:
+                self.log(
+                    f"[coordinator] rank {slot} (incarnation {inc}): its supervisor has not "
+                    f"beaten for {supervisor_silent:.1f} s either (its node is lost): dead"
+                )
+                declare.append(key)
             elif now - self._kill_requested[key] > self.cfg.heartbeat_timeout_s:
                 declare.append(key)
             else:
@@ -280,10 +313,17 @@ class Coordinator:
 
     def _error_without_death(self, gen: Generation) -> bool:
         """A member reported a collective error in the current generation and no death has
-        been found for a heartbeat timeout since: regroup the same members."""
+        been found for a heartbeat timeout (and two checks) since: regroup the same members.
+
+        The two checks: a lost node's death is found by the heartbeats up to two intervals
+        past the timeout (its last beat is seen up to a check late, and the checks are an
+        interval apart), while its peers' collectives error at once. Waiting just the timeout
+        made a generation of the same members first, which waited for the dead node's ranks
+        until the death's generation superseded it."""
         if gen.number in self._errors_seen:
             first = self._errors_seen[gen.number]
-            return time.monotonic() - first > self.cfg.heartbeat_timeout_s
+            wait = self.cfg.heartbeat_timeout_s + 2 * self.cfg.heartbeat_interval_s
+            return time.monotonic() - first > wait
         for slot in gen.members:
             if self.ms.get_str(f"err/{gen.number}/{slot}") is not None:
                 self._errors_seen[gen.number] = time.monotonic()
@@ -334,3 +374,13 @@ class Coordinator:
             f"{list(new.joined)}, spares {list(new.spares)}"
             + (f"; ABORT: {abort}" if abort else "")
         )
+
+
+def _supervisor_named(ready: str) -> Optional[str]:
+    """The supervisor a ``ready`` key's JSON names (None: an older rank, or none named)."""
+    try:
+        info = json.loads(ready)
+    except ValueError:
+        return None
+    supervisor = info.get("supervisor") if isinstance(info, dict) else None
+    return supervisor if isinstance(supervisor, str) and supervisor else None

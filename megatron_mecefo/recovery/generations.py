@@ -24,6 +24,7 @@ from typing import Any, Callable, NoReturn, Optional
 from megatron_mecefo.recovery import records as rec_mod
 from megatron_mecefo.recovery import reporting
 from megatron_mecefo.recovery.config import RecoveryConfig
+from megatron_mecefo.recovery.heartbeat import SUPERVISOR_ENV
 from megatron_mecefo.recovery.membership import MembershipStore
 from megatron_mecefo.recovery.session import (
     _EXIT,
@@ -75,7 +76,11 @@ def run_recoverable(
     if prepare is not None:
         prepare()
     gc.freeze()
-    session.ms.mark_ready(session.slot, session.inc, {"pid": os.getpid(), "t": time.time()})
+    # The supervisor that started this process (its heartbeat: coordinator.py) and can kill it.
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    session.ms.mark_ready(
+        session.slot, session.inc, {"pid": os.getpid(), "t": time.time(), "supervisor": supervisor}
+    )
     after = -1
     # The iteration the last world left off at (a failure or a planned rejoin), for the
     # recovery-phase kills of fault_injection.py: kept when a world fails before its trainer

@@ -7,7 +7,8 @@ holds, under fixed keys:
 * ``gen``: the current generation number ``g``; ``gen/<g>``: its :class:`Generation` (JSON),
   written once by the coordinator, the single writer of membership;
 * ``dead/<slot>/<inc>``: a death, written by the supervisor that reaped the process;
-* ``hb/<slot>/<inc>``: a heartbeat counter; ``ready/<slot>/<inc>``: a process is up;
+* ``hb/<slot>/<inc>``: a heartbeat counter (``hb/supervisor/<id>``: a supervisor's);
+  ``ready/<slot>/<inc>``: a process is up;
 * ``err/<g>/<slot>``: a rank left generation ``g`` after a collective error;
 * ``vote/<g>/<iteration>/<slot>``: the commit vote; ``progress``: the last committed iteration.
 
@@ -248,13 +249,19 @@ class MembershipStore:
     def heartbeat(self, slot: int, inc: int) -> int:
         return int(self.store.add(f"hb/{slot}/{inc}", 1))
 
-    def heartbeats(self, keys: Sequence[Tuple[int, int]]) -> List[int]:
-        """The heartbeat counts of ``(slot, inc)`` processes, in one round trip once each
-        counter exists (``multi_get`` would wait for a missing key: a new one is created at 0
-        by an ``add`` of 0 first)."""
-        if not keys:
+    def supervisor_heartbeat(self, supervisor: str) -> int:
+        """A beat of the supervisor ``supervisor`` (:data:`.heartbeat.SUPERVISOR_ENV`)."""
+        return int(self.store.add(f"hb/supervisor/{supervisor}", 1))
+
+    def heartbeats(
+        self, keys: Sequence[Tuple[int, int]], supervisors: Sequence[str] = ()
+    ) -> List[int]:
+        """The heartbeat counts of ``(slot, inc)`` processes, then of ``supervisors``, in one
+        round trip once each counter exists (``multi_get`` would wait for a missing key: a
+        new one is created at 0 by an ``add`` of 0 first)."""
+        names = [f"hb/{s}/{i}" for s, i in keys] + [f"hb/supervisor/{s}" for s in supervisors]
+        if not names:
             return []
-        names = [f"hb/{s}/{i}" for s, i in keys]
         for name in names:
             if name not in self._counters:
                 self.store.add(name, 0)

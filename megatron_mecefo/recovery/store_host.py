@@ -165,7 +165,7 @@ class StoreHost:
     def _lost_nodes(self) -> int:
         """How many other nodes are lost: every rank of the node, in its current incarnation,
         declared dead by someone other than its supervisor (``exit_code`` None: the
-        coordinator, its kill request unanswered for a heartbeat timeout; or a leader that
+        coordinator, its supervisor silent or its kill request unanswered; or a leader that
         took over from that node). A lost node's supervisor never says it finished; a node
         that rejoined in its place runs a newer incarnation, and says it itself."""
         assert self.ms is not None

@@ -36,6 +36,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,7 @@ from megatron_mecefo.errors import ERROR_FILE_ENV, UserError
 from megatron_mecefo.recovery import node_vote_host
 from megatron_mecefo.recovery.config import ENV, RecoveryConfig
 from megatron_mecefo.recovery.cost_account import STEADY_FROM_ITERATION, SupervisorCost
+from megatron_mecefo.recovery.heartbeat import SUPERVISOR_ENV, Heartbeat
 from megatron_mecefo.recovery.processes import (
     Child,
     ExitWatch,
@@ -120,6 +122,9 @@ class Supervisor:
         self.stop_deadline = 0.0  # then: when the ranks that still run are killed
         self.startup_code: Optional[int] = None  # a rank of this node failed at start-up
         self.error_dir = ""  # where ranks leave their error lines (made by run)
+        self.id = f"{self.node}@{socket.gethostname()}:{os.getpid()}"
+        """Names this supervisor's heartbeat, which its ranks name in their ``ready`` key."""
+        self.beat: Optional[Heartbeat] = None
 
     def log(self, line: str) -> None:
         print(f"[supervisor node {self.node}] {line}", flush=True)
@@ -156,6 +161,11 @@ class Supervisor:
     def open_store(self) -> None:
         """Host or join the membership store, or lead it on etcd (:mod:`.store_host`)."""
         self.ms = self.store_host.open()
+        # This node's liveness: a rank silent for the heartbeat timeout whose supervisor is
+        # silent too (the node died or hangs) is declared dead at once (coordinator.py).
+        self.beat = Heartbeat.of_supervisor(
+            self.cfg.store, self.id, self.cfg.heartbeat_interval_s
+        ).start()
         self.node_vote = node_vote_host.host(
             self.cfg.store, self.node, self.cfg.poll_interval_s, self.args.nnodes,
             self.cfg.vote_group_size, self.args.store_host,
@@ -216,6 +226,7 @@ class Supervisor:
         )
         env[ENV] = self.cfg.to_env()
         env[ERROR_FILE_ENV] = self.error_dir
+        env[SUPERVISOR_ENV] = self.id
         env.update(node_vote_host.rank_env(getattr(self, "node_vote", None), len(self.slots)))
         if standby is not None:
             env["MECEFO_RECOVERY_STANDBY"] = f"{self.node}/{standby}"
@@ -318,7 +329,7 @@ class Supervisor:
     def _rejoin_incarnation(self, slot: int) -> int:
         """The incarnation a rejoining node starts ``slot`` as: one above the last, once that
         one is known dead (reported by its supervisor, or declared by the coordinator after
-        two heartbeat timeouts when the supervisor died with it). It waits as long as the
+        a heartbeat timeout when the supervisor died or hangs with it). It waits as long as the
         job runs, so a hot spare can be started before any failure."""
         said = False
         while True:

@@ -114,24 +114,49 @@ def test_leader_node_sigkilled_matches_simulated(tmp_path: Path, etcd: EtcdClust
     assert diff <= PARAM_ATOL
 
 
-@pytest.mark.slow  # 31 s here (64 s when the leader still waited 30 s for the lost node)
-def test_follower_node_sigkilled_leader_trains_on(tmp_path: Path, etcd: EtcdCluster) -> None:
-    """DP4 on two nodes. Node 1 (a follower: it campaigns in the background) is SIGKILLed,
-    its supervisor and ranks: the leader keeps its term and its store (no takeover), declares
-    ranks 2 and 3 dead, and trains on with replicas 0 and 1; every sample once."""
+@pytest.mark.slow  # 24 s each here (64 s when the leader waited 30 s for the lost node)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+def test_follower_node_lost_leader_trains_on(
+    tmp_path: Path, etcd: EtcdCluster, sig: signal.Signals
+) -> None:
+    """DP4 on two nodes. Node 1 (a follower: it campaigns in the background) is SIGKILLed or
+    SIGSTOPped (hung: its sockets stay open), its supervisor and ranks: the leader keeps its
+    term and its store (no takeover), declares ranks 2 and 3 dead, and trains on with
+    replicas 0 and 1; every sample once.
+
+    One heartbeat timeout, not two: the node's supervisor falls silent with its ranks, so
+    nobody will answer the kill request, and the ranks are declared dead when their silence
+    reaches the timeout. Before, the coordinator waited a second timeout for that answer
+    (13 s under Slurm at a 6 s timeout). With a timeout T of 8 s here, the old way declares
+    the death no sooner than 2T minus a check (15.5 s) after the signal; the bounds (the
+    death's generation within 1.5 T, the redone iteration within T + 6 s, both upper bounds
+    as the log is polled) leave 4-6 s of room for a loaded machine."""
     iters, gbs = 30, 16
-    job = Job(tmp_path, 2, _layout(iters, gbs), nnodes=2, supervisor_args=_etcd_args(etcd),
+    timeout = 8.0
+    job = Job(tmp_path, 2, _layout(iters, gbs), nnodes=2,
+              supervisor_args=_etcd_args(etcd, "--heartbeat-timeout", f"{timeout:g}"),
               MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
     try:
         job.start()
         job.wait_for("iteration        5/")
-        _signal_node(job, 1, signal.SIGKILL)
+        t_signal = time.monotonic()
+        _signal_node(job, 1, sig)
+        job.wait_for("(death, now)")
+        declared_s = time.monotonic() - t_signal
+        job.wait_for("kill -> redone")
+        redone_s = time.monotonic() - t_signal
+        if sig == signal.SIGSTOP:  # the hung node never wakes: ended as a lost machine is
+            _signal_node(job, 1, signal.SIGKILL)
         rc = job.wait(timeout=300)
     finally:
         job.stop()
     log = job.log()
+    print(f"follower node {sig.name}: death declared {declared_s:.2f} s, redone {redone_s:.2f} s")
     assert rc == [0, -9], (rc, log[-5000:])
     assert "takes over" not in log, log[-5000:]
+    assert declared_s < 1.5 * timeout, f"death declared {declared_s:.2f} s after {sig.name}"
+    assert redone_s < timeout + 6.0, f"iteration redone {redone_s:.2f} s after {sig.name}"
+    assert "its supervisor has not beaten" in log, log[-5000:]
     check_every_sample_once(train_records(job.metrics), iters, gbs, 4)
     (failure,) = [r for r in job.records_of("recovery") if r["ranks_lost"]]
     assert sorted(failure["ranks_lost"]) == [2, 3] and sorted(failure["replicas"]) == [0, 1]

@@ -150,3 +150,49 @@ def test_watchdog_survives_a_failed_look() -> None:
     finally:
         dog.stop()
         dog.thread.join(5)
+
+
+def test_silent_node_is_declared_dead_after_one_timeout(store: str) -> None:
+    """A node lost whole (SIGKILL or SIGSTOP of its supervisor and ranks): its ranks fall
+    silent and so does their supervisor, so nobody will answer the kill request. They are
+    declared dead at the first check past one heartbeat timeout; before, the coordinator
+    waited a second timeout for the dead supervisor to confirm (a follower node's loss cost
+    two timeouts: 13 s under Slurm at a 6 s timeout). A silent rank whose supervisor beats
+    is only asked killed, and its supervisor's report is awaited as before."""
+    timeout = 6.0
+    cfg = RecoveryConfig(store=store, heartbeat_interval_s=0.5, heartbeat_timeout_s=timeout)
+    ms = MembershipStore.connect(store)
+    for slot, supervisor in ((2, "1@lost:11"), (3, "1@lost:11"), (4, "2@alive:12")):
+        ms.mark_ready(slot, 0, {"pid": 100 + slot, "supervisor": supervisor})
+        ms.heartbeat(slot, 0)
+    for supervisor in ("1@lost:11", "2@alive:12"):
+        ms.supervisor_heartbeat(supervisor)
+    coord = Coordinator(MembershipStore.connect(store), 8, cfg, log=lambda line: None)
+    coord._rescan()
+
+    def node_2_beats() -> None:
+        ms.supervisor_heartbeat("2@alive:12")
+
+    t0 = time.monotonic()
+    coord._check_heartbeats(t0)  # the last beats seen; from here on node 1 is silent
+    node_2_beats()
+    ms.heartbeat(4, 0)
+    coord._check_heartbeats(t0 + timeout - 0.5)
+    assert ms.get_str("kill/2/0") is None and ms.dead_info(2, 0) is None, "dead too early"
+    node_2_beats()
+    ms.heartbeat(4, 0)  # rank 4's last beat
+    t1 = t0 + timeout + 0.5
+    coord._check_heartbeats(t1)
+    for slot in (2, 3):
+        assert ms.get_str(f"kill/{slot}/0") is not None  # a hung supervisor that wakes kills
+        info = ms.dead_info(slot, 0)
+        assert info is not None, f"rank {slot} of a silent node not declared after one timeout"
+        assert info["exit_code"] is None
+    assert (2, 0) in coord.dead and (3, 0) in coord.dead
+    # Rank 4 falls silent; its supervisor beats: the rank is asked killed, not declared dead.
+    node_2_beats()
+    coord._check_heartbeats(t1 + timeout + 0.5)
+    assert ms.get_str("kill/4/0") is not None, "a silent rank was not asked killed"
+    node_2_beats()
+    coord._check_heartbeats(t1 + timeout + 1.0)
+    assert ms.dead_info(4, 0) is None, "declared dead while its live supervisor may answer"
