@@ -9,9 +9,8 @@ for the failure generation that lost the victim and for its redone iteration, an
 event from the kill with the benchmark's :func:`event_timing`, from the members' absolute
 timestamps in the membership store.
 
-A death between a rejoin's publication and its boundary is not part of this plan: it ends on
-other parameters than its simulated twin (found by this test; see the Megatron-LM test's
-module docstring).
+A death between a rejoin's publication and its boundary is therefore not part of this plan
+(``rejoin-kill`` and ``test_death_during_the_rejoin`` kill there).
 """
 
 from __future__ import annotations

@@ -10,6 +10,13 @@ of them loader workers. Each kill must cost one failure generation that lost exa
 10 s; every sample is processed once, no checkpoint is read, and the run ends on the
 parameters of its simulated twin (the same losses and rejoins replayed with ``--mecefo-fail``
 under torchrun).
+
+The takeover is exact here (``--no-mecefo-lowrank-ffn``): with the low-rank FFN weight
+gradients the run ended 2.0e-3 and 4.8e-3 from its twin (losses equal up to the first failure
+after two rejoins), and 3.5e-6 with exact takeovers. The likely cause (not yet confirmed):
+each rank keeps the basis V of its own takeovers (computed at first use, refreshed every tau
+steps from then); a heal gives a replacement the sender's basis and step, where the twin's
+rank of that replica keeps its own.
 """
 
 from __future__ import annotations
