@@ -36,7 +36,7 @@ KILLS, SPACING = 4, 30
 """Four events, one per 30 iterations (a warm replacement rejoins within ~8 here)."""
 
 
-@pytest.mark.slow  # about 3 minutes: two Megatron-LM runs of 158 iterations
+@pytest.mark.slow  # 93 s here (load 6-15): two Megatron-LM runs of 158 iterations
 def test_chaos_kills_of_ranks_and_loader_workers(megatron_lm: Path, tmp_path: Path) -> None:
     plan = chaos.plan("megatron-lm", KILLS, SPACING)
     assert {ev["target"] for ev in plan} == {"rank", "worker"}, plan
