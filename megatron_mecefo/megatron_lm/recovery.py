@@ -272,6 +272,9 @@ class MegatronLMTrainer:
         self.consumed_valid = 0
         """``args.consumed_valid_samples`` at the last boundary."""
         self._phase: Optional[Callable[[str, int], None]] = None
+        self._loaders: List[Any] = []
+        """This world's data loaders (:meth:`build_loader`): their workers end at
+        :meth:`release`."""
         self._scheduler_booked = False
 
     # ------------------------------------------------------------------ RecoverableTrainer
@@ -371,6 +374,8 @@ class MegatronLMTrainer:
         from megatron.core import rerun_state_machine
         from megatron.training import global_vars, training
 
+        stop_loader_workers(self._loaders)
+        self._loaders = []
         self.integration.reset()
         self.model, self.model_chunks, self.optimizer, self.scheduler = [], [], None, None
         self.config, self.built, self._phase = None, False, None
@@ -409,9 +414,11 @@ class MegatronLMTrainer:
         mpu = data_samplers.mpu
         data_samplers.mpu = _DataParallelView(mpu, replica, n)
         try:
-            return build(dataset, consumed_samples)
+            loader = build(dataset, consumed_samples)
         finally:
             data_samplers.mpu = mpu
+        self._loaders.append(loader)
+        return loader
 
     def setup(self, original: Callable, a: tuple, kw: Dict[str, Any]) -> Any:
         """``setup_model_and_optimizer``, then the session's restore/heal/hooks."""
@@ -549,3 +556,24 @@ def _install_hooks() -> None:
     training.training_log = training_log
     training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
     _INSTALLED.append(True)
+
+
+def stop_loader_workers(loaders: List[Any]) -> None:
+    """End the worker processes of ``loaders`` (torch DataLoaders with persistent workers,
+    ``--num-workers N``) now, while their iterators and queues are alive.
+
+    Left to the garbage collector, an iterator that a failure's traceback holds in a reference
+    cycle is collected with its queues: the queues' weakref finalizers run before the
+    iterator's ``__del__`` and end their feeder threads, so the shutdown's "exit" message to
+    each worker is never sent, and ``_shutdown_workers`` waits out its 5 s join timeout per
+    worker. Measured with ``--num-workers 1`` (a training, a validation and a test loader):
+    15.3 s in the release of every rejoin, or wherever the collector ran (a failure's regroup
+    of 15.2 s, in ``init_process_group`` and the build).
+    Shut down here, each worker gets its message and exits in milliseconds."""
+    for loader in loaders:
+        shutdown = getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)
+        if shutdown is not None:  # a single-process iterator (--num-workers 0) has none
+            try:
+                shutdown()
+            except Exception:  # a dead worker's loader: torch terminates what is left
+                pass

@@ -11,7 +11,6 @@ that saves and resumes; the rest are ``slow``.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -22,56 +21,15 @@ from typing import Iterator, List
 
 import pytest
 from etcd_cluster import EtcdCluster, running_cluster
-from mlm_runs import (
-    MECEFO,
-    SAMPLES,
-    failures_from_log,
-    final_params,
-    max_difference,
-    supervised,
-    supervised_nodes,
-    torchrun,
-)
-
-TOLERANCE = 5e-5
-"""Bound on |real - simulated| per parameter (5% of one Adam step at lr 1e-3). The survivors'
-gradient all-reduce sums over the members only, where the simulated run adds the failed
-replica's zero gradient too: the same numbers summed in another order, which differ in the
-last bits, and Adam's m / (sqrt(v) + eps) grows them where v is small. Measured: 1.4e-7 to
-5.3e-7 after 6-8 iterations, 3.0e-6 after 40, 4.7e-6 after 60, and 0 (bitwise) where two
-members are left; the logged grad norms agree to every digit."""
+from mlm_runs import MECEFO, final_params, max_difference, supervised, supervised_nodes, torchrun
+from mlm_runs import check_against_simulated as _check_against_simulated
+from mlm_runs import recovery_records as _records
 
 
 @pytest.fixture()
 def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
     """A private 3-member etcd for the ``--store-mode etcd`` case (skipped without etcd)."""
     yield from running_cluster(tmp_path / "etcd")
-
-
-def _check_against_simulated(
-    tree: Path, real: str, save: Path, work: Path, argv: List[str], nproc: int = 4
-) -> List[str]:
-    """The simulated run of the real run's schedule ends on the same parameters; returns
-    the schedule."""
-    schedule = failures_from_log(real)
-    fails = [a for v in schedule for a in ("--mecefo-fail", v)]
-    rc, sim = torchrun(tree, [*argv, *MECEFO, *fails, "--save", str(work / "sim")], work, nproc)
-    assert rc == 0, sim[-4000:]
-    diff = max_difference(final_params(save), final_params(work / "sim"))
-    print(f"real vs simulated {schedule}: max |difference| {diff:.3g}")
-    assert diff <= TOLERANCE, (schedule, diff)
-    # Every sample of every global batch processed exactly once, in both runs.
-    assert SAMPLES.findall(real)[-1] == SAMPLES.findall(sim)[-1]
-    processed, skipped = SAMPLES.findall(real)[-1]
-    iterations = int(argv[argv.index("--train-iters") + 1])
-    assert (int(processed), int(skipped)) == (16 * iterations, 0)
-    return schedule
-
-
-def _records(work: Path) -> List[dict]:
-    path = work / "records.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [r for r in map(json.loads, lines) if r.get("type") == "recovery"]
 
 
 def test_mecefo_without_failure_is_bitwise_stock(megatron_lm: Path, tmp_path: Path) -> None:
