@@ -58,7 +58,7 @@ from megatron_mecefo.recovery.commit import (
     vote_after_failover,
 )
 from megatron_mecefo.recovery.membership import MembershipStore
-from megatron_mecefo.recovery.store_forwarding import StoreFailedOver
+from megatron_mecefo.recovery.store_forwarding import StoreFailedOver, serve
 
 GROUP_SIZE = 32
 """Default nodes per group (``RecoveryConfig.vote_group_size``): at 2,048 nodes, 64 votes on the
@@ -105,9 +105,7 @@ class GroupStore:
     def __init__(self, host: str) -> None:
         import torch.distributed as dist
 
-        self.server: Optional[dist.TCPStore] = dist.TCPStore(
-            host, 0, None, True, wait_for_workers=False
-        )
+        self.server: Optional[dist.TCPStore] = serve(host, 0)
         self.address = f"{host}:{self.server.port}"
 
     def close(self) -> None:

@@ -24,10 +24,10 @@ import select
 import socket
 import threading
 import time
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_mecefo.recovery.config import RecoveryConfig
+from megatron_mecefo.recovery.store_forwarding import serve
 from megatron_mecefo.recovery.supervisor_args import SupervisorError, rank_list
 
 if TYPE_CHECKING:
@@ -102,20 +102,12 @@ class StoreHost:
         if not self.hosts_store:  # before importing torch: a wrong address is said in a second
             self.cfg.store = a.store
             self._wait_for_store()
-        import torch.distributed as dist
 
         from megatron_mecefo.recovery.membership import MembershipStore
 
         if self.hosts_store:
             try:
-                self.server = dist.TCPStore(
-                    a.store_host,
-                    a.store_port,
-                    None,
-                    is_master=True,
-                    wait_for_workers=False,
-                    timeout=timedelta(seconds=self.cfg.init_timeout_s),
-                )
+                self.server = serve(a.store_host, a.store_port, self.cfg.init_timeout_s)
             except Exception as err:  # noqa: BLE001 (torch's DistNetworkError and kin)
                 address = f"{a.store_host}:{a.store_port}"
                 if "in use" in str(err).lower():
@@ -203,7 +195,6 @@ class StoreHost:
         store and runs the coordinator; every other node joins through etcd, watches the
         leader's store, and campaigns in the background, to take over when the leader's term
         ends."""
-        import torch.distributed as dist
 
         from megatron_mecefo.recovery.etcd_control import ControlError, EtcdControl
         from megatron_mecefo.recovery.membership import MembershipStore
@@ -226,10 +217,7 @@ class StoreHost:
                 self.control.conn.delete(self.control.key(""), prefix=True)
                 self.control.campaign(self.candidate, self.cfg.init_timeout_s)
                 self.control.put_fenced(LEADER_NODE, str(self.node))
-                self.server = dist.TCPStore(
-                    a.store_host, a.store_port, None, is_master=True, wait_for_workers=False,
-                    timeout=timedelta(seconds=self.cfg.init_timeout_s),
-                )  # fmt: skip
+                self.server = serve(a.store_host, a.store_port, self.cfg.init_timeout_s)
                 self.hot_address = f"{a.store_host}:{self.server.port}"
                 self.control.put_fenced(HOT_STORE, self.hot_address)
                 self.log(
@@ -259,14 +247,12 @@ class StoreHost:
         """The end of opening, in every store mode: the ``env://`` rendezvous address, and on
         the store's host the job size, every node, and the coordinator on
         ``coordinator_store``."""
-        import torch.distributed as dist
 
         a = self.args
         # For trainers without MeCeFO's session (e.g. Megatron-LM's pretrain_gpt.py): a
         # torchrun-style env:// rendezvous on a second store of node 0 (agent-store mode).
         if self.hosts_store:
-            self.rdzv = dist.TCPStore(a.store_host, 0, None, is_master=True,
-                                      wait_for_workers=False)  # fmt: skip
+            self.rdzv = serve(a.store_host, 0)
             self.ms.store.set("rdzv", f"{a.store_host}:{self.rdzv.port}")
         deadline = time.monotonic() + self.cfg.init_timeout_s
         while (rdzv := self.ms.get_str("rdzv")) is None and time.monotonic() < deadline:
@@ -404,8 +390,6 @@ class StoreHost:
         from etcd, declare the old leader's ranks dead, coordinate, publish the address."""
         import json
 
-        import torch.distributed as dist
-
         from megatron_mecefo.recovery.membership import MembershipStore
         from megatron_mecefo.recovery.store_etcd import (
             HOT_STORE,
@@ -424,10 +408,7 @@ class StoreHost:
         kv, _ = c.conn.get(c.key(LEADER_NODE))
         old_node = int(kv.value) if kv is not None else 0
         c.put_fenced(LEADER_NODE, str(self.node))
-        self.server = dist.TCPStore(
-            a.store_host, 0, None, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=self.cfg.init_timeout_s),
-        )  # fmt: skip
+        self.server = serve(a.store_host, 0, self.cfg.init_timeout_s)
         self.hot_address = f"{a.store_host}:{self.server.port}"
         local = MembershipStore(tcp_client(self.hot_address, self.cfg.init_timeout_s))
         number = restore(c, local.store)
