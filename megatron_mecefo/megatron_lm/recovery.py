@@ -35,6 +35,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron_mecefo.cli import exit_with_config_error
+from megatron_mecefo.megatron_lm.checkpoint_writer import start_checkpoint_writer
 from megatron_mecefo.megatron_lm.flags import check_recovery_args, job_args
 from megatron_mecefo.recovery.config import ENV
 
@@ -107,7 +108,7 @@ def run_pretrain(pretrain: Callable, a: tuple, kw: Dict[str, Any]) -> None:
         lambda session: MegatronLMTrainer(
             session, integration, pretrain, a, kw, parsed_args=parsed
         ),
-        prepare=lambda: warm_jit_fusions(args, job.device),
+        prepare=lambda: (warm_jit_fusions(args, job.device), start_checkpoint_writer(args)),
     )
 
 

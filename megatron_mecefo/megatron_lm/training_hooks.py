@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import os
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -46,7 +47,8 @@ def save_phases(phase: Callable[[str], None]) -> Iterator[None]:
     ``torch.save``) or, a rank that writes nothing, waits for the writers (its first
     ``torch.distributed.barrier``), and ``save-finalize`` once that first barrier returned
     (every rank wrote; Megatron-LM's rank 0 writes the tracker file next). Kill injection
-    only (``--mecefo-kill R:I:save-write``); other threads' calls pass through."""
+    only (``--mecefo-kill R:I:save-write``); other threads' and forked writer processes' calls
+    pass through."""
     import threading
 
     import torch
@@ -54,9 +56,18 @@ def save_phases(phase: Callable[[str], None]) -> Iterator[None]:
     dist = torch.distributed
     save, barrier = torch.save, dist.barrier
     fired: List[str] = []
+    # A torch_dist save forks its writer processes, which inherit these wrappers and call
+    # torch.save on their (forked) main thread: a kill fired there would end the writer, not
+    # the rank, and leave the rank waiting for it forever (its peers then time out in the
+    # save's barrier after 30 s). Only the rank's own process fires.
+    owner = os.getpid()
 
     def once(name: str) -> None:
-        if name not in fired and threading.current_thread() is threading.main_thread():
+        if (
+            name not in fired
+            and os.getpid() == owner
+            and threading.current_thread() is threading.main_thread()
+        ):
             fired.append(name)
             phase(name)
 

@@ -47,17 +47,31 @@ def _check_checkpoint(save: Path) -> int:
     return iteration
 
 
-def _run(tree: Path, work: Path, kills: List[str]) -> tuple[str, List[dict]]:
+def _check_torch_dist_checkpoint(save: Path) -> int:
+    """The tracker names a whole ``torch_dist`` checkpoint: its metadata reads and lists the
+    model's tensors. Returns its iteration."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    iteration = int((save / "latest_checkpointed_iteration.txt").read_text().strip())
+    meta = FileSystemReader(str(save / f"iter_{iteration:07d}")).read_metadata()
+    keys = list(meta.state_dict_metadata)
+    assert any(k.startswith("decoder.") for k in keys), keys[:20]
+    return iteration
+
+
+def _run(tree: Path, work: Path, kills: List[str], fmt: List[str] = ()) -> tuple[str, List[dict]]:
     save = work / "ckpt"
     argv = ["--train-iters", str(ITERS), "--save-interval", str(INTERVAL), *MECEFO,
-            "--save", str(save)]  # fmt: skip
+            "--save", str(save), *fmt]  # fmt: skip
     flags = [a for k in kills for a in ("--mecefo-kill", k)]
     rc, log = supervised(tree, [*argv, *flags], work)
     assert rc == 0, log[-6000:]
     return log, _records(work)
 
 
-def _check(log: str, records: List[dict], lost: List[int], work: Path) -> None:
+def _check(
+    log: str, records: List[dict], lost: List[int], work: Path, torch_dist: bool = False
+) -> None:
     # Released by the abort, not by the collective timeout; no regroup without a lost rank.
     assert not re.search(r"[Tt]imed out|ranks \[\] lost", log), log[-6000:]
     assert "loading checkpoint" not in log
@@ -70,7 +84,10 @@ def _check(log: str, records: List[dict], lost: List[int], work: Path) -> None:
     assert all(t is not None and 0 <= t < 10 for t in totals), records
     processed, skipped = SAMPLES.findall(log)[-1]
     assert (int(processed), int(skipped)) == (GBS * ITERS, 0)
-    assert _check_checkpoint(work / "ckpt") == ITERS
+    if torch_dist:
+        assert _check_torch_dist_checkpoint(work / "ckpt") == ITERS
+    else:
+        assert _check_checkpoint(work / "ckpt") == ITERS
     print(f"kill -> redone {totals} s")
 
 
@@ -93,3 +110,18 @@ def test_death_at_each_phase_of_a_save(
     of the recovered world's save of 6."""
     log, records = _run(megatron_lm, tmp_path, [f"{victim}:3:{phase}", "2:6:save-finalize"])
     _check(log, records, [(victim, 4), (2, 7)], tmp_path)
+
+
+@pytest.mark.slow
+def test_death_in_a_torch_dist_save(megatron_lm: Path, tmp_path: Path) -> None:
+    """``--ckpt-format torch_dist`` (Megatron-LM's default): slot 1 dies as the first save
+    (iteration 3) starts, slot 2 in the write of the recovered world's save of 6. The
+    survivors' first save must not start Megatron-Core's write-results Manager (a spawned
+    interpreter, seconds, not abortable) inside the recovery: every rank started it before it
+    said ready."""
+    log, records = _run(
+        megatron_lm, tmp_path, ["1:3:save", "2:6:save-write"], ["--ckpt-format", "torch_dist"]
+    )
+    _check(log, records, [(1, 4), (2, 7)], tmp_path, torch_dist=True)
+    # Rank 0 at start-up and each replacement incarnation say so.
+    assert "rank 0: torch_dist checkpoint writer started before ready" in log, log[-4000:]

@@ -69,3 +69,29 @@ def test_the_new_phases_parse_and_random_draws_are_unchanged() -> None:
     assert [k.phase for k in kills] == ["save-write", "save-finalize"]
     # A seeded "?" draws from the first seven phases, as before these were added.
     assert RANDOM_PHASES == PHASES[:7] and "save-write" not in RANDOM_PHASES
+
+
+def test_a_forked_writer_fires_nothing(tmp_path: Path) -> None:
+    """A torch_dist save forks writer processes that call ``torch.save`` on their main
+    thread: the phase must not fire there (a kill would end the writer, and the rank would
+    wait for it forever), only in the rank's own process."""
+    import multiprocessing as mp
+    import os
+
+    fired = tmp_path / "fired.txt"
+
+    def phase(name: str) -> None:  # visible across processes: a line per firing, with its pid
+        with open(fired, "a") as f:
+            f.write(f"{os.getpid()} {name}\n")
+
+    with save_phases(phase):
+        child = mp.get_context("fork").Process(
+            target=torch.save, args=({"w": 1}, tmp_path / "w.pt")
+        )
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        assert not fired.exists(), fired.read_text()
+        torch.save({"r": 2}, tmp_path / "r.pt")  # the rank's own write still fires
+    assert fired.read_text() == f"{os.getpid()} save-write\n"
+    assert torch.load(tmp_path / "w.pt") == {"w": 1}
