@@ -32,7 +32,10 @@ iteration, all released together by a barrier. Runs:
 Per iteration: the time from the first voter's start to the last voter knowing the outcome
 (every voter, including the real node's ranks), p50 and p99; and the store server's CPU
 seconds per iteration (its cost on a real cluster, where the voters are elsewhere). On this
-machine voters and server share 2 cores, so the wall times include the emulation's own load.
+machine voters and server share 2 cores, so the wall times include the emulation's own load:
+each run also reports the CPU that the whole emulation (every voter process, the heads' servers
+and the hot store) burns per iteration, and that divided by the cores, the least wall time an
+iteration can take here however fast the protocol is (``emulation_wall_floor_ms``).
 Writes JSON and one summary line.
 """
 
@@ -56,6 +59,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 sys.path.insert(0, str(REPO))
 
+CORES = len(os.sched_getaffinity(0))
+"""The cores the emulation shares (the floor under its wall times)."""
 POLL_S = float(os.environ.get("COMMIT_AT_SCALE_POLL_S", 0.01))  # RecoveryConfig's default
 
 # The store server looks up each accepted client's name (getnameinfo of ::ffff:127.0.0.1 goes to
@@ -141,13 +146,16 @@ def _voters(
     threads = [threading.Thread(target=voter, args=(k,), daemon=True) for k in range(clients)]
     for t in threads:
         t.start()
-    result = []
+    result, cpu0 = [], None
     for _ in range(iterations):
         barrier.wait()
+        if cpu0 is None:
+            cpu0 = time.process_time()
         go.wait()
         done.wait()
         result.append((min(r[0] for r in rows), max(r[1] for r in rows), all(r[2] for r in rows)))
-    out.put((result, sum(ms.store.ops for ms in stores)))
+    cpu = time.process_time() - (cpu0 or 0.0)  # every thread of this voter process
+    out.put((result, sum(ms.store.ops for ms in stores), None, cpu))
 
 
 def _thread_cpu_s(tids: Sequence[str]) -> float:
@@ -209,19 +217,20 @@ def _group_voters(
     threads = [threading.Thread(target=voter, args=(k,), daemon=True) for k in range(clients)]
     for t in threads:
         t.start()
-    result, cpu0 = [], None
+    result, cpu0, proc0 = [], None, 0.0
     for _ in range(iterations):
         barrier.wait()
         if cpu0 is None:
-            cpu0 = _thread_cpu_s(server_tids)
+            cpu0, proc0 = _thread_cpu_s(server_tids), time.process_time()
         go.wait()
         done.wait()
         result.append((min(r[0] for r in rows), max(r[1] for r in rows), all(r[2] for r in rows)))
     head_cpu = _thread_cpu_s(server_tids) - (cpu0 or 0.0)
+    proc_cpu = time.process_time() - proc0
     ops = sum(ms.store.ops for ms in hot) + sum(
         v._hot_voter.store.ops for v in voters if v.own is not None
     )
-    out.put((result, ops, head_cpu))
+    out.put((result, ops, head_cpu, proc_cpu))
 
 
 def run(
@@ -307,6 +316,7 @@ def run(
         per_proc = [g[0] for g in got]
         ops = sum(g[1] for g in got)
         head_cpu = sum(g[2] for g in got) if group_size else None
+        voter_cpu = sum(g[3] for g in got)
         cpu = _cpu_s(server_pid) - cpu0
         etcd_cpu = sum(_cpu_s(p) for p in etcd_pids) - etcd_cpu0
         wall = time.monotonic() - t_run
@@ -354,6 +364,12 @@ def run(
             if group_size
             else {}
         ),
+        # What the emulation itself burns per iteration (every voter process, the heads'
+        # servers included, and the hot store), and so the least wall time an iteration can
+        # take when all of it shares this machine's cores: on a cluster it is spread over the
+        # nodes' own CPUs.
+        "emulation_cpu_ms_per_iteration": round(1e3 * (voter_cpu + cpu) / iterations, 1),
+        "emulation_wall_floor_ms": round(1e3 * (voter_cpu + cpu) / iterations / CORES, 1),
         "load_after": round(os.getloadavg()[0], 2),
     }
 
@@ -465,7 +481,8 @@ def main() -> None:
     result["machine"]["loadavg_end"] = os.getloadavg()
     parts = [
         f"{r['name']}({r['store_voters']} voters) p50 {r['p50_ms']} p99 {r['p99_ms']} ms, "
-        f"server {r['server_cpu_ms_per_iteration']} ms CPU/it"
+        f"server {r['server_cpu_ms_per_iteration']} ms CPU/it, "
+        f"emulation floor {r['emulation_wall_floor_ms']} ms"
         for r in result["runs"]
     ]
     if "per_rank_extrapolated" in result:
