@@ -1220,7 +1220,8 @@ def _loader_workers(pid: int) -> List[int]:
 
 
 def tail_run(out: Path, trainer: str, scenario: str, kills: int, seed: int,
-             tree: Optional[Path], data: str, spacing: int) -> Dict[str, Any]:  # fmt: skip
+             tree: Optional[Path], data: str, spacing: int,
+             ckpt_format: str = "torch") -> Dict[str, Any]:  # fmt: skip
     """One supervised DP4 run of ``trainer`` under ``scenario``'s plan (:func:`tail_schedule`);
     every event measured from its first kill (the benchmark's ``time.time()`` before
     ``os.kill``, or the injected kill's own timestamp) to the last member's redone iteration,
@@ -1247,6 +1248,7 @@ def tail_run(out: Path, trainer: str, scenario: str, kills: int, seed: int,
         model = list(MLM_MODEL)
         if scenario in ("loader-worker", "chaos"):  # a loader worker per rank to kill
             model[model.index("--num-workers") + 1] = "1"
+        model[model.index("--ckpt-format") + 1] = ckpt_format
         args = [str(MLM_LAUNCHER), "--megatron-lm-dir", str(tree), *model, *MLM_MECEFO]
     else:
         args = [str(TRAINER), *MODEL, "--data-path", data]
@@ -1508,7 +1510,8 @@ def main_tails(a: argparse.Namespace) -> None:
                 print(note, flush=True)
                 continue
             spacing = a.spacing or TAIL_SPACING[trainer]
-            run = tail_run(out, trainer, scenario, kills, a.seed, tree, a.data_path, spacing)
+            run = tail_run(out, trainer, scenario, kills, a.seed, tree, a.data_path, spacing,
+                           a.ckpt_format)  # fmt: skip
             runs.append(run)
             row = summarize_tails([run])[f"{trainer}/{scenario}"]
             print(f"{trainer}/{scenario}: {row['events_measured']}/{kills} events, kill -> "
@@ -1532,6 +1535,7 @@ def main_tails(a: argparse.Namespace) -> None:
                                   *SUPERVISOR_TIMEOUTS],
                    "example_model": MODEL, "megatron_lm_model": MLM_MODEL,
                    "megatron_lm_num_workers": "1 in loader-worker and chaos, else 0",
+                   "megatron_lm_ckpt_format": a.ckpt_format,
                    "nice": 5, "OMP_NUM_THREADS": 1},  # fmt: skip
         "notes": notes,
         "goal": "kill -> redone max <= 3 s in every scenario, no spurious generation",
@@ -1621,6 +1625,9 @@ def main() -> None:
                    help="--scenarios: kill events per scenario and trainer")  # fmt: skip
     p.add_argument("--quick", action="store_true",
                    help="--scenarios: a smoke run, 3 kill events per scenario")  # fmt: skip
+    p.add_argument("--ckpt-format", default="torch", choices=("torch", "torch_dist"),
+                   help="--scenarios: Megatron-LM's checkpoint format (torch_dist: its "
+                   "default, a sharded save with forked writers)")  # fmt: skip
     a = p.parse_args()
     if a.scenarios:
         example = "example" in a.trainers.split(",")

@@ -394,7 +394,9 @@ else
     # The same node loss and rejoin as part 1, in Megatron-LM's own pretrain_gpt.py: the job
     # must train on in-process (no requeue, no checkpoint read), heal the rejoined node and
     # pass Megatron-LM's own weight-hash check across the data-parallel replicas.
-    MLM_ITERS=${SLURM_TEST_MLM_ITERS:-300}
+    # 450: node 0's replacement (a rejoin step: start, import, compile, heal) rejoined at
+    # iteration 111 of 300 on an idle machine, and once not before the 300th at all.
+    MLM_ITERS=${SLURM_TEST_MLM_ITERS:-450}
     export GPT_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 --lr 1e-3 \
 --lr-decay-style constant --train-iters $MLM_ITERS --hidden-dropout 0 --attention-dropout 0 \
