@@ -446,6 +446,11 @@ class Supervisor:
                 kill(child.proc.pid)
             for child in everyone:
                 child.proc.wait()
+            if self.beat is not None:
+                # Joined before the stores go: a daemon thread left in a store call while the
+                # interpreter tears the stores down can abort the exit (below, __main__).
+                self.beat.stop()
+                self.beat.thread.join(self.cfg.heartbeat_interval_s + 1.0)
             self.store_host.close()
             self.cost.record(self.ms)
 
@@ -552,9 +557,11 @@ if __name__ == "__main__":
     threading.current_thread().name = "supervisor"
     code = main()
     # End here, as the ranks do (generations._exit_now): the interpreter's teardown of the
-    # supervisor's C++ store objects, with its daemon threads still in store calls, aborted
-    # ("terminate called without an active exception", SIGABRT) in 2 of ~180 supervised runs
-    # of a `make test`, after the job had finished and reported.
+    # supervisor's C++ store objects, with a daemon thread still in a store call (the
+    # supervisor's heartbeat, new in this version, was never stopped), aborted ("terminate
+    # called without an active exception", SIGABRT) in 2 of ~180 supervised runs of a `make
+    # test`, after the job had finished and reported. Other daemon threads (the node vote,
+    # etcd's keepalive) may still be in calls here.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code if isinstance(code, int) else 1)
