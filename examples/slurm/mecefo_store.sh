@@ -143,12 +143,14 @@ mecefo_stop_etcd() {
     MECEFO_ETCD_STEPS=()
 }
 
-# mecefo_run_step CMD...: runs the training step (its srun) and waits for it. The time limit's
-# SIGTERM (#SBATCH --signal=B:TERM@120) reaches only this batch shell, which passes it on to
-# every training step, this one and the rejoin steps, and not to the job's etcd members:
-# those must keep serving while the ranks save. Returns the step's status.
+# mecefo_run_step CMD...: runs the training step (its srun) and waits for it, then for the
+# rejoin steps (rejoin_node.sh), at most 45 s (a leader waits at most 30 s for the others).
+# The time limit's SIGTERM (#SBATCH --signal=B:TERM@120) reaches only this batch shell, which
+# passes it on to every training step, this one and the rejoin steps, and not to the job's
+# etcd members: those must keep serving while the ranks save. Returns the training step's
+# status.
 mecefo_run_step() {
-    local rc
+    local rc deadline
     "$@" &
     MECEFO_STEP_PID=$!
     trap mecefo_pass_term TERM
@@ -160,8 +162,24 @@ mecefo_run_step() {
             break
         fi
     done
+    # A rejoined node's supervisor may lead the job (it won a term after the leader's loss):
+    # it hosts the store until every other node has finished, and resigns on etcd after
+    # them. The batch's end would cancel its step (and fail it) in that window, and stopping
+    # etcd under it would stall its resignation. It ends within a second of the others.
+    deadline=$((SECONDS + 45))
+    while [ "$SECONDS" -lt "$deadline" ] && mecefo_rejoin_steps_running; do
+        sleep 0.2
+    done
     trap - TERM
     return "$rc"
+}
+
+mecefo_rejoin_steps_running() {  # true while a step of rejoin_node.sh runs in this job
+    local id name
+    while read -r id name; do
+        case $name in mecefo-rejoin-*) return 0 ;; esac
+    done < <(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" 2> /dev/null)
+    return 1
 }
 
 mecefo_pass_term() {

@@ -501,6 +501,13 @@ class Supervisor:
         n = len(self.slots)
         if self._saving() and self._done():
             self.log(f"stopped by {name}: {n} ranks saved and exited (--exit-signal-handler)")
+            # As at the end of training: the store's host stays up until every node has read
+            # "done". A leader that left first made a later node's read fail, and that node
+            # said its ranks "ended before their save completed" (test-slurm, once).
+            try:
+                self.store_host.finish_node()
+            except Exception:  # noqa: BLE001 (the host left after its 30 s: saved all the same)
+                pass
             return 0
         if self._saving():
             self.log(

@@ -42,7 +42,10 @@ REPO=$(cd "$(dirname "$0")/../../.." && pwd)
 PY=${PYTHON:-$REPO/.venv/bin/python}
 T0=$(date +%s)
 say() { echo "[test-slurm $(($(date +%s) - T0))s] $*"; }
-fail() { echo "[test-slurm] FAILED: $*" >&2; exit 1; }
+# The reason is said again as the cleanup's last line: CI shows only an output's tail, which the
+# daemons' logs below would fill.
+FAILED_WHY=
+fail() { FAILED_WHY=$*; echo "[test-slurm] FAILED: $*" >&2; exit 1; }
 
 # ------------------------------------------------------------------ install
 need=()
@@ -111,11 +114,17 @@ cleanup() {
     fi
     # SLURM_TEST_KEEP=DIR: the jobs' run folders and outputs are copied there (also on success:
     # the recovery records and supervisor lines of a passing run).
-    if [ -n "${SLURM_TEST_KEEP:-}" ]; then cp -r "$TMP/runs" "$SLURM_TEST_KEEP"; fi
+    if [ -n "${SLURM_TEST_KEEP:-}" ]; then
+        cp -r "$TMP/runs" "$SLURM_TEST_KEEP"
+        cp "$TMP"/slurm*.log "$SLURM_TEST_KEEP" 2> /dev/null
+    fi
     rm -rf "$TMP"
     say "stopped ${#DAEMONS[@]} daemons, removed $TMP (status $rc)"
+    if [ -n "$FAILED_WHY" ]; then echo "[test-slurm] FAILED: $FAILED_WHY" >&2; fi
 }
 trap cleanup EXIT
+# A check that fails without fail() (set -e: an inline Python check's assertion) is named by line.
+trap 'FAILED_WHY=${FAILED_WHY:-"the command at line $LINENO exited $? (its own error is above)"}' ERR
 trap 'exit 130' INT TERM
 
 free_port() { "$PY" -c "import socket; s=socket.socket(); s.bind(('',0)); print(s.getsockname()[1])"; }
