@@ -411,8 +411,12 @@ class Trainer:
         if self.recovery is None or self.log.rank != 0:
             return
         late = self.recovery.unlogged(self.history)
+        # A logging rank can write a record and then fail to note it in the store (cut off
+        # from etcd between the two, its note refused): the record is in the file already.
+        written = self.log.train_iterations_from(late[0]["iteration"]) if late else set()
         for record in late:
-            self.log.emit(record)
+            if record["iteration"] not in written:
+                self.log.emit(record)
             it = record["iteration"]
             if it % self.args.log_interval == 0 or it == self.args.train_iters:
                 self.log.window(self.args, [record])

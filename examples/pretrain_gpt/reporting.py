@@ -20,6 +20,7 @@ class TrainingLog:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.metrics_file: Any = None
+        self.metrics_path: Optional[str] = None
         self.tb: Any = None
 
     def open(self, args: Any, mode: str) -> None:
@@ -29,6 +30,7 @@ class TrainingLog:
             return
         if args.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
+            self.metrics_path = args.metrics_file
             self.metrics_file = open(args.metrics_file, mode)
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -49,6 +51,23 @@ class TrainingLog:
             for key in ("loss", "grad_norm", "lr", "tokens_per_s", "ppl"):
                 if key in record:
                     self.tb.add_scalar(f"{prefix}/{key}", record[key], record["iteration"])
+
+    def train_iterations_from(self, first: int) -> set[int]:
+        """The ``train`` records' iterations ``>= first`` already in the metrics file, read
+        from its end back to the first older record (empty without a file)."""
+        if self.metrics_path is None:
+            return set()
+        iterations: list[Optional[int]] = []
+        with open(self.metrics_path, "rb") as f:
+            end = start = f.seek(0, os.SEEK_END)
+            while start > 0 and not any(it is not None and it < first for it in iterations):
+                start = max(0, start - (1 << 16))
+                f.seek(start)
+                lines = f.read(end - start).split(b"\n")
+                # The first line of a chunk that starts mid-file may be cut: the next read
+                # (from further back) has it whole.
+                iterations = [_train_iteration(x) for x in (lines[1:] if start else lines)]
+        return {it for it in iterations if it is not None and it >= first}
 
     def start(self, args: Any, device_type: str, num_params: int) -> None:
         """The line that names the layout, the model and the batch."""
@@ -226,3 +245,15 @@ def first_last_loss(history: list[dict[str, Any]]) -> str:
     """First and last loss of the iterations that computed one (not the skipped ones)."""
     losses = [r["loss"] for r in history if r["loss"] is not None]
     return f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "none (no iteration updated)"
+
+
+def _train_iteration(line: bytes) -> Optional[int]:
+    """The iteration of a whole ``train`` record line; None for any other line (a record cut
+    short by its writer's death is no record)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if isinstance(record, dict) and record.get("type") == "train":
+        return record.get("iteration")
+    return None

@@ -119,11 +119,21 @@ class Netns:
         return [int(p) for p in out.split()]
 
     def reachable(self, node: int, host: str, port: int, timeout_s: float = 1.0) -> bool:
-        """Whether a TCP connection from node ``node``'s namespace to ``host:port`` opens."""
+        """Whether a TCP connection from node ``node``'s namespace to ``host:port`` opens
+        within ``timeout_s``. Tried again until then: just after a link comes back, a connect
+        can fail at once ("no route to host": the neighbour entry failed while the link was
+        down), as the partition test saw once."""
         probe = (
-            "import socket,sys\n"
-            f"try: socket.create_connection(({host!r}, {port}), timeout={timeout_s}).close()\n"
-            "except OSError: sys.exit(1)\n"
+            "import socket,sys,time\n"
+            f"end, address = time.monotonic() + {timeout_s}, ({host!r}, {port})\n"
+            "while True:\n"
+            "    left = end - time.monotonic()\n"
+            "    try:\n"
+            "        socket.create_connection(address, timeout=max(left, 0.05)).close()\n"
+            "        break\n"
+            "    except OSError:\n"
+            "        if left <= 0.1: sys.exit(1)\n"
+            "        time.sleep(0.1)\n"
         )
         cmd = ["ip", "netns", "exec", self.namespaces[node], "python3", "-c", probe]
         return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
