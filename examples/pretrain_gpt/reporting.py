@@ -20,7 +20,6 @@ class TrainingLog:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.metrics_file: Any = None
-        self.metrics_path: Optional[str] = None
         self.tb: Any = None
 
     def open(self, args: Any, mode: str) -> None:
@@ -30,7 +29,6 @@ class TrainingLog:
             return
         if args.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-            self.metrics_path = args.metrics_file
             self.metrics_file = open(args.metrics_file, mode)
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -55,10 +53,10 @@ class TrainingLog:
     def train_iterations_from(self, first: int) -> set[int]:
         """The ``train`` records' iterations ``>= first`` already in the metrics file, read
         from its end back to the first older record (empty without a file)."""
-        if self.metrics_path is None:
+        if self.metrics_file is None:
             return set()
         iterations: list[Optional[int]] = []
-        with open(self.metrics_path, "rb") as f:
+        with open(self.metrics_file.name, "rb") as f:
             end = start = f.seek(0, os.SEEK_END)
             while start > 0 and not any(it is not None and it < first for it in iterations):
                 start = max(0, start - (1 << 16))

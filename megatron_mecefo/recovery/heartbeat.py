@@ -68,5 +68,9 @@ class Heartbeat:
                 self.failures += 1
             self.cpu_s = time.thread_time()
 
-    def stop(self) -> None:
+    def stop(self, join: bool = False) -> None:
+        """End the beats; ``join``: also wait (at most one beat's call) for the thread to end,
+        e.g. before this process's stores are torn down under it."""
         self._stop.set()
+        if join and self.thread.is_alive():
+            self.thread.join(self.interval_s + 1.0)

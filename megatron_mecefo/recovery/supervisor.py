@@ -449,8 +449,7 @@ class Supervisor:
             if self.beat is not None:
                 # Joined before the stores go: a daemon thread left in a store call while the
                 # interpreter tears the stores down can abort the exit (below, __main__).
-                self.beat.stop()
-                self.beat.thread.join(self.cfg.heartbeat_interval_s + 1.0)
+                self.beat.stop(join=True)
             self.store_host.close()
             self.cost.record(self.ms)
 
@@ -505,10 +504,9 @@ class Supervisor:
             # "done". A leader that left first made a later node's read fail, and that node
             # said its ranks "ended before their save completed" (test-slurm, once).
             try:
-                self.store_host.finish_node()
+                return self._finish_node()
             except Exception:  # noqa: BLE001 (the host left after its 30 s: saved all the same)
-                pass
-            return 0
+                return 0
         if self._saving():
             self.log(
                 f"stopped by {name}: {n} ranks ended before their save completed (a rank died "
