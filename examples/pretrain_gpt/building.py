@@ -92,8 +92,9 @@ def init_parallel_state(args: Any, recovery: Any, timeout_min: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
 
 
-def transformer_config(args: Any, device: Any) -> Any:
-    """The ``TransformerConfig`` of the flags (fused kernels off: they are CUDA-only)."""
+def transformer_config(args: Any, device: Any, initialize: bool = True) -> Any:
+    """The ``TransformerConfig`` of the flags (fused kernels off: they are CUDA-only);
+    ``initialize`` False when a recovery overwrites every weight (the carry or a heal)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -129,6 +130,7 @@ def transformer_config(args: Any, device: Any) -> Any:
         recompute_method=a.recompute_method,
         recompute_num_layers=a.recompute_num_layers,
         calculate_per_token_loss=a.calculate_per_token_loss,
+        perform_initialization=initialize,
         # Fused kernels are CUDA-only (or torch.compile on CPU, 17 s of first-step codegen).
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -192,7 +194,7 @@ def build_model(
             vp_stage=vp_stage,
         )
         chunks.append(chunk.to(device))
-    if a.layout_invariant_init:
+    if a.layout_invariant_init and cfg.perform_initialization:
         layout_invariant_init_(chunks, cfg, a.seed)
     num_params = sum(p.numel() for c in chunks for p in c.parameters())
     wrapped = [Float16Module(cfg, c) for c in chunks] if (a.bf16 or a.fp16) else chunks

@@ -96,7 +96,9 @@ class Trainer:
         self.rank = dist.get_rank()
         self.log = TrainingLog(self.rank)
         building.init_parallel_state(args, recovery, self.timeout_min)
-        self.config = building.transformer_config(args, device)
+        # A recovery that overwrites every weight (carry, heal) skips their initialisation.
+        initialize = recovery is None or recovery.initializes_model()
+        self.config = building.transformer_config(args, device, initialize)
         from megatron_mecefo.data import ByteTokenizer
 
         self.tokenizer = ByteTokenizer()  # --tokenizer-type's only choice; sets the vocab

@@ -429,12 +429,19 @@ class MegatronLMTrainer:
 
         args = get_args()
         hidden = (args.load, args.pretrained_checkpoint)
+        had_init = hasattr(args, "perform_initialization")
         if self.session.generation > 0:  # the state comes from memory, not from --load
             args.load = args.pretrained_checkpoint = None
+        if not self.session.initializes_model():
+            # core_transformer_config_from_args copies every args field that TransformerConfig
+            # has: the carry or the heal overwrites each weight, so none is initialised.
+            args.perform_initialization = False
         try:
             model, optimizer, scheduler = original(*a, **kw)
         finally:
             args.load, args.pretrained_checkpoint = hidden
+            if not had_init and hasattr(args, "perform_initialization"):
+                del args.perform_initialization
         self.model, self.model_chunks = model, unwrap_model(model)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.config = get_model_config(model[0])

@@ -13,8 +13,8 @@ alive), this subpackage handles a rank that really dies (SIGKILL, OOM killer, a 
 * in each rank, :mod:`.session` drives the example trainer through generations: detection
   (:mod:`.heartbeat`, collective errors), release and rebuild of the world (:mod:`.regroup`,
   :mod:`.abort`), the commit vote (:mod:`.commit`), takeover from membership
-  (:mod:`.membership_schedule`), rejoin and heal (:mod:`.state_transfer`), fault injection
-  (:mod:`.fault_injection`) and the recovery records (:mod:`.records`).
+  (:mod:`.membership_schedule`), the carried state and the heal by tensors (:mod:`.state`),
+  fault injection (:mod:`.fault_injection`) and the recovery records (:mod:`.records`).
 
 Config: :class:`.config.RecoveryConfig`. Used by ``examples/pretrain_gpt/pretrain_gpt.py`` and
 ``benchmarks/recovery_latency.py``.

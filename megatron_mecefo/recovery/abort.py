@@ -28,7 +28,17 @@ def release_megatron(chunks: Iterable[Any], ddp_models: Iterable[Any], config: A
     """Break the reference cycles that keep Megatron's groups alive after the model is
     dropped: DDP's gradient-accumulator hooks (C++ autograd nodes, which Python's GC cannot
     traverse), its bucket maps, and the hooks stored on the TransformerConfig."""
+    import torch
+
     for ddp in ddp_models:
+        # The gradient buffers die with the world (nothing carries them), but an interrupted
+        # backward's graph keeps DDP's hooks, and through them the buckets, alive past the
+        # world's end (seen: a failure in the backward kept a whole gradient buffer resident
+        # through the next generation). Free their memory now, whoever still refers to them.
+        for buffer in [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]:
+            grad_data = getattr(buffer, "grad_data", None)
+            if isinstance(grad_data, torch.Tensor):
+                grad_data.untyped_storage().resize_(0)
         for name in ("grad_accs", "buffers", "expert_parallel_buffers", "bucket_groups",
                      "expert_parallel_bucket_groups"):  # fmt: skip
             value = getattr(ddp, name, None)

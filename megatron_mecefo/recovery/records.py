@@ -69,6 +69,18 @@ def build_record(
         "samples_redone": global_batch_size if redone else 0,
     }
     built, done = latest("built"), latest("done")
+    roles = {s: t["heal_role"] for s, t in times.items() if t.get("heal_role")}
+    if roles:  # the heal by tensors (state/heal.py): who sent, received, only waited
+        received = [t for s, t in times.items() if roles.get(s) == "joiner"]
+        rec["heal_roles"] = {str(s): r for s, r in sorted(roles.items())}
+        rec["heal_written_bytes"] = {
+            str(s): int(times[s].get("heal_written_bytes", 0)) for s in sorted(roles)
+        }
+        rec["heal_bytes"] = sum(int(t.get("heal_bytes", 0)) for t in received)
+        transfer = max((t.get("heal_transfer_s", 0.0) for t in received), default=0.0)
+        rec["heal_transfer_s"] = round(transfer, 4)
+        if transfer > 0:  # bytes into one receiver per second of its transfer
+            rec["heal_gbps"] = round(rec["heal_bytes"] / len(received) / transfer / 1e9, 4)
     # Where the regroup time goes: the slowest member's duration of each step.
     if planned:  # the joiners' waiting as spares is not part of the switch
         times = {s: t for s, t in times.items() if s not in set(generation.joined)} or times

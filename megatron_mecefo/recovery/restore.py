@@ -5,7 +5,7 @@ snapshot held with parity by all and rebuild the lost shards from their peers an
 (:func:`take_over_from_snapshot`); when the snapshots cannot serve, they load the newest disk
 checkpoint (:func:`fall_back_to_disk`). Either way the iterations after the restored one are
 replayed (:func:`replay_from`). The local path (a survivor's own carried state) and the heal
-of a joiner are in :mod:`.state_transfer`.
+of a joiner are in :mod:`.state`.
 """
 
 from __future__ import annotations

@@ -40,14 +40,11 @@ from megatron_mecefo.recovery.heartbeat import Heartbeat
 from megatron_mecefo.recovery.membership import Generation, JobLayout, MembershipStore
 from megatron_mecefo.recovery.membership_schedule import MembershipSchedule
 from megatron_mecefo.recovery.restore import take_over_from_snapshot
-from megatron_mecefo.recovery.state_transfer import (
-    ShardLost,
-    boundary_snapshot,
-    export_state,
-    heal,
-    heal_source,
-    import_state,
-)
+from megatron_mecefo.recovery.state import heal as healing
+from megatron_mecefo.recovery.state.carry import boundary_snapshot, export_state, import_state
+from megatron_mecefo.recovery.state.checksum import state_checksum
+from megatron_mecefo.recovery.state.memory import release_unused, written_bytes
+from megatron_mecefo.recovery.state.tensor_stream import stream_config
 from megatron_mecefo.recovery.step_hooks import install_commit_vote
 from megatron_mecefo.recovery.store_forwarding import store_addresses
 from megatron_mecefo.recovery.world_store import BuildAborter, WorldBuildAborted, WorldStore
@@ -170,6 +167,9 @@ class RecoverySession:
         snapshot with parity and rebuilds the lost shards
         (:func:`.restore.take_over_from_snapshot`)."""
         self.takeover_info: Optional[Dict[str, Any]] = None
+        self.trim_after: Optional[int] = None
+        """The iteration after which freed memory is given back once more (a new world's
+        second step; :meth:`committed`)."""
         self.saved_layouts: Dict[int, str] = {}
         """Checkpoint iteration -> this rank's position when it saved it (its per-rank files,
         e.g. the low-rank bases, are read back from there by the disk fallback)."""
@@ -319,6 +319,20 @@ class RecoverySession:
         self.snapshots.prepare()
         return self.snapshots
 
+    def initializes_model(self) -> bool:
+        """Whether the trainer must initialise the weights of the model it builds now: not when
+        the carried state or a peer's (the heal) overwrites every one of them. Built without
+        initialisation (Megatron's ``perform_initialization=False``), the new weights' pages are
+        untouched until the carry is copied in, tensor by tensor, so a survivor never holds two
+        copies of its weights. The same rule as :meth:`on_built`'s ``valid``."""
+        if self.takeover_pending:  # a snapshot roll-back: keep the plain path
+            return True
+        if self.carry is not None:
+            return False
+        if self.gen is not None and self.gen.number == 0 and self.inc == 0:
+            return True
+        return self.ms.get_str("progress") is None  # nothing committed: all start from the seed
+
     def metrics_mode(self) -> str:
         return "a" if self.generation > 0 else "w"
 
@@ -347,7 +361,12 @@ class RecoverySession:
         if self.carry is not None and self.takeover_pending:
             take_over_from_snapshot(self, trainer)
         elif self.carry is not None:
-            import_state(trainer, self.carry)
+            boundary = self.carry["boundary"]
+            import_state(trainer, self.carry)  # consumes the carried weights as it copies
+            # Kept (sharing the new model's tensors) until this world is established: if it
+            # fails before, the next world imports it again.
+            self.carry = export_state(trainer, boundary)
+            release_unused()
         # Agree on the state: the members with valid state at the highest iteration are the
         # sources; everyone else in their data-parallel group is healed from them.
         mine = (self.slot, self.valid, trainer.iteration if self.valid else -1)
@@ -362,31 +381,22 @@ class RecoverySession:
         authority = next(i for i, (_, ok, it) in enumerate(infos) if ok and it == target)
         if self.schedule is not None:
             self.schedule.real = [list(e) for e in every[authority][1]]
-        # Every group's source, on every rank: a lost shard stops every rank with the same
-        # message (one group stopping alone would leave the others in their broadcast).
+        # Every group's plan, on every rank: a lost shard stops every rank with the same
+        # message (one group stopping alone would leave the others waiting for it).
         try:
-            sources = {tuple(e[2]): heal_source(infos, e[2], target) for e in every}
-        except ShardLost as err:
+            plans = {tuple(e[2]): healing.heal_plan(infos, e[2], target) for e in every}
+        except healing.ShardLost as err:
             self.fatal(str(err))
-        src = sources[tuple(dp_ranks)]
         any_heal = [not (ok and it == target) for _, ok, it in infos]
         if any(any_heal):
-            # Every data-parallel group runs the same number of broadcasts (one, or none).
-            if src is not None:
-                _, ok, iteration = infos[dist.get_rank()]
-                receiving = not (ok and iteration == target)
-                if receiving:
-                    self.injector.phase("heal", target + 1)
-                state = None
-                if dist.get_rank() == src:
-                    state = export_state(trainer, self.boundary or boundary_snapshot(trainer))
-                heal(trainer, state, src, dp_group, receiving)
+            self._heal(trainer, plans, plans[tuple(dp_ranks)], target, dp_group)
             if self.args.use_distributed_optimizer:
                 self._regrow(trainer, target, joiner=any_heal[dist.get_rank()])
             self.times["healed"] = time.time()
             self._check_replicas_identical(trainer, dp_group)
         self.valid = True
         self.carry = None
+        release_unused()  # the carry's and the heal's freed buffers, back to the OS
         self.boundary = boundary_snapshot(trainer)
         if self.schedule is not None and gen.number > 0:
             for line in self.schedule.apply_generation(gen.replicas, trainer.iteration + 1):
@@ -396,6 +406,9 @@ class RecoverySession:
         self.aborter.seal_world()
         self.times["built"] = time.time()
         self.record_pending = gen.number > 0
+        # A recovery's buffers and the first (degraded or healed) steps' working set are
+        # freed by then; glibc keeps them resident unless trimmed (state/memory.py).
+        self.trim_after = trainer.iteration + 2 if gen.number > 0 else None
 
     def _start_watchdog(self, gen: Generation, aborter: Any) -> None:
         """Watch for a failure generation after ``gen`` until :meth:`leave`. It sleeps in a
@@ -434,12 +447,65 @@ class RecoverySession:
             self.fatal(f"{err}; {DIST_OPT_REJOIN_MESSAGE}")
         self.takeover_info = {"recovery_path": "regrow", "regrow_s": done["seconds"]}
 
-    def _check_replicas_identical(self, trainer: Any, dp_group: Any) -> None:
-        """After a heal: parameters and optimizer state hash alike on every DP replica."""
-        import torch
+    def _heal(
+        self, trainer: Any, plans: Dict[tuple, Dict[int, List[int]]], mine: Dict[int, List[int]],
+        target: int, dp_group: Any,
+    ) -> None:  # fmt: skip
+        """Stream the state from each source to its receivers (``mine``: this rank's data-
+        parallel group's plan), then wait with every member until every receiver in the world
+        is done (:mod:`.state.heal`). The bytes and seconds go into the recovery record."""
         import torch.distributed as dist
 
-        from megatron_mecefo.recovery.state_transfer import state_digest
+        me = dist.get_rank()
+        config = stream_config(self.cfg.collective_timeout_s)
+        prefix = f"heal/{self.generation}"
+        t0, written = time.time(), written_bytes()
+        stats = None
+        if me in mine:
+            state = export_state(trainer, self.boundary or boundary_snapshot(trainer))
+            report = healing.progress_reporter(self.ms.store, f"{prefix}/sent/{me}", 0.5)
+            stats = healing.send_state(state, mine[me], dp_group, config, report)
+            del state
+            self.times["heal_role"] = "sender"
+        else:
+            src = next((s for s, dsts in mine.items() if me in dsts), None)
+            if src is not None:
+                self.injector.phase("heal", target + 1)
+                try:
+                    stats = healing.receive_state(trainer, src, dp_group, config)
+                except healing.ChecksumMismatch as err:
+                    self.fatal(str(err))
+                healing.mark_done(self.ms.store, prefix, me)
+                self.times["heal_role"] = "joiner"
+            else:
+                self.times["heal_role"] = "bystander"
+        # What this rank sent, as the kernel counts it (a member holding the state sends 0).
+        self.times["heal_written_bytes"] = written_bytes() - written
+        if stats is not None:
+            self.times["heal_bytes"] = stats.bytes
+            self.times["heal_transfer_s"] = stats.seconds
+        receivers = sorted(r for plan in plans.values() for dsts in plan.values() for r in dsts)
+        sources = sorted(s for plan in plans.values() for s in plan)
+        self.times["heal_wait_s"] = healing.wait_for_heals(
+            self.ms.store, prefix, receivers, sources, stall_s=self.cfg.collective_timeout_s,
+            poll_s=self.cfg.poll_interval_s, abort_check=self._heal_abort_reason,
+        )  # fmt: skip
+        self.times["heal_s"] = time.time() - t0
+        release_unused()
+
+    def _heal_abort_reason(self) -> Optional[str]:
+        """Why a member waiting for the heals stops: a newer generation, or a fatal error."""
+        if self.ms.get_str("fatal") is not None:
+            raise RecoveryAbort(1)
+        latest = self.watchdog.latest if self.watchdog is not None else self.generation
+        if latest != self.generation:
+            return f"generation {latest} was announced"
+        return None
+
+    def _check_replicas_identical(self, trainer: Any, dp_group: Any) -> None:
+        """After a heal: parameters and optimizer state checksum alike on every DP replica."""
+        import torch
+        import torch.distributed as dist
 
         digest = bytes.fromhex(state_digest(trainer))
         mine = torch.tensor(list(digest), dtype=torch.uint8)
@@ -449,7 +515,7 @@ class RecoverySession:
             raise RuntimeError("heal: data-parallel replicas differ after the state copy")
         self.log(
             f"> MeCeFO recovery: healed; parameters and optimizer state identical on every "
-            f"data-parallel replica (sha256 {digest.hex()[:16]})"
+            f"data-parallel replica (checksum {digest.hex()[:16]})"
         )
 
     def _hook(self, trainer: Any) -> None:
@@ -464,6 +530,9 @@ class RecoverySession:
         self.boundary = boundary_snapshot(trainer)
         self.hooks_s.append(time.perf_counter() - t0)
         self.iterations_run += 1
+        if self.trim_after is not None and trainer.iteration >= self.trim_after:
+            self.trim_after = None
+            release_unused()
         if self.record_pending:
             self.record_pending = False
             self.times["done"] = time.time()
@@ -529,6 +598,14 @@ class RecoverySession:
         self.times.update(getattr(self.aborter, "last_split", {}))
         if os.environ.get("MECEFO_RECOVERY_DEBUG"):
             _report_stale_groups(self.slot)
+
+
+def state_digest(trainer: Any) -> str:
+    """The parameters' and optimizer state's checksum (:mod:`.state.checksum`), with the
+    learning rate and weight decay the next step will use (the scheduler's state)."""
+    lrs = repr([(g["lr"], g.get("weight_decay")) for g in trainer.optimizer.param_groups])
+    params = [p for chunk in trainer.model_chunks for _, p in sorted(chunk.named_parameters())]
+    return state_checksum(params, trainer.optimizer.state_dict(), lrs)
 
 
 def _report_stale_groups(slot: int) -> None:

@@ -24,7 +24,7 @@ PhaseHook = Callable[[str, int], None]
 class RecoverableTrainer(Protocol):
     """A trainer the recovery session can carry across worlds, heal and hook.
 
-    State (read at export, written at import; see :mod:`.state_transfer`):
+    State (read at export, written at import; see :mod:`.state.carry`):
         built: Whether the model and optimizer exist in this world (a generation can fail
             before they do; then the carried state is kept as it was).
         iteration: The last committed iteration.

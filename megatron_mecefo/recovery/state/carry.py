@@ -1,0 +1,136 @@
+"""A trainer's state as local tensors: carried across a regroup, or sent to a joiner.
+
+``export_state`` takes the state at the last committed iteration boundary: the model chunks'
+tensors, the optimizer state, the LR scheduler, the RNG states and the MeCeFO controller
+counters of that boundary, the MeCeFO bases, the data position and the logged history. The
+tensors are the trainer's own (shared, not copied). A survivor keeps it in memory and loads it
+into the model it rebuilds in the new world (nothing is read from disk); a joiner receives it
+from a data-parallel peer with the same TP/PP coordinates (:mod:`.heal`).
+
+The model's tensors are loaded *consuming* the carry: each carried tensor is dropped as soon
+as it is copied, so a survivor whose new model was built without initialisation
+(:func:`initializes_model` False: its fresh pages are untouched) never holds two copies of the
+weights; only one tensor is ever duplicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+
+def boundary_snapshot(trainer: Any) -> Dict[str, Any]:
+    """RNG states and controller counters at an iteration boundary (cheap: a few KB)."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    snap: Dict[str, Any] = {
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "tracker": {k: v.clone() for k, v in tracker.items()},
+        }
+    }
+    ctrl = getattr(trainer, "controller", None)
+    if ctrl is not None:
+        snap["controller"] = {
+            k: getattr(ctrl, k)
+            for k in ("degraded_iterations", "fallback_iterations", "samples_processed",
+                      "samples_skipped", "_announced")  # fmt: skip
+        }
+    return snap
+
+
+def export_state(trainer: Any, boundary: Dict[str, Any]) -> Dict[str, Any]:
+    """The trainer's state at its last committed boundary (tensors shared, not copied)."""
+    basis = {}
+    for i, chunk in enumerate(trainer.model_chunks):
+        for name, module in chunk.named_modules():
+            if getattr(module, "mecefo_basis", None) is not None:
+                basis[f"{i}.{name}"] = (module.mecefo_basis, module.mecefo_basis_step)
+    return {
+        "iteration": trainer.iteration,
+        "consumed_samples": trainer.consumed_samples,
+        "model": [chunk.state_dict() for chunk in trainer.model_chunks],
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "boundary": boundary,
+        "mecefo_basis": basis,
+        "history": list(trainer.history),
+        "evals": list(trainer.evals),
+        "saved": list(trainer.saved),
+        "extra": trainer.extra_state(),
+    }
+
+
+def import_state(trainer: Any, state: Dict[str, Any]) -> None:
+    """Load ``state`` into a trainer built in the new world and rewind its data iterator."""
+    from megatron.core import tensor_parallel
+
+    for chunk, sd in zip(trainer.model_chunks, state["model"], strict=True):
+        load_consuming(chunk, sd)
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    # Megatron's OptimizerParamScheduler.load_state_dict *adds* the saved step count to its
+    # own (made for a fresh scheduler): start from zero, or a second import doubles the steps.
+    trainer.scheduler.num_steps = 0
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.iteration = state["iteration"]
+    trainer.consumed_samples = state["consumed_samples"]
+    trainer.history = list(state["history"])
+    trainer.evals = list(state["evals"])
+    trainer.saved = list(state["saved"])
+    b = state["boundary"]
+    torch.set_rng_state(b["rng"]["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(
+        {k: v.clone() for k, v in b["rng"]["tracker"].items()}
+    )
+    ctrl = getattr(trainer, "controller", None)
+    if ctrl is not None and "controller" in b:
+        for k, v in b["controller"].items():
+            setattr(ctrl, k, v)
+    modules = {
+        f"{i}.{name}": m
+        for i, chunk in enumerate(trainer.model_chunks)
+        for name, m in chunk.named_modules()
+    }
+    for name, (basis, step) in state["mecefo_basis"].items():
+        modules[name].mecefo_basis = basis
+        modules[name].mecefo_basis_step = step
+    trainer.load_extra_state(state.get("extra", {}))
+    trainer.rewind_data(trainer.consumed_samples)
+
+
+def _free_if_sole_owner(tensor: torch.Tensor) -> None:
+    """Free a copied carry tensor's memory now. Dropping the reference is not enough: after
+    a failure in the backward, the old world's DDP hooks (held by the interrupted autograd
+    graph) still refer to the old parameters, measured to keep every old weight resident
+    until the next generation. Only a storage that is exactly this tensor is freed (under the
+    distributed optimizer the parameters are views of one buffer: left alone)."""
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size():
+        storage.resize_(0)
+
+
+def load_consuming(module: torch.nn.Module, sd: Dict[str, Any]) -> None:
+    """``module.load_state_dict(sd, strict=True)``, but each tensor is removed from ``sd`` as
+    soon as it is copied (its memory is freed then, if ``sd`` held the last reference)."""
+    own = module.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"the carried state does not fit the rebuilt model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    with torch.no_grad():
+        for name in [k for k in list(sd) if isinstance(own[k], torch.Tensor)]:
+            value = sd[name]
+            if not isinstance(value, torch.Tensor) or value.shape != own[name].shape:
+                continue  # load_state_dict below names the mismatch
+            if value.data_ptr() != own[name].data_ptr():  # a heal may have received it in place
+                own[name].copy_(value)
+                _free_if_sole_owner(value)
+            del sd[name], value
+    # What is left (extra states, mismatches) goes through Megatron's own path; the copied
+    # tensors count as present.
+    module.load_state_dict(sd, strict=False)

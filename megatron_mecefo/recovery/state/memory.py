@@ -1,0 +1,61 @@
+"""Giving memory back after a recovery (freed host memory to the OS, cached GPU blocks), and
+the process counters a recovery reports (resident size, bytes written).
+
+A heal or a regroup frees large buffers (a staging bucket, the carried weights). glibc keeps
+freed chunks below its (dynamic) mmap threshold in its arenas, so the process's resident size
+would stay at its peak; ``malloc_trim(0)`` returns them. PyTorch's CPU allocator does not cache,
+so this is all the host side needs; on a GPU the caching allocator's free blocks are released.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from typing import Optional
+
+_LIBC: Optional[ctypes.CDLL] = None
+
+
+def _libc() -> Optional[ctypes.CDLL]:
+    global _LIBC
+    if _LIBC is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _LIBC = ctypes.CDLL(name) if name else None
+        except OSError:
+            _LIBC = None
+    return _LIBC
+
+
+def release_unused() -> bool:
+    """Return freed heap memory to the OS (glibc) and empty the CUDA cache; True when
+    ``malloc_trim`` ran (False on a C library without it, e.g. musl)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+def rss_bytes(pid: str = "self") -> int:
+    """Resident set size of ``pid`` (``/proc/<pid>/status`` VmRSS), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def written_bytes(pid: str = "self") -> int:
+    """Bytes this process passed to write-family system calls, sockets included
+    (``/proc/<pid>/io`` wchar): what a rank sent, read from the kernel, not from our code."""
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    return 0
