@@ -1,7 +1,8 @@
 """Recovery at model scale (issue 53): about 660 MiB of state per rank (the example
-trainer, 6 layers of hidden 768, fp32 with Adam: 43 M parameters), DP3 under the supervisor. Rank 1 is SIGKILLed in its
-forward pass and replaced a second later: the survivors regroup without it, then the
-replacement rejoins and is healed from one survivor while the third only waits.
+trainer, 6 layers of hidden 768, fp32 with Adam: 43 M parameters), DP3 under the supervisor.
+Rank 1 is SIGKILLed in its forward pass and replaced a second later: the survivors regroup
+without it, then the replacement rejoins and is healed from one survivor while the third only
+waits.
 
 The heal is made slower than ``--collective-timeout`` on purpose (a delay before each of its
 4 MiB messages): it must still complete, with no generation formed by a timeout.
