@@ -552,9 +552,10 @@ class SnapshotManager:
         """Collective over the world after a rejoin (a grown data-parallel ``group``, the new
         world's): the members that trained hold the snapshot of ``iteration`` (the planned
         boundary, taken and flushed before the old world was left: :meth:`seal_boundary`);
-        a ``joiner`` holds none. Every member gathers the old layout's shards over ``group``,
-        re-shards the optimizer over the grown group and loads it; a joiner also loads the
-        model tensors of a peer at the same TP/PP coordinates.
+        a ``joiner`` holds none. Every member gets the old layout's shards over ``group``
+        (:func:`.parity.share_slot`, in bounded pieces), re-shards the optimizer over the
+        grown group and loads it; a joiner also loads the model tensors of a peer at the same
+        TP/PP coordinates.
 
         Returns:
             ``{"path": "regrow", "iteration": N, "seconds": s, "from": [slots]}``.
@@ -564,7 +565,7 @@ class SnapshotManager:
                 (one verdict for the whole world, before any rank writes its state).
         """
         from megatron_mecefo.snapshot.erasure import SnapshotLost
-        from megatron_mecefo.snapshot.parity import read_tensors
+        from megatron_mecefo.snapshot.parity import read_tensors, share_slot
 
         t0 = time.perf_counter()
         held = None if joiner else self.local_snapshots(verify=True).get(iteration)
@@ -577,17 +578,16 @@ class SnapshotManager:
         size = dist.get_world_size(group)
         every: List[Any] = [None] * size
         dist.all_gather_object(every, (self.slot_id, header), group=group)
-        top = max(int(h["nbytes"]) for _, h in every if h is not None)
-        packed = torch.zeros(top, dtype=torch.uint8)
-        if held is not None:
-            packed[: header["nbytes"]] = held[0].buffer[: header["nbytes"]]
-        gathered = [torch.empty_like(packed) for _ in range(size)]
-        dist.all_gather(gathered, packed, group=group)
-        shards = [
-            (h, read_tensors(h, data.numpy()[: int(h["nbytes"])]))
-            for (_, h), data in zip(every, gathered, strict=True)
-            if h is not None
-        ]
+        # Each trained member's slot goes to the others in bounded pieces, straight from its
+        # buffer (no packed copy padded to the largest, no single message as large as a slot).
+        ranks = dist.get_process_group_ranks(group)
+        shards = []
+        for g, (_, h) in enumerate(every):
+            if h is None:
+                continue
+            mine = held[0].buffer if g == ranks.index(dist.get_rank()) else None
+            data = share_slot(mine, int(h["nbytes"]), ranks[g], group)
+            shards.append((h, read_tensors(h, data.numpy())))
         new_map = dist_opt_map(state)
         if new_map is None:
             raise RuntimeError("regrow needs the distributed optimizer")
