@@ -43,10 +43,10 @@ from megatron_mecefo.snapshot.erasure import (
 )
 
 BUCKET_BYTES = 16 << 20
-"""Default bound on the bytes one rebuild step has in flight to one rank (the sum over its
-sources; each point-to-point message is at most this): a rebuild of any size is many small
-messages, none of them near the collective timeout, and the rebuilder's receive buffers stay
-this small whatever the slot size."""
+"""Default bound on the bytes one rebuild step holds on the rebuilder (its receive buffers and
+the decode's working copies together; each message is a fraction of it): a rebuild of any
+size is many small messages, none of them near the collective timeout, and its extra memory
+stays this small whatever the slot size."""
 
 
 @dataclass
@@ -328,8 +328,8 @@ def rebuild_slots(
     sealed CRC-32 (a corrupt slot counts as lost) and which parity blocks are intact; every
     member then derives the same plan (:func:`_plan`). For each stripe that holds a piece of a
     lost slot, ``n - m`` intact blocks (the rebuilder's own first) go to the rebuilder by
-    point-to-point messages of at most ``bucket_bytes`` in all per step, into one reused
-    receive buffer, and are decoded there chunk by chunk straight into the rebuilt slot.
+    point-to-point messages into one reused receive buffer, and are decoded there chunk by
+    chunk straight into the rebuilt slot; a step's buffers stay within ``bucket_bytes``.
     Members whose blocks are not needed send and receive nothing. Each rebuilt piece is
     checked against its CRC-32 and each rebuilt slot against the one its owner sealed; one
     last ``all_gather_object`` gives every member the same verdict.
@@ -341,7 +341,8 @@ def rebuild_slots(
         my_slot: This member's recovery slot (its id in ``parity.members``).
         rebuilders: Lost slot -> the slot of the member that rebuilds it; default: the next
             intact member after it in member order. Must be the same on every member.
-        bucket_bytes: Most bytes a rebuilder receives per step (each message is at most this).
+        bucket_bytes: Most bytes a step's buffers hold on the rebuilder (received blocks and
+            decode copies); each message is smaller.
         allocate: ``(slot, nbytes) -> uint8 tensor`` for a rebuilt slot (e.g. a preallocated
             spare slot); default a fresh tensor.
 
@@ -380,8 +381,10 @@ def rebuild_slots(
         remote = [s for s in job.sources if s.holder != job.rebuilder]
         if me != job.rebuilder and all(s.holder != me for s in remote):
             continue  # a bystander of this stripe
-        # The chunk: all of a step's messages together stay within ``bucket_bytes``.
-        chunk = min(length, max(ALIGN, bucket_bytes // max(1, len(remote)) // ALIGN * ALIGN))
+        # The chunk: a step's buffers on the rebuilder (the received blocks, and the decode's
+        # copies: up to two per block with zfec) stay within ``bucket_bytes`` in all.
+        share = bucket_bytes // (len(remote) + 2 * (n - m))
+        chunk = min(length, max(ALIGN, share // ALIGN * ALIGN))
         codec = make_codec(n - m, m)
         if me == job.rebuilder:
             if scratch.numel() < chunk * len(remote):
