@@ -377,18 +377,21 @@ def rebuild_slots(
         out[x] = dst[:nbytes].numpy()
     sums: Dict[Tuple[int, int], int] = {}
     scratch = torch.empty(0, dtype=torch.uint8)
+    xor = torch.empty(0, dtype=torch.uint8)
     for job in jobs:
         remote = [s for s in job.sources if s.holder != job.rebuilder]
         if me != job.rebuilder and all(s.holder != me for s in remote):
             continue  # a bystander of this stripe
-        # The chunk: a step's buffers on the rebuilder (the received blocks, and the decode's
-        # copies: up to two per block with zfec) stay within ``bucket_bytes`` in all.
-        share = bucket_bytes // (len(remote) + 2 * (n - m))
+        # The chunk: a step's buffers on the rebuilder (the received blocks, and the decode's:
+        # one for XOR, up to two copies per block with zfec) stay within ``bucket_bytes``.
+        share = bucket_bytes // (len(remote) + (1 if m == 1 else 2 * (n - m)))
         chunk = min(length, max(ALIGN, share // ALIGN * ALIGN))
         codec = make_codec(n - m, m)
         if me == job.rebuilder:
             if scratch.numel() < chunk * len(remote):
                 scratch = torch.empty(chunk * len(remote), dtype=torch.uint8)
+            if m == 1 and xor.numel() < chunk:
+                xor = torch.empty(chunk, dtype=torch.uint8)
         for off in range(0, length, chunk):
             size = min(chunk, length - off)
             if me != job.rebuilder:
@@ -406,7 +409,18 @@ def rebuild_slots(
             for s in job.sources:
                 if s.holder == me:
                     blocks[s.col] = _local_block(s, own, parity, off, size)
-            decoded = codec.decode(blocks)
+            if m == 1:  # XOR of the k others, in one reused buffer (no allocation per step)
+                acc = xor[:size]
+                for j, block in enumerate(blocks.values()):
+                    words = torch.from_numpy(block).view(torch.int64)
+                    if j == 0:
+                        acc.view(torch.int64).copy_(words)
+                    else:
+                        acc.view(torch.int64).bitwise_xor_(words)
+                (x,) = job.targets
+                decoded = {job.stripe.data_members.index(x): acc.numpy()}
+            else:
+                decoded = dict(enumerate(codec.decode(blocks)))
             for x in job.targets:
                 col = job.stripe.data_members.index(x)
                 p = job.stripe.pieces[col]
