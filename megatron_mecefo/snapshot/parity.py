@@ -16,8 +16,10 @@ exchange of metadata (who is here, whose slot and parity pass their CRC-32); the
 stripe, only the ``n - m`` blocks that rebuild a lost piece move, by point-to-point messages in
 bounded buckets, to the one member that rebuilds that slot; the other members move nothing.
 Each rebuilt piece and slot must match the CRC-32 its owner sealed. More than ``m`` lost
-members raise :class:`~.erasure.SnapshotLost`. :func:`rebuild_group` then hands every slot to
-every survivor (in bounded pieces), for the takeover's re-sharding, which reads them all.
+members raise :class:`~.erasure.SnapshotLost`. The takeover then reads, with
+:func:`fetch_ranges`, only the parts of the old optimizer shards that overlap its new shard;
+:func:`rebuild_group` hands every whole slot to every survivor (in bounded pieces) for callers
+that need them all.
 """
 
 from __future__ import annotations
@@ -464,6 +466,61 @@ def rebuild_slots(
     )
 
 
+def fetch_ranges(
+    local: Dict[int, np.ndarray],
+    holders: Dict[int, int],
+    wants: List[Tuple[int, int, int]],
+    group: Any,
+    bucket_bytes: int = BUCKET_BYTES,
+    traffic: Optional[Traffic] = None,
+) -> Dict[Tuple[int, int, int], np.ndarray]:
+    """Collective over ``group``: the byte ranges ``wants`` of slots held across the group.
+
+    Every member passes the ``(slot, offset, nbytes)`` ranges it needs, ``holders`` (slot ->
+    global rank of the member that holds it, the same on every member) and ``local`` (slot ->
+    the bytes of the slots it holds). One ``all_gather_object`` of the wants; then each range
+    goes from its holder to the member that wants it alone, in point-to-point messages of at
+    most ``bucket_bytes``, into a buffer allocated for it; ranges a member holds itself are
+    views. Members that hold nothing wanted and want nothing remote move no bytes.
+
+    Returns:
+        ``{(slot, offset, nbytes): bytes}`` for each of this member's ``wants``.
+    """
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    every: List[Any] = [None] * len(ranks)
+    dist.all_gather_object(every, sorted(set(wants)), group=group)
+    wire = _Wire()
+    out: Dict[Tuple[int, int, int], np.ndarray] = {}
+    # Every member walks the same sequence of messages and waits only on its own: the first
+    # unfinished message always has both its ends posted, so none waits forever.
+    for g, theirs in enumerate(every):
+        requester = ranks[g]
+        for slot, offset, nbytes in theirs:
+            holder = holders[slot]
+            if me not in (holder, requester):
+                continue
+            if holder == requester:
+                out[(slot, offset, nbytes)] = local[slot][offset : offset + nbytes]
+                continue
+            if me == requester:
+                dst = np.empty(nbytes, dtype=np.uint8)
+                out[(slot, offset, nbytes)] = dst
+            for c in range(0, nbytes, bucket_bytes):
+                size = min(bucket_bytes, nbytes - c)
+                if me == holder:
+                    start = offset + c
+                    wire.send(local[slot][start : start + size], requester)
+                else:
+                    wire.recv(torch.from_numpy(dst[c : c + size]), holder)
+                wire.wait()
+    if traffic is not None:
+        for name in ("sent", "received", "ops"):
+            setattr(traffic, name, getattr(traffic, name) + getattr(wire.traffic, name))
+        traffic.largest = max(traffic.largest, wire.traffic.largest)
+    return out
+
+
 def share_slot(
     data: Optional[torch.Tensor],
     nbytes: int,
@@ -495,7 +552,8 @@ def rebuild_group(
 ) -> Dict[int, Tuple[Dict[str, Any], np.ndarray]]:
     """Collective over the surviving members of a group (``group``, the new world's
     data-parallel group): every member's slot of snapshot ``parity.iteration``, by recovery
-    slot, on every survivor (the takeover re-shards the optimizer from all of them).
+    slot, on every survivor (memory and bytes grow with the group: the takeover reads only
+    what it needs with :func:`rebuild_slots` and :func:`fetch_ranges` instead).
 
     The lost slots are rebuilt by :func:`rebuild_slots` (only the blocks their stripes need
     move, to one rebuilder each); then each slot goes from its holder to the others by
