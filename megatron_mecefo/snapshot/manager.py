@@ -540,14 +540,7 @@ class SnapshotManager:
         plan = _optimizer_ranges(parity.members, parity.headers, new_map)
         wants = [(s, off, n) for s, _, pieces in plan for _, _, _, off, n in pieces if n]
         got = fetch_ranges(local, holders, wants, group)
-        shards = []
-        for s, row, pieces in plan:
-            part = {}
-            for name, dtype, shape, off, n in pieces:
-                data = got[(s, off, n)] if n else np.empty(0, dtype=np.uint8)
-                part[name] = torch.from_numpy(data).view(getattr(torch, dtype)).reshape(shape)
-            shards.append(({"dist_opt_map": [row]}, part))
-        optim = reshard(shards, new_map, sizes)
+        optim = reshard(_optimizer_shards(plan, got), new_map, sizes)
         merged = {n: t for n, t in tensors.items() if not n.startswith("optim")}
         merged.update(optim)
         restore(state, merged, own_header["meta"])
@@ -578,10 +571,10 @@ class SnapshotManager:
         """Collective over the world after a rejoin (a grown data-parallel ``group``, the new
         world's): the members that trained hold the snapshot of ``iteration`` (the planned
         boundary, taken and flushed before the old world was left: :meth:`seal_boundary`);
-        a ``joiner`` holds none. Every member gets the old layout's shards over ``group``
-        (:func:`.parity.share_slot`, in bounded pieces), re-shards the optimizer over the
-        grown group and loads it; a joiner also loads the model tensors of a peer at the same
-        TP/PP coordinates.
+        a ``joiner`` holds none. Every member fetches the parts of the old layout's optimizer
+        shards that overlap its new shard (:func:`.parity.fetch_ranges`, bounded messages),
+        re-shards the optimizer over the grown group and loads it; a joiner also fetches and
+        loads the model tensors of a peer at the same TP/PP coordinates.
 
         Returns:
             ``{"path": "regrow", "iteration": N, "seconds": s, "from": [slots]}``.
@@ -591,7 +584,7 @@ class SnapshotManager:
                 (one verdict for the whole world, before any rank writes its state).
         """
         from megatron_mecefo.snapshot.erasure import SnapshotLost
-        from megatron_mecefo.snapshot.parity import read_tensors, share_slot
+        from megatron_mecefo.snapshot.parity import fetch_ranges
 
         t0 = time.perf_counter()
         held = None if joiner else self.local_snapshots(verify=True).get(iteration)
@@ -604,17 +597,7 @@ class SnapshotManager:
         size = dist.get_world_size(group)
         every: List[Any] = [None] * size
         dist.all_gather_object(every, (self.slot_id, header), group=group)
-        # Each trained member's slot goes to the others in bounded pieces, straight from its
-        # buffer (no packed copy padded to the largest, no single message as large as a slot).
-        ranks = dist.get_process_group_ranks(group)
-        shards = []
-        for g, (_, h) in enumerate(every):
-            if h is None:
-                continue
-            mine = held[0].buffer if g == ranks.index(dist.get_rank()) else None
-            data = share_slot(mine, int(h["nbytes"]), ranks[g], group)
-            shards.append((h, read_tensors(h, data.numpy())))
-        new_map = dist_opt_map(state)
+        new_map = dist_opt_map(state)  # the same answer on every rank (same optimizer flags)
         if new_map is None:
             raise RuntimeError("regrow needs the distributed optimizer")
         sizes = {
@@ -622,16 +605,34 @@ class SnapshotManager:
             for i, chunk in enumerate(state.model_chunks)
             for name, p in chunk.named_parameters()
         }
-        optim = reshard([(h["meta"], t) for h, t in shards], new_map, sizes)
-        # A joiner takes the model tensors of the first sender (same TP/PP coordinates).
-        own_header, own = (header, held[0].read(header)) if held is not None else shards[0]
+        # Only what this rank's new shard needs travels: the overlapping parts of the trained
+        # members' optimizer shards and, to a joiner, the model tensors of the first of them.
+        ranks = dist.get_process_group_ranks(group)
+        trained = [(int(slot), h, ranks[g]) for g, (slot, h) in enumerate(every) if h is not None]
+        holders = {slot: rank for slot, _, rank in trained}
+        plan = _optimizer_ranges([t[0] for t in trained], [t[1] for t in trained], new_map)
+        wants = [(s, off, n) for s, _, pieces in plan for _, _, _, off, n in pieces if n]
+        first_slot, first_header, _ = trained[0]
+        model = [e for e in first_header["entries"] if not e[0].startswith("optim")]
+        if held is None:
+            wants += [(first_slot, int(e[3]), int(e[4])) for e in model if int(e[4])]
+        local = {} if held is None else {self.slot_id: held[0].buffer[: header["nbytes"]].numpy()}
+        got = fetch_ranges(local, holders, wants, group)
+        optim = reshard(_optimizer_shards(plan, got), new_map, sizes)
+        if held is not None:
+            own_header, own = header, held[0].read(header)
+        else:  # a joiner: the model tensors of the first sender (same TP/PP coordinates)
+            own_header, own = first_header, {}
+            for name, shape, dtype, offset, nbytes in model:
+                data = got[(first_slot, int(offset), int(nbytes))] if nbytes else np.empty(0)
+                own[name] = _as_tensor(data, dtype, shape)
         merged = {n: t for n, t in own.items() if not n.startswith("optim")}
         merged.update(optim)
         restore(state, merged, own_header["meta"])
         if held is not None:
             self._rolled_back_to(held[0], iteration)
         seconds = time.perf_counter() - t0
-        senders = [int(slot) for slot, h in every if h is not None]
+        senders = [slot for slot, _, _ in trained]
         self.log(
             f"> MeCeFO snapshot: rejoin at iteration {iteration}: optimizer re-sharded over "
             f"{size} replicas from the shards of ranks {senders}; {seconds:.3f} s"
@@ -691,6 +692,25 @@ def _optimizer_ranges(
                     pieces.append((tensor, dtype, [hi - lo], begin, (hi - lo) * size))
                 plan.append((slot, [j, g, k, name, lo, hi], pieces))
     return plan
+
+
+def _as_tensor(data: np.ndarray, dtype: str, shape: List[int]) -> torch.Tensor:
+    """Bytes of a slot entry as the tensor it holds (a view)."""
+    flat = torch.from_numpy(np.asarray(data, dtype=np.uint8))
+    return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _optimizer_shards(plan: List[Any], got: Dict[Tuple[int, int, int], np.ndarray]) -> List[Any]:
+    """``(metadata, tensors)`` for :func:`reshard`, one per row of ``plan`` (see
+    :func:`_optimizer_ranges`), from the fetched byte ranges ``got``."""
+    shards = []
+    for slot, row, pieces in plan:
+        tensors = {}
+        for name, dtype, shape, offset, nbytes in pieces:
+            data = got[(slot, offset, nbytes)] if nbytes else np.empty(0, dtype=np.uint8)
+            tensors[name] = _as_tensor(data, dtype, shape)
+        shards.append(({"dist_opt_map": [row]}, tensors))
+    return shards
 
 
 def _agree(ok: bool) -> bool:
