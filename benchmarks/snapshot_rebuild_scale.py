@@ -287,9 +287,7 @@ def run_point(dp: int, m: int, mib: int, bucket: int, old: bool = False) -> Dict
         "p2p_gbps": round(rows[0]["p2p_gbps"], 3),
         "exchange_parity_s": round(max(r["exchange_s"] for r in rows), 3),
         "rebuilt_equal": rebuilder["rebuilt_equal"],
-        "max_peak_over_steady": max(
-            x["peak_over_steady"] for role in roles.values() for x in role
-        ),
+        "max_peak_over_steady": max(x["peak_over_steady"] for role in roles.values() for x in role),
         "roles": roles,
     }
 

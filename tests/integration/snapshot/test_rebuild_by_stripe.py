@@ -130,7 +130,7 @@ class _Counter:
     def _count(self, name: str, args: tuple, kwargs: dict) -> None:
         import torch.distributed as dist
 
-        tensors = [t for t in _flatten(list(args) + list(kwargs.values()))]
+        tensors = _flatten(list(args) + list(kwargs.values()))
         nbytes = [t.numel() * t.element_size() for t in tensors]
         self.largest = max([self.largest] + nbytes)
         if name in self.P2P_SEND:
