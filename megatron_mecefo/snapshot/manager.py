@@ -8,6 +8,7 @@ import time
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -476,7 +477,9 @@ class SnapshotManager:
         """Collective over the world after a real death: roll every rank back to the newest
         snapshot that every rank holds with its parity, rebuild the lost members' slots in each
         data-parallel group (``group``, the new world's), and load the state, the optimizer
-        re-sharded over the new group.
+        re-sharded over the new group. Data moved: the blocks each lost slot's stripes need, to
+        its rebuilder (:func:`.parity.rebuild_slots`), then to each rank only the parts of the
+        old optimizer shards that overlap its new shard (:func:`.parity.fetch_ranges`).
 
         Returns:
             ``{"path": "peers+parity", "iteration": s, "seconds": t, "rebuilt": {slot: digest}}``,
@@ -487,7 +490,12 @@ class SnapshotManager:
                 checksum.
         """
         from megatron_mecefo.snapshot.erasure import SnapshotLost
-        from megatron_mecefo.snapshot.parity import optimizer_digest, read_tensors, rebuild_group
+        from megatron_mecefo.snapshot.parity import (
+            fetch_ranges,
+            optimizer_digest,
+            read_tensors,
+            rebuild_slots,
+        )
 
         t0 = time.perf_counter()
         mine = self.parity_snapshots()
@@ -495,10 +503,11 @@ class SnapshotManager:
         if iteration is None:
             return None
         slot = mine[iteration]
+        parity = slot.parity
         lost_here: Optional[SnapshotLost] = None
         try:
-            shards = rebuild_group(slot.buffer, slot.parity, group, self.slot_id)
-        except SnapshotLost as err:  # raised after the group's last collective
+            done = rebuild_slots(slot.buffer, parity, group, self.slot_id)
+        except SnapshotLost as err:  # raised after the group's last collective, on every member
             lost_here = err
         # One verdict for the whole world before any rank writes its state: another group
         # (another TP/PP position) may have lost its snapshot while this one rebuilt its own.
@@ -512,30 +521,40 @@ class SnapshotManager:
                 "falling back to the disk checkpoint (--load)"
             )
         t_rebuilt = time.perf_counter()
-        own_header, own_bytes = shards[self.slot_id]
+        new_map = dist_opt_map(state)  # the same answer on every rank (same optimizer flags)
+        if new_map is None:
+            raise RuntimeError("takeover from parity needs the distributed optimizer")
+        own_header = parity.headers[parity.members.index(self.slot_id)]
+        own_bytes = slot.buffer[: own_header["nbytes"]].numpy()
         tensors = read_tensors(own_header, own_bytes)
         sizes = {
             f"model{i}.{name}": p.numel()
             for i, chunk in enumerate(state.model_chunks)
             for name, p in chunk.named_parameters()
         }
-        new_map = dist_opt_map(state)
-        if new_map is None:
-            raise RuntimeError("takeover from parity needs the distributed optimizer")
-        optim = reshard(
-            [(h["meta"], read_tensors(h, data)) for h, data in shards.values()], new_map, sizes
-        )
+        # Only the parts of the old optimizer shards that overlap this rank's new shard travel,
+        # each from the member holding it (its owner, or its rebuilder for a lost slot).
+        local = {self.slot_id: own_bytes}
+        local.update({s: data for s, (_, data) in done.slots.items()})
+        holders = {s: done.ranks[done.rebuilders.get(s, s)] for s in parity.members}
+        plan = _optimizer_ranges(parity.members, parity.headers, new_map)
+        wants = [(s, off, n) for s, _, pieces in plan for _, _, _, off, n in pieces if n]
+        got = fetch_ranges(local, holders, wants, group)
+        optim = reshard(_optimizer_shards(plan, got), new_map, sizes)
         merged = {n: t for n, t in tensors.items() if not n.startswith("optim")}
         merged.update(optim)
         restore(state, merged, own_header["meta"])
         self._rolled_back_to(slot, iteration)  # keep the snapshot rolled back to
-        lost = [s for s in slot.parity.members if s not in self._survivors(group)]
-        rebuilt = {s: optimizer_digest(*shards[s]) for s in lost}
+        lost = done.lost
+        digests: List[Any] = [None] * dist.get_world_size(group)
+        mine_digests = {s: optimizer_digest(h, data) for s, (h, data) in done.slots.items()}
+        dist.all_gather_object(digests, mine_digests, group=group)
+        rebuilt = {s: d for part in digests for s, d in part.items()}
         seconds = time.perf_counter() - t0
         self.log(
             f"> MeCeFO snapshot: recovery path peers+parity: iteration {iteration}, rebuilt "
-            f"the slots of ranks {lost} from {len(shards) - len(lost)} peers and "
-            f"m={slot.parity.m} parity (checksums verified) in {t_rebuilt - t0:.3f} s, "
+            f"the slots of ranks {lost} from {len(parity.members) - len(lost)} peers and "
+            f"m={parity.m} parity (checksums verified) in {t_rebuilt - t0:.3f} s, "
             f"optimizer re-sharded over {dist.get_world_size(group)} replicas; {seconds:.3f} s"
         )
         return {
@@ -552,9 +571,10 @@ class SnapshotManager:
         """Collective over the world after a rejoin (a grown data-parallel ``group``, the new
         world's): the members that trained hold the snapshot of ``iteration`` (the planned
         boundary, taken and flushed before the old world was left: :meth:`seal_boundary`);
-        a ``joiner`` holds none. Every member gathers the old layout's shards over ``group``,
-        re-shards the optimizer over the grown group and loads it; a joiner also loads the
-        model tensors of a peer at the same TP/PP coordinates.
+        a ``joiner`` holds none. Every member fetches the parts of the old layout's optimizer
+        shards that overlap its new shard (:func:`.parity.fetch_ranges`, bounded messages),
+        re-shards the optimizer over the grown group and loads it; a joiner also fetches and
+        loads the model tensors of a peer at the same TP/PP coordinates.
 
         Returns:
             ``{"path": "regrow", "iteration": N, "seconds": s, "from": [slots]}``.
@@ -564,7 +584,7 @@ class SnapshotManager:
                 (one verdict for the whole world, before any rank writes its state).
         """
         from megatron_mecefo.snapshot.erasure import SnapshotLost
-        from megatron_mecefo.snapshot.parity import read_tensors
+        from megatron_mecefo.snapshot.parity import fetch_ranges
 
         t0 = time.perf_counter()
         held = None if joiner else self.local_snapshots(verify=True).get(iteration)
@@ -577,18 +597,7 @@ class SnapshotManager:
         size = dist.get_world_size(group)
         every: List[Any] = [None] * size
         dist.all_gather_object(every, (self.slot_id, header), group=group)
-        top = max(int(h["nbytes"]) for _, h in every if h is not None)
-        packed = torch.zeros(top, dtype=torch.uint8)
-        if held is not None:
-            packed[: header["nbytes"]] = held[0].buffer[: header["nbytes"]]
-        gathered = [torch.empty_like(packed) for _ in range(size)]
-        dist.all_gather(gathered, packed, group=group)
-        shards = [
-            (h, read_tensors(h, data.numpy()[: int(h["nbytes"])]))
-            for (_, h), data in zip(every, gathered, strict=True)
-            if h is not None
-        ]
-        new_map = dist_opt_map(state)
+        new_map = dist_opt_map(state)  # the same answer on every rank (same optimizer flags)
         if new_map is None:
             raise RuntimeError("regrow needs the distributed optimizer")
         sizes = {
@@ -596,16 +605,34 @@ class SnapshotManager:
             for i, chunk in enumerate(state.model_chunks)
             for name, p in chunk.named_parameters()
         }
-        optim = reshard([(h["meta"], t) for h, t in shards], new_map, sizes)
-        # A joiner takes the model tensors of the first sender (same TP/PP coordinates).
-        own_header, own = (header, held[0].read(header)) if held is not None else shards[0]
+        # Only what this rank's new shard needs travels: the overlapping parts of the trained
+        # members' optimizer shards and, to a joiner, the model tensors of the first of them.
+        ranks = dist.get_process_group_ranks(group)
+        trained = [(int(slot), h, ranks[g]) for g, (slot, h) in enumerate(every) if h is not None]
+        holders = {slot: rank for slot, _, rank in trained}
+        plan = _optimizer_ranges([t[0] for t in trained], [t[1] for t in trained], new_map)
+        wants = [(s, off, n) for s, _, pieces in plan for _, _, _, off, n in pieces if n]
+        first_slot, first_header, _ = trained[0]
+        model = [e for e in first_header["entries"] if not e[0].startswith("optim")]
+        if held is None:
+            wants += [(first_slot, int(e[3]), int(e[4])) for e in model if int(e[4])]
+        local = {} if held is None else {self.slot_id: held[0].buffer[: header["nbytes"]].numpy()}
+        got = fetch_ranges(local, holders, wants, group)
+        optim = reshard(_optimizer_shards(plan, got), new_map, sizes)
+        if held is not None:
+            own_header, own = header, held[0].read(header)
+        else:  # a joiner: the model tensors of the first sender (same TP/PP coordinates)
+            own_header, own = first_header, {}
+            for name, shape, dtype, offset, nbytes in model:
+                data = got[(first_slot, int(offset), int(nbytes))] if nbytes else np.empty(0)
+                own[name] = _as_tensor(data, dtype, shape)
         merged = {n: t for n, t in own.items() if not n.startswith("optim")}
         merged.update(optim)
         restore(state, merged, own_header["meta"])
         if held is not None:
             self._rolled_back_to(held[0], iteration)
         seconds = time.perf_counter() - t0
-        senders = [int(slot) for slot, h in every if h is not None]
+        senders = [slot for slot, _, _ in trained]
         self.log(
             f"> MeCeFO snapshot: rejoin at iteration {iteration}: optimizer re-sharded over "
             f"{size} replicas from the shards of ranks {senders}; {seconds:.3f} s"
@@ -630,10 +657,60 @@ class SnapshotManager:
             slot.invalidate()  # drops its parity too
         self.last_committed = None
 
-    def _survivors(self, group: dist.ProcessGroup) -> List[int]:
-        every: List[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, self.slot_id, group=group)
-        return [int(s) for s in every]
+
+def _optimizer_ranges(
+    members: List[int], headers: List[Dict[str, Any]], new_map: List[List[Any]]
+) -> List[Tuple[int, List[Any], List[Tuple[str, str, List[int], int, int]]]]:
+    """What of the old layout's optimizer shards the new layout's rows (``new_map``, this
+    rank's) need: per overlap of an old row with a new row of the same parameter, the old
+    member's slot, the row cut to the overlap (``[part, group, index, name, lo, hi]``) and the
+    byte ranges of its tensors in that slot (``(name, dtype, shape, offset, nbytes)``: the
+    main and state tensors' elements ``lo:hi``, a scalar state such as Adam's step whole)."""
+    wanted: Dict[Tuple[int, str], List[Tuple[int, int]]] = {}
+    for j, _g, _k, name, start, end in new_map:
+        wanted.setdefault((int(j), name), []).append((int(start), int(end)))
+    plan = []
+    for slot, header in zip(members, headers, strict=True):
+        entries = {e[0]: e for e in header["entries"]}
+        for j, g, k, name, start, end in header["meta"]["dist_opt_map"]:
+            for first, last in wanted.get((int(j), name), []):
+                lo, hi = max(first, start), min(last, end)
+                if lo >= hi and not (first == last and start <= first <= end):
+                    continue  # no overlap (an empty new row still takes the scalars)
+                lo, hi = (lo, hi) if lo < hi else (first, first)
+                prefix = f"optim{j}.state.{g}.{k}."
+                states = sorted(n for n in entries if n.startswith(prefix))
+                names = [f"optim{j}.main.{g}.{k}"] + states
+                pieces = []
+                for tensor in names:
+                    _, shape, dtype, offset, nbytes = entries[tensor]
+                    if not shape:
+                        pieces.append((tensor, dtype, [], int(offset), int(nbytes)))
+                        continue
+                    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+                    begin = int(offset) + (lo - start) * size
+                    pieces.append((tensor, dtype, [hi - lo], begin, (hi - lo) * size))
+                plan.append((slot, [j, g, k, name, lo, hi], pieces))
+    return plan
+
+
+def _as_tensor(data: np.ndarray, dtype: str, shape: List[int]) -> torch.Tensor:
+    """Bytes of a slot entry as the tensor it holds (a view)."""
+    flat = torch.from_numpy(np.asarray(data, dtype=np.uint8))
+    return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _optimizer_shards(plan: List[Any], got: Dict[Tuple[int, int, int], np.ndarray]) -> List[Any]:
+    """``(metadata, tensors)`` for :func:`reshard`, one per row of ``plan`` (see
+    :func:`_optimizer_ranges`), from the fetched byte ranges ``got``."""
+    shards = []
+    for slot, row, pieces in plan:
+        tensors = {}
+        for name, dtype, shape, offset, nbytes in pieces:
+            data = got[(slot, offset, nbytes)] if nbytes else np.empty(0, dtype=np.uint8)
+            tensors[name] = _as_tensor(data, dtype, shape)
+        shards.append(({"dist_opt_map": [row]}, tensors))
+    return shards
 
 
 def _agree(ok: bool) -> bool:
