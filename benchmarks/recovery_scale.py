@@ -193,26 +193,35 @@ def role_memory(
         pids: Per role, ``(pid, steady pid)`` pairs: the process in the role and the one whose
             steady RSS it is compared with (itself, or the dead incarnation of its slot).
         windows: ``steady`` (before the kill), ``regroup`` (kill -> redone), ``heal`` (the
-            rejoin's boundary -> its first step done) and ``after`` (the second iteration
-            after the rejoin), each ``(start, end)`` in ``time.time`` seconds.
+            rejoin's boundary -> its first step done), optionally ``heal_copy`` (the state
+            copy and its checksum alone: the members' ``constructed`` -> ``healed``), and
+            ``after`` (the second iteration after the rejoin), each ``(start, end)`` in
+            ``time.time`` seconds.
 
     Returns:
         Per role: ``steady``, ``peak`` (in the regroup window for ``survivor``, the heal window
-        otherwise) and ``after`` in bytes (the role's largest over its processes), and
-        ``peak_ratio`` and ``after_ratio``, the largest per-process ratios.
+        otherwise), ``copy_peak`` (the heal copy's window; not for ``survivor``) and ``after``
+        in bytes (the role's largest over its processes), and ``peak_ratio``,
+        ``copy_peak_ratio`` and ``after_ratio``, the largest per-process ratios.
     """
     out: Dict[str, Dict[str, Any]] = {}
     for role, pairs in pids.items():
-        phase = "regroup" if role == "survivor" else "heal"
-        steady, peak, after, peak_r, after_r = [], [], [], [], []
+        survivor = role == "survivor"
+        phase = "regroup" if survivor else "heal"
+        steady, peak, copy, after, peak_r, copy_r, after_r = [], [], [], [], [], [], []
         for pid, steady_pid in pairs:
             s = window_max(series.get(steady_pid, []), *windows["steady"])
             p = window_max(series.get(pid, []), *windows[phase])
-            a = window_max(series.get(pid, []), *windows["after"]) if role != "survivor" else None
+            c = None
+            if not survivor:
+                c = window_max(series.get(pid, []), *windows.get("heal_copy", (None, None)))
+            a = None if survivor else window_max(series.get(pid, []), *windows["after"])
             steady.append(s)
             peak.append(p)
+            copy.append(c)
             after.append(a)
             peak_r.append(ratio(p, s))
+            copy_r.append(ratio(c, s))
             after_r.append(ratio(a, s))
 
         def top(vals: List[Any]) -> Any:
@@ -223,8 +232,10 @@ def role_memory(
             "pids": [p for p, _ in pairs],
             "steady_bytes": top(steady),
             "peak_bytes": top(peak),
+            "copy_peak_bytes": top(copy),
             "after_bytes": top(after),
             "peak_ratio": top(peak_r),
+            "copy_peak_ratio": top(copy_r),
             "after_ratio": top(after_r),
         }
     return out
@@ -439,9 +450,9 @@ def gloo_worker(rank: int, port: int, sizes_mib: List[int], reps: int) -> None:
     out: Dict[str, Any] = {}
     for mib in sizes_mib:
         n = mib * 1024 * 1024 // 4
-        t = torch.ones(n) if rank == 0 else torch.empty(n)
+        t = torch.ones(n) if rank == 0 else torch.zeros(n)  # the pages faulted in
         res: Dict[str, List[float]] = {"send_recv": [], "broadcast": []}
-        for _ in range(reps):
+        for rep in range(reps + 1):  # the first round untimed: a warm-up
             for op in res:
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -452,7 +463,8 @@ def gloo_worker(rank: int, port: int, sizes_mib: List[int], reps: int) -> None:
                 else:
                     dist.recv(t, 0)
                 dist.barrier()  # both ends done
-                res[op].append(time.perf_counter() - t0)
+                if rep:
+                    res[op].append(time.perf_counter() - t0)
         del t
         out[str(mib)] = {
             op: {
@@ -703,6 +715,7 @@ def analyze(
         "steady": (steady_start, t_kill),
         "regroup": (t_kill, regroup_end),
         "heal": (heal_start, heal_end),
+        "heal_copy": (times(hg, "constructed", min), healed_t),
         "after": (after_start, after_end),
     }
     out["windows"] = {k: [None if x is None else round(x, 3) for x in v]
@@ -769,52 +782,141 @@ def summary_line(runs: List[Dict[str, Any]], gloo: Dict[str, Any]) -> str:
     return (f"recovery_scale: gloo {gloo.get('reference_gbps')} GB/s; " + "; ".join(parts))
 
 
-def plot(result: Dict[str, Any], out: Path) -> None:
-    """Heal GB/s, regroup/heal seconds and peak/steady per role against the state size."""
-    import matplotlib
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+          "#7f7f7f", "#bcbd22", "#17becf"]  # fmt: skip
+"""matplotlib's tab10, for the plot's fallback without matplotlib."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def plot_panels(result: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The plot's three panels as data: per panel its title, series (label, style, points)
+    and horizontal reference lines (label, y)."""
     runs = [r for r in result["runs"] if r.get("status") == "measured"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    series = sorted({(r["trainer"], r["dp"]) for r in runs})
-    for trainer, dp in series:
+    panels: List[Dict[str, Any]] = [
+        {"title": "heal bandwidth (GB/s)", "series": [], "hlines": []},
+        {"title": "regroup and heal (s)", "series": [], "hlines": []},
+        {"title": "peak RSS / steady RSS", "series": [], "hlines": []},
+    ]
+    for trainer, dp in sorted({(r["trainer"], r["dp"]) for r in runs}):
         rs = sorted((r for r in runs if r["trainer"] == trainer and r["dp"] == dp),
-                    key=lambda r: r["state_gib"])  # fmt: skip
-        xs = [r["state_gib"] for r in rs]
+                    key=lambda r: float(r["size_gib"]))  # fmt: skip
         label = f"{trainer} DP{dp}"
-        axes[0].plot(xs, [r.get("heal_gbps") or float("nan") for r in rs], "o-", label=label)
-        axes[1].plot(xs, [r.get("regroup_s") or float("nan") for r in rs], "o-",
-                     label=f"{label} regroup")  # fmt: skip
-        axes[1].plot(xs, [r.get("heal_s") or float("nan") for r in rs], "s--",
-                     label=f"{label} heal")  # fmt: skip
-        for role, marker in zip(ROLES, "o^sv", strict=True):
-            ys = [(r.get("memory", {}).get(role) or {}).get("peak_ratio") for r in rs]
-            if any(y is not None for y in ys):
-                axes[2].plot(xs, [y if y is not None else float("nan") for y in ys],
-                             marker=marker, label=f"{label} {role}")  # fmt: skip
+
+        def pts(get: Any) -> List[Tuple[float, float]]:  # at the nominal size
+            return [(float(r["size_gib"]), v) for r in rs if (v := get(r)) is not None]
+
+        panels[0]["series"].append((label, "-", pts(lambda r: r.get("heal_gbps"))))
+        panels[1]["series"].append((f"{label} regroup", "-", pts(lambda r: r.get("regroup_s"))))
+        panels[1]["series"].append((f"{label} heal", "--", pts(lambda r: r.get("heal_s"))))
+        for role in ROLES:
+            p = pts(lambda r, role=role: (r.get("memory", {}).get(role) or {}).get("peak_ratio"))
+            if p:
+                panels[2]["series"].append((f"{label} {role}", "-", p))
     ref = result["gloo"].get("reference_gbps")
     if ref:
-        axes[0].axhline(ref, color="black", ls="--", lw=1, label="gloo send/recv")
-        axes[0].axhline(GOALS["heal_vs_gloo_min"] * ref, color="grey", ls=":", lw=1,
-                        label="goal: 0.7 x gloo")  # fmt: skip
-    axes[2].axhline(GOALS["peak_over_steady_max"], color="black", ls="--", lw=1,
-                    label="goal 1.15")  # fmt: skip
-    axes[2].axhline(GOALS["survivor_regroup_peak_over_steady_max"], color="grey", ls=":", lw=1,
-                    label="goal (survivor) 1.25")  # fmt: skip
-    titles = ("heal bandwidth (GB/s)", "regroup and heal (s)", "peak RSS / steady RSS")
-    for ax, title in zip(axes, titles, strict=True):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("state per rank (GiB)")
+        panels[0]["hlines"] += [("gloo send/recv", ref),
+                                ("goal: 0.7 x gloo", GOALS["heal_vs_gloo_min"] * ref)]  # fmt: skip
+    panels[2]["hlines"] += [("goal 1.15", GOALS["peak_over_steady_max"]),
+                            ("goal (survivor) 1.25",
+                             GOALS["survivor_regroup_peak_over_steady_max"])]  # fmt: skip
+    return panels
+
+
+def plot(result: Dict[str, Any], out: Path) -> None:
+    """Heal GB/s, regroup/heal seconds and peak/steady per role against the state size
+    (matplotlib as ``benchmarks/plots.py``; without it, the same panels drawn with PIL)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    panels = plot_panels(result)
+    title = f"Recovery at model scale ({result.get('code', '')})"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _plot_pil(panels, title, out)
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, panel in zip(axes, panels, strict=True):
+        for i, (label, style, pts) in enumerate(panel["series"]):
+            if pts:
+                ax.plot(*zip(*pts, strict=True), "o" + style, color=COLORS[i % 10], label=label)
+        for (label, y), ls in zip(panel["hlines"], ("--", ":"), strict=False):
+            ax.axhline(y, color="black", ls=ls, lw=1, label=label)
+        ax.set_title(panel["title"], fontsize=10)
+        ax.set_xlabel("state per rank (GiB, nominal)")
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(f"Recovery at model scale ({result.get('code', '')})", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def _plot_pil(panels: List[Dict[str, Any]], title: str, out: Path) -> None:
+    """The panels of :func:`plot_panels` drawn with PIL: log2 x axis, linear y from 0."""
+    import math
+
+    from PIL import Image, ImageDraw, ImageFont
+
+    w, h, pw = 1430, 440, 470
+    img = Image.new("RGB", (w, h), "white")
+    d = ImageDraw.Draw(img)
+    font, small = ImageFont.load_default(size=13), ImageFont.load_default(size=10)
+    d.text((w // 2, 12), title, fill="black", font=font, anchor="mt")
+    for k, panel in enumerate(panels):
+        x0, y0, x1, y1 = k * pw + 55, 60, k * pw + pw - 15, h - 50
+        d.text(((x0 + x1) // 2, 40), panel["title"], fill="black", font=font, anchor="mt")
+        d.text(((x0 + x1) // 2, h - 18), "state per rank (GiB, nominal)", fill="black",
+               font=small, anchor="mm")  # fmt: skip
+        xs = [x for _, _, pts in panel["series"] for x, _ in pts]
+        ys = [y for _, _, pts in panel["series"] for _, y in pts] + [y for _, y in panel["hlines"]]
+        d.rectangle((x0, y0, x1, y1), outline="black")
+        if not xs:
+            d.text(((x0 + x1) // 2, (y0 + y1) // 2), "no data", fill="grey", font=font,
+                   anchor="mm")  # fmt: skip
+            continue
+        lo, hi = math.log2(min(xs)) - 0.3, math.log2(max(xs)) + 0.3
+        top = max(ys) * 1.15 or 1.0
+
+        def at(x: float, y: float) -> Tuple[float, float]:
+            return (x0 + (math.log2(x) - lo) / (hi - lo) * (x1 - x0), y1 - y / top * (y1 - y0))
+
+        for i in range(6):  # y grid and ticks
+            yv = top * i / 5
+            yy = y1 - (y1 - y0) * i / 5
+            d.line((x0, yy, x1, yy), fill="#e6e6e6")
+            d.text((x0 - 4, yy), f"{yv:.3g}", fill="black", font=small, anchor="rm")
+        for x in sorted(set(xs)):
+            xx = at(x, 0)[0]
+            d.line((xx, y0, xx, y1), fill="#e6e6e6")
+            d.text((xx, y1 + 4), f"{x:.2g}", fill="black", font=small, anchor="mt")
+        legend = []
+        for (label, y), dash in zip(panel["hlines"], (8, 3), strict=False):
+            yy = at(2 ** lo, y)[1]
+            for xx in range(x0, x1, 2 * dash):
+                d.line((xx, yy, min(xx + dash, x1), yy), fill="black")
+            legend.append((label, "black"))
+        for i, (label, style, pts) in enumerate(panel["series"]):
+            color = COLORS[i % 10]
+            xy = [at(x, y) for x, y in pts]
+            if len(xy) > 1:
+                if style == "--":
+                    for a, b in zip(xy, xy[1:]):
+                        for f in range(0, 10, 2):
+                            pa = (a[0] + (b[0] - a[0]) * f / 10, a[1] + (b[1] - a[1]) * f / 10)
+                            pb = (a[0] + (b[0] - a[0]) * (f + 1) / 10,
+                                  a[1] + (b[1] - a[1]) * (f + 1) / 10)  # fmt: skip
+                            d.line((pa, pb), fill=color, width=2)
+                else:
+                    d.line(xy, fill=color, width=2)
+            for px, py in xy:
+                d.ellipse((px - 3, py - 3, px + 3, py + 3), fill=color)
+            legend.append((label, color))
+        for j, (label, color) in enumerate(legend):
+            d.rectangle((x0 + 6, y0 + 6 + 12 * j, x0 + 14, y0 + 14 + 12 * j), fill=color)
+            d.text((x0 + 18, y0 + 4 + 12 * j), label, fill="black", font=small)
+    img.save(out)
 
 
 def _git(args: List[str]) -> str:
@@ -951,7 +1053,7 @@ def _write(result: Dict[str, Any], runs: List[Dict[str, Any]], a: argparse.Names
     try:
         plot(result, Path(a.plot))
     except Exception as err:  # a plot is not worth the measurements
-        result["plot_error"] = f"{type(err).__name__}: {err}"
+        print(f"recovery_scale: no plot: {type(err).__name__}: {err}", flush=True)
 
 
 if __name__ == "__main__":
