@@ -332,16 +332,54 @@ def _rss(pid: int) -> Optional[int]:
     return None
 
 
-class RssSampler(threading.Thread):
-    """Samples VmRSS of every process under ``root`` every ``interval`` seconds."""
+def mem_available() -> int:
+    """The machine's ``MemAvailable`` in bytes (``/proc/meminfo``)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
-    def __init__(self, root: int, interval: float, cap_bytes: int) -> None:
+
+def _busy_jiffies() -> int:
+    """CPU time all processes of the machine used, in clock ticks (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # less idle, iowait
+
+
+def _cpu_jiffies(pid: int) -> Optional[int]:
+    """utime + stime of ``pid`` in clock ticks, or ``None`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])
+
+
+class RssSampler(threading.Thread):
+    """Samples VmRSS of every process under ``root`` every ``interval`` seconds; also the
+    machine's ``MemAvailable`` and the CPU that processes outside the run used meanwhile (other
+    jobs on a shared machine)."""
+
+    def __init__(self, root: int, interval: float, cap_bytes: int, floor_bytes: int) -> None:
         super().__init__(daemon=True)
-        self.root, self.interval, self.cap = root, interval, cap_bytes
+        self.root, self.interval, self.cap, self.floor = root, interval, cap_bytes, floor_bytes
         self.series: Dict[int, List[Tuple[float, int]]] = {}
         self.total: List[Tuple[float, int]] = []
-        self.over_cap = False
+        self.min_available: Optional[int] = None
+        self.over_cap = ""
         self.halt = threading.Event()
+        self._cpu: Dict[int, int] = {}
+        self._t0, self._busy0 = time.time(), _busy_jiffies()
+
+    def foreign_cores(self) -> float:
+        """Cores that processes outside the run used on average since the start."""
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = _busy_jiffies() - self._busy0
+        return round(max(0.0, (busy - sum(self._cpu.values())) / hz / (time.time() - self._t0)), 2)
 
     def run(self) -> None:
         while not self.halt.is_set():
@@ -352,10 +390,32 @@ class RssSampler(threading.Thread):
                 if rss:
                     self.series.setdefault(pid, []).append((now, rss))
                     total += rss
+                cpu = _cpu_jiffies(pid)
+                if cpu is not None:
+                    self._cpu[pid] = cpu
             self.total.append((now, total))
+            avail = mem_available()
+            self.min_available = min(avail, self.min_available or avail)
             if total > self.cap:
-                self.over_cap = True
+                self.over_cap = f"total RSS {total / GIB:.1f} GiB above --memory-cap-gib"
+            elif avail < self.floor:
+                self.over_cap = (f"the machine's MemAvailable {avail / GIB:.1f} GiB below "
+                                 f"--memory-floor-gib")  # fmt: skip
             self.halt.wait(self.interval)
+
+
+def wait_for_machine(need_bytes: int, max_load: float, timeout: float) -> Dict[str, Any]:
+    """Wait up to ``timeout`` s for ``need_bytes`` of ``MemAvailable`` and a 1-minute load
+    average below ``max_load`` (a shared machine); what was found, and how long it took."""
+    t0 = time.time()
+    while True:
+        avail, load = mem_available(), os.getloadavg()[0]
+        ok_mem, ok_load = avail >= need_bytes, load < max_load
+        if (ok_mem and ok_load) or time.time() - t0 > timeout:
+            return {"waited_s": round(time.time() - t0, 1), "mem_available_gib":
+                    round(avail / GIB, 2), "loadavg_1m": round(load, 2),
+                    "memory_ok": ok_mem, "quiet": ok_load}  # fmt: skip
+        time.sleep(2)
 
 
 class LogTail:
@@ -592,7 +652,8 @@ def scale_run(
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    sampler = RssSampler(proc.pid, a.sample_ms / 1000, int(a.memory_cap_gib * GIB))
+    sampler = RssSampler(proc.pid, a.sample_ms / 1000, int(a.memory_cap_gib * GIB),
+                         int(a.memory_floor_gib * GIB))  # fmt: skip
     sampler.start()
     tail = LogTail(log)
     status = "running"
@@ -617,7 +678,7 @@ def scale_run(
                     status = "measured"
                     break
             if sampler.over_cap:
-                status = f"killed: total RSS above --memory-cap-gib {a.memory_cap_gib}"
+                status = f"killed by the benchmark: {sampler.over_cap}"
                 break
             if proc.poll() is not None:
                 status = f"exited (rc {proc.returncode}) before the rejoin's measurement"
@@ -637,6 +698,8 @@ def scale_run(
         "trainer": trainer, "size_gib": size, "dp": dp, "status": status,
         "wall_s": round(wall, 1), "kill": f"1:{kill_it}:forward", "train_iters_cap": iters,
         "loadavg_start_end": [load0, os.getloadavg()], "records": recs,
+        "foreign_cpu_cores": sampler.foreign_cores(),
+        "min_mem_available_gib": round((sampler.min_available or 0) / GIB, 2),
         "log": str(log.relative_to(REPO)) if log.is_relative_to(REPO) else str(log),
     }  # fmt: skip
     result.update(analyze(tail, recs, store, sampler, _pid_file(pid_file), dp, kill_it, a))
@@ -948,6 +1011,14 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="skip a configuration whose estimated resident total exceeds this")
     p.add_argument("--memory-cap-gib", type=float, default=20.0,
                    help="kill a run whose sampled total RSS exceeds this")
+    p.add_argument("--memory-floor-gib", type=float, default=1.0,
+                   help="kill a run when the machine's MemAvailable falls below this")
+    p.add_argument("--memory-headroom", type=float, default=2.0,
+                   help="a run starts once MemAvailable >= this x its estimated total")
+    p.add_argument("--quiet-load", type=float, default=1.5,
+                   help="a run starts once the 1-minute load average is below this ...")
+    p.add_argument("--quiet-wait", type=float, default=180.0,
+                   help="... or after this many seconds (recorded either way)")
     p.add_argument("--gloo-sizes-mib", default="512,1024")
     p.add_argument("--gloo-reps", type=int, default=3)
     p.add_argument("--megatron-lm-dir", default=None)
@@ -1029,8 +1100,16 @@ def main(argv: Optional[List[str]] = None) -> None:
                                  f"--memory-limit-gib {a.memory_limit_gib}"})  # fmt: skip
                     print(f"recovery_scale: {trainer} DP{dp} {s} GiB: {runs[-1]['status']}")
                     continue
-                print(f"recovery_scale: {trainer} DP{dp} {s} GiB ...", flush=True)
-                run = {**base, **scale_run(a, trainer, s, dp, tree)}
+                need = int(a.memory_headroom * est * GIB)
+                machine = wait_for_machine(need, a.quiet_load, a.quiet_wait)
+                print(f"recovery_scale: {trainer} DP{dp} {s} GiB ... ({machine})", flush=True)
+                if not machine["memory_ok"]:
+                    runs.append({**base, "machine_before": machine, "status": "skipped: "
+                                 f"MemAvailable {machine['mem_available_gib']} GiB < "
+                                 f"{a.memory_headroom} x the estimated {est:.1f} GiB (other "
+                                 "jobs on the machine)"})  # fmt: skip
+                    continue
+                run = {**base, "machine_before": machine, **scale_run(a, trainer, s, dp, tree)}
                 runs.append(run)
                 print(f"recovery_scale: {trainer} DP{dp} {s} GiB: {run['status']}; "
                       f"total {run.get('total_s')} s, regroup {run.get('regroup_s')} s, heal "
