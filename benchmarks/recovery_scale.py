@@ -1075,7 +1075,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         }  # fmt: skip
     result["config"] = config
     print(f"recovery_scale: gloo bandwidth ({sizes_mib} MiB)", flush=True)
+    machine = wait_for_machine(6 * max(sizes_mib) * 1024**2, a.quiet_load, a.quiet_wait)
+    busy0, t_gloo = _busy_jiffies(), time.time()
     result["gloo"] = gloo_bandwidth(sizes_mib, a.gloo_reps, timeout=600)
+    result["gloo"]["machine_before"] = machine
+    result["gloo"]["machine_cpu_cores"] = round(  # the two workers' ~2 cores and the rest
+        (_busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK") / (time.time() - t_gloo), 2)
     print(f"recovery_scale: gloo {json.dumps(result['gloo'].get('reference_gbps'))} GB/s",
           flush=True)  # fmt: skip
     tree = None
