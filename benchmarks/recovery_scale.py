@@ -404,18 +404,25 @@ class RssSampler(threading.Thread):
             self.halt.wait(self.interval)
 
 
-def wait_for_machine(need_bytes: int, max_load: float, timeout: float) -> Dict[str, Any]:
-    """Wait up to ``timeout`` s for ``need_bytes`` of ``MemAvailable`` and a 1-minute load
-    average below ``max_load`` (a shared machine); what was found, and how long it took."""
+def busy_cores(seconds: float) -> float:
+    """Cores the machine's processes used on average over the next ``seconds``."""
+    b0, t0 = _busy_jiffies(), time.time()
+    time.sleep(seconds)
+    return (_busy_jiffies() - b0) / os.sysconf("SC_CLK_TCK") / (time.time() - t0)
+
+
+def wait_for_machine(need_bytes: int, max_cores: float, timeout: float) -> Dict[str, Any]:
+    """Wait up to ``timeout`` s for ``need_bytes`` of ``MemAvailable`` and a quiet machine
+    (below ``max_cores`` busy over 3 s: other jobs on a shared machine); what was found, and
+    how long it took."""
     t0 = time.time()
     while True:
-        avail, load = mem_available(), os.getloadavg()[0]
-        ok_mem, ok_load = avail >= need_bytes, load < max_load
-        if (ok_mem and ok_load) or time.time() - t0 > timeout:
+        avail, busy = mem_available(), busy_cores(3.0)
+        ok_mem, quiet = avail >= need_bytes, busy < max_cores
+        if (ok_mem and quiet) or time.time() - t0 > timeout:
             return {"waited_s": round(time.time() - t0, 1), "mem_available_gib":
-                    round(avail / GIB, 2), "loadavg_1m": round(load, 2),
-                    "memory_ok": ok_mem, "quiet": ok_load}  # fmt: skip
-        time.sleep(2)
+                    round(avail / GIB, 2), "busy_cores_3s": round(busy, 2),
+                    "loadavg": os.getloadavg(), "memory_ok": ok_mem, "quiet": quiet}  # fmt: skip
 
 
 class LogTail:
@@ -461,20 +468,24 @@ def _pid_file(path: Path) -> List[Tuple[int, int, int]]:
     return out
 
 
-def _kill(proc: subprocess.Popen, pid_file: Path, sampled: Sequence[int]) -> None:
-    """SIGKILL the supervisor's process group, every PID of its pid file (ranks and standbys
-    lead their own sessions: their groups too) and every process sampled under it."""
-    targets = [p for _, _, p in _pid_file(pid_file)] + list(sampled)
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the supervisor's live descendants (ranks and standbys lead their own sessions:
+    their process groups too, with any data-loader workers), found before anything dies, then
+    the supervisor's process group. Only live descendants, never a PID from a file or an old
+    sample: on a shared machine a dead rank's PID may belong to someone else by now."""
+    targets = descendants(proc.pid, _ppid_map())
+    for pid in targets:
+        for kill, target in ((os.killpg, pid), (os.kill, pid)):
+            try:
+                if kill is os.killpg and os.getpgid(pid) != pid:
+                    continue  # not a group leader: its group is someone else's
+                kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    for pid in targets:
-        for kill, target in ((os.killpg, pid), (os.kill, pid)):
-            try:
-                kill(target, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
     proc.wait()
 
 
@@ -687,8 +698,7 @@ def scale_run(
                 status = f"timed out after {a.run_timeout:.0f} s"
                 break
     finally:
-        sampled = list(sampler.series)
-        _kill(proc, pid_file, sampled)
+        _kill(proc)
         sampler.halt.set()
         sampler.join()
         tail.poll()
@@ -1015,8 +1025,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="kill a run when the machine's MemAvailable falls below this")
     p.add_argument("--memory-headroom", type=float, default=2.0,
                    help="a run starts once MemAvailable >= this x its estimated total")
-    p.add_argument("--quiet-load", type=float, default=1.5,
-                   help="a run starts once the 1-minute load average is below this ...")
+    p.add_argument("--quiet-cores", type=float, default=0.3,
+                   help="a run starts once the machine is below this many busy cores ...")
     p.add_argument("--quiet-wait", type=float, default=180.0,
                    help="... or after this many seconds (recorded either way)")
     p.add_argument("--gloo-sizes-mib", default="512,1024")
@@ -1075,7 +1085,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         }  # fmt: skip
     result["config"] = config
     print(f"recovery_scale: gloo bandwidth ({sizes_mib} MiB)", flush=True)
-    machine = wait_for_machine(6 * max(sizes_mib) * 1024**2, a.quiet_load, a.quiet_wait)
+    machine = wait_for_machine(6 * max(sizes_mib) * 1024**2, a.quiet_cores, a.quiet_wait)
     busy0, t_gloo = _busy_jiffies(), time.time()
     result["gloo"] = gloo_bandwidth(sizes_mib, a.gloo_reps, timeout=600)
     result["gloo"]["machine_before"] = machine
@@ -1106,7 +1116,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     print(f"recovery_scale: {trainer} DP{dp} {s} GiB: {runs[-1]['status']}")
                     continue
                 need = int(a.memory_headroom * est * GIB)
-                machine = wait_for_machine(need, a.quiet_load, a.quiet_wait)
+                machine = wait_for_machine(need, a.quiet_cores, a.quiet_wait)
                 print(f"recovery_scale: {trainer} DP{dp} {s} GiB ... ({machine})", flush=True)
                 if not machine["memory_ok"]:
                     runs.append({**base, "machine_before": machine, "status": "skipped: "
