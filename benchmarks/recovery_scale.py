@@ -26,10 +26,23 @@ spurious generations (a failure generation that lost no rank). gloo's own bandwi
 large float32 tensor between two processes on loopback (send/recv and broadcast) is measured
 in the same invocation, before the runs, and the heal's bandwidth is reported against it.
 
+Before gloo's measurement and before each run the benchmark waits (``--quiet-wait``) for a
+quiet machine (fewer than ``--quiet-cores`` busy over 3 s) and for ``--memory-headroom`` times
+the run's estimated memory to be available; a configuration whose estimated total (``dp`` ranks
+and a joiner at 1.3 x the state) exceeds ``--memory-limit-gib`` (14) is skipped, and a run is
+killed if its processes exceed ``--memory-cap-gib`` or the machine's ``MemAvailable`` falls
+below ``--memory-floor-gib``; each run records the CPU that other processes used meanwhile
+(``foreign_cpu_cores``) and ends after ``--run-timeout`` seconds at most ("timed out").
+
 Usage (repo root)::
 
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/recovery_scale.py \\
         [--sizes 0.1,0.4,1.6,3.2] [--dps 2,4] [--trainers example,megatron-lm] [--quick]
+
+``--quick``: 0.1 and 0.4 GiB, DP2, the example trainer, gloo at 256 MiB once (about 2 minutes
+on a quiet machine). ``results/recovery_scale_before.json`` is ``--sizes 0.1,0.4,1.6 --dps 2
+--trainers example`` on the heal before its rewrite (``broadcast_object_list`` of the pickled
+state).
 
 Writes ``results/recovery_scale.json`` (``--output``), ``results/plots/recovery_scale.png``
 and prints a one-line summary. Run folders (logs, records, pid files, RSS series) go to
@@ -744,6 +757,12 @@ def analyze(
     failure = next((r for r in recs if r["generation"] == roles["failure_generation"]), None)
     heal = next((r for r in recs if r["generation"] == roles["heal_generation"]), None)
     out: Dict[str, Any] = {"params_logged": params, "roles": roles}
+    # A replacement up before the survivors regrouped joins the failure's own world: then the
+    # regroup includes the heal, and there is no separate rejoin (--replace-after larger).
+    out["heal_in_failure_generation"] = (
+        roles["heal_generation"] is not None
+        and roles["heal_generation"] == roles["failure_generation"]
+    )
     if failure:
         out["total_s"] = failure.get("total_s")
         out["regroup_s"] = failure.get("regroup_s")
