@@ -528,9 +528,7 @@ def gloo_worker(rank: int, port: int, sizes_mib: List[int], reps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     out: Dict[str, Any] = {}
     for mib in sizes_mib:
         n = mib * 1024 * 1024 // 4
@@ -729,8 +727,11 @@ def scale_run(
     (run_dir / "rss.json").write_text(json.dumps(
         {str(p): s for p, s in sampler.series.items()}))  # fmt: skip
     (run_dir / "store.json").write_text(json.dumps(store, default=str))
-    errors = [ln for _, ln in tail.lines
-              if ("Error" in ln or "error:" in ln) and "left generation" not in ln][:5]
+    errors = [
+        ln
+        for _, ln in tail.lines
+        if ("Error" in ln or "error:" in ln) and "left generation" not in ln
+    ][:5]
     if errors:
         result["error_lines"] = [e[:400] for e in errors]
     return result
@@ -851,9 +852,9 @@ def summarize(runs: List[Dict[str, Any]], gloo: Dict[str, Any]) -> Dict[str, Any
                 "regroup_1.6_over_0.1": rr,
                 "pass": rr <= GOALS["regroup_1.6_over_0.1_max"],
             }
-            run.setdefault("goals", {})["regroup_1.6_over_0.1"] = rr <= GOALS[
-                "regroup_1.6_over_0.1_max"
-            ]
+            run.setdefault("goals", {})["regroup_1.6_over_0.1"] = (
+                rr <= GOALS["regroup_1.6_over_0.1_max"]
+            )
     return {"regroup_scaling": cross}
 
 
@@ -871,7 +872,7 @@ def summary_line(runs: List[Dict[str, Any]], gloo: Dict[str, Any]) -> str:
             f"{tag}: regroup {r.get('regroup_s')} s, heal {r.get('heal_s')} s "
             f"({r.get('heal_gbps')} GB/s, x{r.get('heal_vs_gloo')} gloo), peak x{peak}"
         )
-    return (f"recovery_scale: gloo {gloo.get('reference_gbps')} GB/s; " + "; ".join(parts))
+    return f"recovery_scale: gloo {gloo.get('reference_gbps')} GB/s; " + "; ".join(parts)
 
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
@@ -985,7 +986,7 @@ def _plot_pil(panels: List[Dict[str, Any]], title: str, out: Path) -> None:
             d.text((xx, y1 + 4), f"{x:.2g}", fill="black", font=small, anchor="mt")
         legend = []
         for (label, y), dash in zip(panel["hlines"], (8, 3), strict=False):
-            yy = at(2 ** lo, y)[1]
+            yy = at(2**lo, y)[1]
             for xx in range(x0, x1, 2 * dash):
                 d.line((xx, yy, min(xx + dash, x1), yy), fill="black")
             legend.append((label, "black"))
@@ -1025,37 +1026,71 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--sizes", default=None, help=f"default {','.join(SIZES)}")
     p.add_argument("--dps", default=None, help="default 2,4")
     p.add_argument("--trainers", default=None, help="default example,megatron-lm")
-    p.add_argument("--quick", action="store_true",
-                   help="defaults sizes 0.1,0.4, DP2, the example trainer; gloo at 256 MiB, 1 rep")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="defaults sizes 0.1,0.4, DP2, the example trainer; gloo at 256 MiB, 1 rep",
+    )
     p.add_argument("--kill-iteration", type=int, default=8)
-    p.add_argument("--after-iterations", type=int, default=2,
-                   help="iterations trained past the rejoin's first one before the run ends")
+    p.add_argument(
+        "--after-iterations",
+        type=int,
+        default=2,
+        help="iterations trained past the rejoin's first one before the run ends",
+    )
     p.add_argument("--max-iterations-after-kill", type=int, default=400)
     p.add_argument("--replace-after", type=float, default=1.0)
     p.add_argument("--heartbeat-timeout", type=float, default=8.0)
     p.add_argument("--collective-timeout", type=float, default=300.0)
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--sample-ms", type=float, default=50.0)
-    p.add_argument("--memory-limit-gib", type=float, default=14.0,
-                   help="skip a configuration whose estimated resident total exceeds this")
-    p.add_argument("--memory-cap-gib", type=float, default=20.0,
-                   help="kill a run whose sampled total RSS exceeds this")
-    p.add_argument("--memory-floor-gib", type=float, default=1.0,
-                   help="kill a run when the machine's MemAvailable falls below this")
-    p.add_argument("--memory-headroom", type=float, default=2.0,
-                   help="a run starts once MemAvailable >= this x its estimated total")
-    p.add_argument("--quiet-cores", type=float, default=0.3,
-                   help="a run starts once the machine is below this many busy cores ...")
-    p.add_argument("--quiet-wait", type=float, default=180.0,
-                   help="... or after this many seconds (recorded either way)")
+    p.add_argument(
+        "--memory-limit-gib",
+        type=float,
+        default=14.0,
+        help="skip a configuration whose estimated resident total exceeds this",
+    )
+    p.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        default=20.0,
+        help="kill a run whose sampled total RSS exceeds this",
+    )
+    p.add_argument(
+        "--memory-floor-gib",
+        type=float,
+        default=1.0,
+        help="kill a run when the machine's MemAvailable falls below this",
+    )
+    p.add_argument(
+        "--memory-headroom",
+        type=float,
+        default=2.0,
+        help="a run starts once MemAvailable >= this x its estimated total",
+    )
+    p.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=0.3,
+        help="a run starts once the machine is below this many busy cores ...",
+    )
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=180.0,
+        help="... or after this many seconds (recorded either way)",
+    )
     p.add_argument("--gloo-sizes-mib", default="512,1024")
     p.add_argument("--gloo-reps", type=int, default=3)
     p.add_argument("--megatron-lm-dir", default=None)
     p.add_argument("--output", default=str(REPO / "results" / "recovery_scale.json"))
     p.add_argument("--plot", default=str(REPO / "results" / "plots" / "recovery_scale.png"))
     p.add_argument("--workdir", default=str(REPO / "results" / "recovery_scale"))
-    p.add_argument("--code-label", default=None,
-                   help="what code this measures, for the JSON and the plot's title")
+    p.add_argument(
+        "--code-label",
+        default=None,
+        help="what code this measures, for the JSON and the plot's title",
+    )
     p.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--gloo-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -1109,7 +1144,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     result["gloo"] = gloo_bandwidth(sizes_mib, a.gloo_reps, timeout=600)
     result["gloo"]["machine_before"] = machine
     result["gloo"]["machine_cpu_cores"] = round(  # the two workers' ~2 cores and the rest
-        (_busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK") / (time.time() - t_gloo), 2)
+        (_busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK") / (time.time() - t_gloo), 2
+    )
     print(f"recovery_scale: gloo {json.dumps(result['gloo'].get('reference_gbps'))} GB/s",
           flush=True)  # fmt: skip
     tree = None

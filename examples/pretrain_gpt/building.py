@@ -53,7 +53,8 @@ def init_distributed(device: Any) -> int:
         # 2 cores shared by up to 8 ranks: more threads per rank is 10-20x slower.
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Modulo the devices: ranks may share a GPU (the one-GPU recovery benchmark, over gloo).
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     from megatron_mecefo.runtime.timeout import pg_timeout_minutes
 
     try:

@@ -43,7 +43,7 @@ from megatron_mecefo.recovery.restore import take_over_from_snapshot
 from megatron_mecefo.recovery.state import heal as healing
 from megatron_mecefo.recovery.state.carry import boundary_snapshot, export_state, import_state
 from megatron_mecefo.recovery.state.checksum import state_checksum
-from megatron_mecefo.recovery.state.memory import release_unused, written_bytes
+from megatron_mecefo.recovery.state.memory import mem_trace, release_unused, written_bytes
 from megatron_mecefo.recovery.state.tensor_stream import stream_config
 from megatron_mecefo.recovery.step_hooks import install_commit_vote
 from megatron_mecefo.recovery.store_forwarding import store_addresses
@@ -152,7 +152,11 @@ class RecoverySession:
         """Iterations this process committed (all of them, unlike the timings kept)."""
         self.watchdog_cpu_s = 0.0
         """CPU seconds of the finished generations' watchdog threads."""
-        self.backend = "gloo" if args.device == "cpu" else "nccl"
+        # gloo on GPU tensors: several ranks sharing one GPU (NCCL refuses two ranks on one
+        # device), as the one-GPU recovery benchmark runs them (benchmarks/recovery_scale_gpu.py).
+        self.backend = os.environ.get("MECEFO_RECOVERY_BACKEND") or (
+            "gloo" if args.device == "cpu" else "nccl"
+        )
         self.aborter = build_aborter(
             self.backend,
             [*store_addresses(config.store), self.ms.address()],  # etcd mode: the hot store
@@ -269,7 +273,9 @@ class RecoverySession:
             # before the first NCCL call: Megatron-LM sets no device once the world exists.
             import torch
 
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(
+                int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            )
         # Sockets opened from here until on_built are the world's (the abort shuts them).
         self.aborter.open_world()
         # The watchdog runs from before the world's rendezvous: a member that dies while the
@@ -401,6 +407,7 @@ class RecoverySession:
         if self.schedule is not None and gen.number > 0:
             for line in self.schedule.apply_generation(gen.replicas, trainer.iteration + 1):
                 self.log(f"> MeCeFO recovery: {line}")
+        mem_trace(self.slot, self.inc, "built", trainer.iteration)
         self._hook(trainer)
         # Every group (and its connections) exists now: later sockets are not the world's.
         self.aborter.seal_world()
@@ -491,6 +498,7 @@ class RecoverySession:
             poll_s=self.cfg.poll_interval_s, abort_check=self._heal_abort_reason,
         )  # fmt: skip
         self.times["heal_s"] = time.time() - t0
+        mem_trace(self.slot, self.inc, f"heal-{self.times['heal_role']}", target)
         release_unused()
 
     def _heal_abort_reason(self) -> Optional[str]:
@@ -526,6 +534,7 @@ class RecoverySession:
     def committed(self, trainer: Any) -> None:
         """Right after a committed iteration: snapshot and the pending record (rank 0's vote
         worker has set the progress key at the commit)."""
+        mem_trace(self.slot, self.inc, "iteration", trainer.iteration)
         t0 = time.perf_counter()
         self.boundary = boundary_snapshot(trainer)
         self.hooks_s.append(time.perf_counter() - t0)
@@ -578,6 +587,7 @@ class RecoverySession:
 
     def leave(self, trainer: Any, planned: bool) -> None:
         """Keep the state of the last boundary, drop every reference to the world's groups."""
+        mem_trace(self.slot, self.inc, "leave", getattr(trainer, "iteration", -1))
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog_cpu_s += self.watchdog.cpu_s

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from typing import Optional
 
 _LIBC: Optional[ctypes.CDLL] = None
@@ -58,4 +59,45 @@ def written_bytes(pid: str = "self") -> int:
         for line in f:
             if line.startswith("wchar:"):
                 return int(line.split()[1])
+    return 0
+
+
+MEM_TRACE_ENV = "MECEFO_MEM_TRACE"
+"""Set to 1: each rank prints its peak memory at every iteration and recovery point."""
+
+
+def mem_trace(slot: int, inc: int, point: str, iteration: int) -> None:
+    """With ``MECEFO_MEM_TRACE=1``: print this rank's peak memory since the last trace and
+    reset it, one line per point (``[mecefo-mem] ...``), for ``benchmarks/recovery_scale*.py``.
+
+    On a GPU the peak is ``torch.cuda.max_memory_allocated``; on the CPU the peak resident
+    size (VmHWM, reset through ``/proc/self/clear_refs``)."""
+    if not os.environ.get(MEM_TRACE_ENV):
+        return
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak, now = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        kind = "cuda"
+    else:
+        peak, now = _status_bytes("VmHWM"), _status_bytes("VmRSS")
+        try:  # "5": reset the peak resident size (Linux 4.0+)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        kind = "rss"
+    print(
+        f"[mecefo-mem] slot={slot} inc={inc} point={point} iteration={iteration} kind={kind} "
+        f"peak={peak} now={now}",
+        flush=True,
+    )
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
     return 0

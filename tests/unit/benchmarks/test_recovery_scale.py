@@ -40,7 +40,10 @@ def test_roles_dp2_sender_is_the_survivor_and_without_a_rejoin() -> None:
     rejoin = dict(REJOIN, replicas=[0, 1], world_size=2)
     roles = rs.assign_roles([failure, rejoin], world=2)
     assert (roles["survivor"], roles["sender"], roles["joiner"], roles["bystander"]) == (
-        [0], 0, [1], []
+        [0],
+        0,
+        [1],
+        [],
     )
     alone = rs.assign_roles([failure], world=2)
     assert (alone["heal_generation"], alone["sender"], alone["joiner"]) == (None, None, [])
