@@ -894,7 +894,8 @@ def plot_panels(result: Dict[str, Any]) -> List[Dict[str, Any]]:
                     key=lambda r: float(r["size_gib"]))  # fmt: skip
         label = f"{trainer} DP{dp}"
 
-        def pts(get: Any) -> List[Tuple[float, float]]:  # at the nominal size
+        def pts(get: Any, rs: List[Dict[str, Any]] = rs) -> List[Tuple[float, float]]:
+            """(nominal size, value) of each run where ``get`` has one."""
             return [(float(r["size_gib"]), v) for r in rs if (v := get(r)) is not None]
 
         panels[0]["series"].append((label, "-", pts(lambda r: r.get("heal_gbps"))))
@@ -972,8 +973,11 @@ def _plot_pil(panels: List[Dict[str, Any]], title: str, out: Path) -> None:
         lo, hi = math.log2(min(xs)) - 0.3, math.log2(max(xs)) + 0.3
         top = max(ys) * 1.15 or 1.0
 
-        def at(x: float, y: float) -> Tuple[float, float]:
-            return (x0 + (math.log2(x) - lo) / (hi - lo) * (x1 - x0), y1 - y / top * (y1 - y0))
+        def at(x: float, y: float, box: Tuple[float, ...] = (x0, y0, x1, y1, lo, hi, top)
+               ) -> Tuple[float, float]:  # fmt: skip
+            bx0, by0, bx1, by1, blo, bhi, btop = box
+            return (bx0 + (math.log2(x) - blo) / (bhi - blo) * (bx1 - bx0),
+                    by1 - y / btop * (by1 - by0))  # fmt: skip
 
         for i in range(6):  # y grid and ticks
             yv = top * i / 5
@@ -995,7 +999,7 @@ def _plot_pil(panels: List[Dict[str, Any]], title: str, out: Path) -> None:
             xy = [at(x, y) for x, y in pts]
             if len(xy) > 1:
                 if style == "--":
-                    for a, b in zip(xy, xy[1:]):
+                    for a, b in zip(xy, xy[1:], strict=False):
                         for f in range(0, 10, 2):
                             pa = (a[0] + (b[0] - a[0]) * f / 10, a[1] + (b[1] - a[1]) * f / 10)
                             pb = (a[0] + (b[0] - a[0]) * (f + 1) / 10,
