@@ -37,7 +37,7 @@ def release_megatron(chunks: Iterable[Any], ddp_models: Iterable[Any], config: A
         # through the next generation). Free their memory now, whoever still refers to them.
         for buffer in [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]:
             grad_data = getattr(buffer, "grad_data", None)
-            if isinstance(grad_data, torch.Tensor):
+            if isinstance(grad_data, torch.Tensor) and grad_data.untyped_storage().resizable():
                 grad_data.untyped_storage().resize_(0)
         for name in ("grad_accs", "buffers", "expert_parallel_buffers", "bucket_groups",
                      "expert_parallel_bucket_groups"):  # fmt: skip

@@ -69,6 +69,9 @@ def build_record(
         "samples_redone": global_batch_size if redone else 0,
     }
     built, done = latest("built"), latest("done")
+    kept = [int(t["carry_kept_bytes"]) for t in times.values() if "carry_kept_bytes" in t]
+    if kept:  # carried weights a survivor could not free after copying (state/carry.py)
+        rec["carry_kept_bytes"] = max(kept)
     roles = {s: t["heal_role"] for s, t in times.items() if t.get("heal_role")}
     if roles:  # the heal by tensors (state/heal.py): who sent, received, only waited
         received = [t for s, t in times.items() if roles.get(s) == "joiner"]

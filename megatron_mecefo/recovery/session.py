@@ -368,7 +368,8 @@ class RecoverySession:
             take_over_from_snapshot(self, trainer)
         elif self.carry is not None:
             boundary = self.carry["boundary"]
-            import_state(trainer, self.carry)  # consumes the carried weights as it copies
+            # Consumes the carried weights as it copies; what it could not free is recorded.
+            self.times["carry_kept_bytes"] = import_state(trainer, self.carry)
             # Kept (sharing the new model's tensors) until this world is established: if it
             # fails before, the next world imports it again.
             self.carry = export_state(trainer, boundary)

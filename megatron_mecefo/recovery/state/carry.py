@@ -63,12 +63,14 @@ def export_state(trainer: Any, boundary: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def import_state(trainer: Any, state: Dict[str, Any]) -> None:
-    """Load ``state`` into a trainer built in the new world and rewind its data iterator."""
+def import_state(trainer: Any, state: Dict[str, Any]) -> int:
+    """Load ``state`` into a trainer built in the new world and rewind its data iterator;
+    returns the bytes of the carried weights that stayed allocated (:func:`load_consuming`)."""
     from megatron.core import tensor_parallel
 
+    kept = 0
     for chunk, sd in zip(trainer.model_chunks, state["model"], strict=True):
-        load_consuming(chunk, sd)
+        kept += load_consuming(chunk, sd)
     trainer.optimizer.load_state_dict(state["optimizer"])
     # Megatron's OptimizerParamScheduler.load_state_dict *adds* the saved step count to its
     # own (made for a fresh scheduler): start from zero, or a second import doubles the steps.
@@ -98,22 +100,29 @@ def import_state(trainer: Any, state: Dict[str, Any]) -> None:
         modules[name].mecefo_basis_step = step
     trainer.load_extra_state(state.get("extra", {}))
     trainer.rewind_data(trainer.consumed_samples)
+    return kept
 
 
-def _free_if_sole_owner(tensor: torch.Tensor) -> None:
+def _free_if_sole_owner(tensor: torch.Tensor) -> int:
     """Free a copied carry tensor's memory now. Dropping the reference is not enough: after
     a failure in the backward, the old world's DDP hooks (held by the interrupted autograd
     graph) still refer to the old parameters, measured to keep every old weight resident
     until the next generation. Only a storage that is exactly this tensor is freed (under the
-    distributed optimizer the parameters are views of one buffer: left alone)."""
+    distributed optimizer the parameters are views of one buffer: left alone). Returns the
+    bytes left allocated."""
     storage = tensor.untyped_storage()
-    if tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size():
+    whole = storage.nbytes() == tensor.numel() * tensor.element_size()
+    # Not resizable: memory torch does not own (e.g. from numpy, or an external allocator).
+    if tensor.storage_offset() == 0 and whole and storage.resizable():
         storage.resize_(0)
+        return 0
+    return tensor.numel() * tensor.element_size()
 
 
-def load_consuming(module: torch.nn.Module, sd: Dict[str, Any]) -> None:
+def load_consuming(module: torch.nn.Module, sd: Dict[str, Any]) -> int:
     """``module.load_state_dict(sd, strict=True)``, but each tensor is removed from ``sd`` as
-    soon as it is copied (its memory is freed then, if ``sd`` held the last reference)."""
+    soon as it is copied, and its memory freed (:func:`_free_if_sole_owner`). Returns the
+    bytes of copied tensors that could not be freed."""
     own = module.state_dict(keep_vars=True)
     missing = [k for k in own if k not in sd]
     unexpected = [k for k in sd if k not in own]
@@ -122,6 +131,7 @@ def load_consuming(module: torch.nn.Module, sd: Dict[str, Any]) -> None:
             f"the carried state does not fit the rebuilt model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
+    kept = 0
     with torch.no_grad():
         for name in [k for k in list(sd) if isinstance(own[k], torch.Tensor)]:
             value = sd[name]
@@ -129,8 +139,9 @@ def load_consuming(module: torch.nn.Module, sd: Dict[str, Any]) -> None:
                 continue  # load_state_dict below names the mismatch
             if value.data_ptr() != own[name].data_ptr():  # a heal may have received it in place
                 own[name].copy_(value)
-                _free_if_sole_owner(value)
+                kept += _free_if_sole_owner(value)
             del sd[name], value
     # What is left (extra states, mismatches) goes through Megatron's own path; the copied
     # tensors count as present.
     module.load_state_dict(sd, strict=False)
+    return kept
