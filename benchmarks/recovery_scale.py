@@ -1031,6 +1031,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--dps", default=None, help="default 2,4")
     p.add_argument("--trainers", default=None, help="default example,megatron-lm")
     p.add_argument(
+        "--mlm-sizes",
+        default="0.1,0.4",
+        help="the sizes Megatron-LM runs at (of --sizes; the example trainer runs at all)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="defaults sizes 0.1,0.4, DP2, the example trainer; gloo at 256 MiB, 1 rep",
@@ -1161,6 +1166,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     for trainer in trainers:
         for dp in dps:
             for s in sizes:
+                if trainer == "megatron-lm" and s not in a.mlm_sizes.split(","):
+                    continue
                 params = config["sizes"][s]["params"][trainer]
                 state_gib = STATE_BYTES_PER_PARAM * params / GIB
                 est = estimated_total_gib(state_gib, dp)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from megatron_mecefo.recovery.state.carry import export_state, import_state
+from megatron_mecefo.recovery.state.carry import import_state
 from megatron_mecefo.recovery.state.tensor_stream import (
     ChecksumMismatch,
     StreamConfig,
@@ -119,7 +119,11 @@ def receive_state(trainer: Any, src: int, group: Any, config: StreamConfig) -> S
     skeleton = got[0]
     # The receiver's own state is where the bytes land (its parameters, its optimizer's
     # moments when it has them); the rest is allocated once, at its final place.
-    own = export_state(trainer, {})
+    own = {"model": [chunk.state_dict() for chunk in trainer.model_chunks]}
+    try:
+        own["optimizer"] = trainer.optimizer.state_dict()
+    except AssertionError:  # megatron's DistributedOptimizer before its first step
+        pass
     device = next(p.device for c in trainer.model_chunks for p in c.parameters())
     dests = destinations(skeleton, own, device)
     del own
