@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -40,49 +39,11 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_header import run_header  # noqa: E402
 
+from megatron_mecefo.recovery.state.memory import PeakRss, release_unused, rss_bytes  # noqa: E402
+
 MIB = 1 << 20
 LOST = 1
 TIMEOUT_S = 60
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
-def _malloc_trim() -> None:
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
-class _Sampler:
-    """The largest VmRSS a thread sees while the block runs (polled every 0.5 ms)."""
-
-    def __init__(self) -> None:
-        self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            self._stop.wait(0.0005)
-
-    def __enter__(self) -> "_Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
 
 
 def allgather_rebuild(buffer: torch.Tensor, parity: Any, group: Any, my_slot: int) -> Dict:
@@ -189,11 +150,11 @@ def _worker(
         group = dist.new_group(survivors)
         if rank in survivors:
             gc.collect()
-            _malloc_trim()
-            row["steady"] = _rss()
+            release_unused()
+            row["steady"] = rss_bytes()
             dist.barrier(group=group)
             t0 = time.perf_counter()
-            with _Sampler() as sampler:
+            with PeakRss() as sampler:
                 if old:
                     done: Any = allgather_rebuild(buffer, parity, group, my_slot=rank)
                 else:
@@ -207,7 +168,7 @@ def _worker(
                     )
             row["seconds"] = time.perf_counter() - t0
             row["peak"] = sampler.peak
-            row["after"] = _rss()
+            row["after"] = rss_bytes()
             if old:
                 got = done["slots"][LOST]
                 row["sent"], row["received"] = done["sent"], done["received"]
@@ -226,8 +187,8 @@ def _worker(
             if old:
                 del done
             gc.collect()
-            _malloc_trim()  # what glibc kept in its arenas, not a leak, comes back
-            row["after_trim"] = _rss()
+            release_unused()  # what glibc kept in its arenas, not a leak, comes back
+            row["after_trim"] = rss_bytes()
             if rank == rebuilder:
                 expected = np.random.default_rng(LOST)
                 ok = True

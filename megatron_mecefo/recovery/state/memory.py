@@ -12,7 +12,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from typing import Optional
+import threading
+from typing import Any, Optional
 
 _LIBC: Optional[ctypes.CDLL] = None
 
@@ -101,3 +102,28 @@ def _status_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+class PeakRss:
+    """``with PeakRss() as peak:`` the largest VmRSS a thread sees while the block runs
+    (``peak.peak``, bytes; polled every ``interval_s``, and read once more at the end)."""
+
+    def __init__(self, interval_s: float = 0.0005) -> None:
+        self.peak = rss_bytes()
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())

@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import threading
 from pathlib import Path
 from typing import Any, Dict, List
 
 import numpy as np
 import pytest
 import torch
+
+from megatron_mecefo.recovery.state.memory import PeakRss, rss_bytes
 
 N = 4
 LOST = 1
@@ -36,37 +37,6 @@ BUCKET = 4 * MIB
 def _slot_bytes(rank: int) -> np.ndarray:
     rng = np.random.default_rng(2000 + rank)
     return rng.integers(0, 256, size=SLOT_BYTES + 333 * rank, dtype=np.uint8)
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-class _Sampler:
-    """The largest VmRSS seen by a thread polling /proc/self/status while it runs."""
-
-    def __init__(self) -> None:
-        self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            self._stop.wait(0.0005)
-
-    def __enter__(self) -> "_Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
 
 
 class _Counter:
@@ -207,8 +177,8 @@ def _worker(rank: int, port: int, m: int, out: str) -> None:
             counter.install()
             gc.collect()
             _malloc_trim()
-            steady = _rss()
-            with _Sampler() as sampler:
+            steady = rss_bytes()
+            with PeakRss() as sampler:
                 done = rebuild_slots(
                     buffer,
                     parity,
