@@ -7,10 +7,11 @@ tensors are the trainer's own (shared, not copied). A survivor keeps it in memor
 into the model it rebuilds in the new world (nothing is read from disk); a joiner receives it
 from a data-parallel peer with the same TP/PP coordinates (:mod:`.heal`).
 
-The model's tensors are loaded *consuming* the carry: each carried tensor is dropped as soon
-as it is copied, so a survivor whose new model was built without initialisation
-(:func:`initializes_model` False: its fresh pages are untouched) never holds two copies of the
-weights; only one tensor is ever duplicated.
+The model's tensors are loaded *consuming* the carry: a rebuilt parameter takes the carried
+tensor's storage where both are the sole tensor on their storage (no copy), else the carried
+tensor is copied and its memory freed at once. So a survivor whose new model was built without
+initialisation (``RecoverySession.initializes_model`` False: its fresh pages are untouched)
+never holds two copies of the weights; at most one tensor is ever duplicated.
 """
 
 from __future__ import annotations
@@ -119,6 +120,33 @@ def _free_if_sole_owner(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _sole_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the whole of its storage, and the only tensor on it."""
+    storage = tensor.untyped_storage()
+    whole = (
+        tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size()
+    )
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    # 2: the tensor and ``storage`` above; a view elsewhere (a bucket, a cache) adds one.
+    return whole and use_count is not None and use_count(storage._cdata) == 2
+
+
+def _adoptable(target: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the rebuilt model's ``target`` can take the carried ``value``'s storage instead
+    of a copy: same layout, and each the sole tensor on its whole storage. Not under the
+    distributed optimizer (parameters are views of DDP's buffer), nor where anything else
+    (a view, a cache) still refers to the new storage and would go on reading it."""
+    return (
+        target.shape == value.shape
+        and target.dtype == value.dtype
+        and target.device == value.device
+        and target.is_contiguous()
+        and value.is_contiguous()
+        and _sole_storage(target)
+        and _sole_storage(value)
+    )
+
+
 def load_consuming(module: torch.nn.Module, sd: Dict[str, Any]) -> int:
     """``module.load_state_dict(sd, strict=True)``, but each tensor is removed from ``sd`` as
     soon as it is copied, and its memory freed (:func:`_free_if_sole_owner`). Returns the
@@ -137,8 +165,13 @@ def load_consuming(module: torch.nn.Module, sd: Dict[str, Any]) -> int:
             value = sd[name]
             if not isinstance(value, torch.Tensor) or value.shape != own[name].shape:
                 continue  # load_state_dict below names the mismatch
-            if value.data_ptr() != own[name].data_ptr():  # a heal may have received it in place
-                own[name].copy_(value)
+            target = own[name]
+            if value.data_ptr() == target.data_ptr():  # a heal received it in place
+                pass
+            elif _adoptable(target, value):
+                target.data = value  # no copy: the new (untouched) storage is dropped
+            else:
+                target.copy_(value)
                 kept += _free_if_sole_owner(value)
             del sd[name], value
     # What is left (extra states, mismatches) goes through Megatron's own path; the copied

@@ -20,9 +20,9 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,6 +42,15 @@ class StreamConfig:
 
     inline_bytes: int = 64 * 1024
     """Tensors smaller than this travel pickled with the structure (RNG states, counters)."""
+
+    direct_bytes: int = 1 * MiB
+    """Tensors of at least this size (or half a bucket, if smaller) travel in messages of
+    their own, from and into their own storage; smaller ones are packed into a staging bucket
+    (a copy on each side)."""
+
+    in_flight: int = 4
+    """Messages in flight per receiver: the sender's sends not yet completed, the receiver's
+    receives posted ahead (at most one of them staged)."""
 
     bucket_timeout_s: float = 600.0
     """Deadline of one message; it starts anew with every message, so the whole transfer has
@@ -196,14 +205,17 @@ class Message:
         return len(self.parts) == 1
 
 
-def plan_messages(sizes: Sequence[int], bucket_bytes: int) -> List[Message]:
+def plan_messages(
+    sizes: Sequence[int], bucket_bytes: int, direct_bytes: Optional[int] = None
+) -> List[Message]:
     """Cut tensors of ``sizes`` bytes into messages of at most ``bucket_bytes``: a tensor of at
-    least half a bucket alone in slices; smaller ones packed together in stream order. Both
-    sides compute it from the slots alone."""
+    least ``direct_bytes`` (at most half a bucket) alone, in slices; smaller ones packed
+    together in stream order. Both sides compute it from the slots alone."""
+    direct = bucket_bytes // 2 if direct_bytes is None else min(direct_bytes, bucket_bytes // 2)
     out: List[Message] = []
     pack = Message()
     for i, n in enumerate(sizes):
-        if n >= bucket_bytes // 2:
+        if n >= max(1, direct):
             for start in range(0, n, bucket_bytes):
                 out.append(Message([(i, start, min(bucket_bytes, n - start))]))
             continue
@@ -258,7 +270,7 @@ def send_tensors(
 
     t0 = time.perf_counter()
     views = [as_bytes(t) for t in tensors]
-    plan = plan_messages([v.numel() for v in views], config.bucket_bytes)
+    plan = plan_messages([v.numel() for v in views], config.bucket_bytes, config.direct_bytes)
     stats = StreamStats()
     sums = torch.zeros(len(plan), 2, dtype=torch.int64)
     staging: List[Optional[torch.Tensor]] = [None, None]
@@ -281,10 +293,10 @@ def send_tensors(
             i, start, n = msg.parts[0]
             buf, bucket = views[i][start : start + n], -1
             sums[k] = bytes_checksum(buf).cpu()
-            retire(1)
+            retire(config.in_flight - 1)
         else:
             bucket = k % 2
-            retire(1, free=bucket)
+            retire(config.in_flight - 1, free=bucket)
             if staging[bucket] is None:
                 staging[bucket] = torch.empty(config.bucket_bytes, dtype=torch.uint8,
                                               device=staged_on)  # fmt: skip
@@ -323,7 +335,7 @@ def recv_tensors(
 
     t0 = time.perf_counter()
     views = [as_bytes(t) for t in dests]
-    plan = plan_messages([v.numel() for v in views], config.bucket_bytes)
+    plan = plan_messages([v.numel() for v in views], config.bucket_bytes, config.direct_bytes)
     stats = StreamStats()
     mine = torch.zeros(len(plan), 2, dtype=torch.int64)
     staging: Optional[torch.Tensor] = None
@@ -344,20 +356,35 @@ def recv_tensors(
         buf = staging[: msg.nbytes]
         return dist.irecv(buf, src, group=group), buf, True
 
-    ahead = post(0) if plan else None
+    posted: Deque[Tuple[Any, torch.Tensor, bool]] = deque()
+    next_k = 0
+
+    def refill() -> None:
+        """Post receives in plan order, up to ``in_flight``, one staged at a time."""
+        nonlocal next_k
+        while next_k < len(plan) and len(posted) < config.in_flight:
+            if any(staged for _, _, staged in posted) and not _is_direct(next_k):
+                return  # the staging bucket is in use: its message must be unpacked first
+            posted.append(post(next_k))
+            next_k += 1
+
+    def _is_direct(k: int) -> bool:
+        device = views[plan[k].parts[0][0]].device
+        return plan[k].direct and _staging_device(device, group) == device
+
+    refill()
     for k, msg in enumerate(plan):
-        work, buf, staged = ahead
+        work, buf, staged = posted.popleft()
         _wait(work, config.bucket_timeout_s, f"heal: message {k} of {len(plan)} from rank {src}")
-        if not staged and k + 1 < len(plan):
-            ahead = post(k + 1)  # this buffer is the destination itself: receive the next now
+        if not staged:
+            refill()  # this buffer is the destination itself: keep the link busy meanwhile
         mine[k] = bytes_checksum(buf).cpu()
         if staged:
             at = 0
             for i, start, n in msg.parts:
                 views[i][start : start + n].copy_(buf[at : at + n])
                 at += n
-            if k + 1 < len(plan):  # the one staging bucket is free again
-                ahead = post(k + 1)
+            refill()  # the staging bucket is free again
         stats.bytes += msg.nbytes
         stats.messages += 1
     theirs = torch.zeros(len(plan), 2, dtype=torch.int64)

@@ -136,6 +136,7 @@ def test_heal_bytes_from_the_record_or_the_parameters() -> None:
 def test_goal_checks() -> None:
     run = {
         "heal_gbps": 0.8,
+        "heal_transfer_vs_gloo_fresh": 0.69,
         "spurious_generations": [],
         "memory": {
             "survivor": {"pids": [1], "peak_ratio": 1.25},
@@ -146,6 +147,7 @@ def test_goal_checks() -> None:
     }
     assert rs.goal_checks(run, gloo_gbps=1.0) == {
         "heal_vs_gloo": True,
+        "heal_transfer_vs_gloo_fresh": False,
         "peak_sender_joiner_bystander": True,
         "survivor_regroup_peak": True,
         "after_heal": False,
@@ -153,6 +155,7 @@ def test_goal_checks() -> None:
     }
     assert rs.goal_checks({"spurious_generations": [3]}, None) == {
         "heal_vs_gloo": None,
+        "heal_transfer_vs_gloo_fresh": None,
         "peak_sender_joiner_bystander": None,
         "survivor_regroup_peak": None,
         "after_heal": None,
