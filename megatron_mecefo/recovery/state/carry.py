@@ -161,10 +161,6 @@ def _sole_storage(tensor: torch.Tensor) -> bool:
 
 
 def _adoptable(target: torch.Tensor, value: torch.Tensor) -> bool:
-    import os
-
-    if os.environ.get("NOADOPT"):
-        return False
     """Whether the rebuilt model's ``target`` can take the carried ``value``'s storage instead
     of a copy: same layout, and each the sole tensor on its whole storage. Not under the
     distributed optimizer (parameters are views of DDP's buffer), nor where anything else
