@@ -68,6 +68,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from goodput import _read_jsonl  # noqa: E402  (a sibling script: complete JSON lines)
+from recovery_latency import _Tail  # noqa: E402
 from run_header import run_header  # noqa: E402
 
 TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
@@ -445,20 +447,11 @@ class LogTail:
     """New complete lines of a growing log, each with the time this process read it."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.pos, self.rest = path, 0, b""
+        self._tail = _Tail(path)  # recovery_latency's reader of a growing log
         self.lines: List[Tuple[float, str]] = []
 
     def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self.pos)
-            data = f.read()
-        now = time.time()
-        self.pos += len(data)
-        parts = (self.rest + data).split(b"\n")
-        self.rest = parts.pop()
-        self.lines += [(now, p.decode(errors="replace")) for p in parts]
+        self.lines += self._tail.lines()
 
     def iteration_time(self, it: int, after: float = 0.0) -> Optional[float]:
         """When the first log line of iteration ``it`` read at or after ``after`` came."""
@@ -503,18 +496,6 @@ def _kill(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
-
-
-def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            pass
-    return out
 
 
 # ------------------------------------------------------------------ gloo's own bandwidth
