@@ -329,8 +329,9 @@ class RecoverySession:
         """Whether the trainer must initialise the weights of the model it builds now: not when
         the carried state or a peer's (the heal) overwrites every one of them. Built without
         initialisation (Megatron's ``perform_initialization=False``), the new weights' pages are
-        untouched until the carry is copied in, tensor by tensor, so a survivor never holds two
-        copies of its weights. The same rule as :meth:`on_built`'s ``valid``."""
+        untouched until the carry replaces or fills them, tensor by tensor (:mod:`.state.carry`),
+        so a survivor never holds two copies of its weights. The same rule as
+        :meth:`on_built`'s ``valid``."""
         if self.takeover_pending:  # a snapshot roll-back: keep the plain path
             return True
         if self.carry is not None:
