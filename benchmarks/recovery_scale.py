@@ -72,6 +72,8 @@ from goodput import _read_jsonl  # noqa: E402  (a sibling script: complete JSON 
 from recovery_latency import _Tail  # noqa: E402
 from run_header import run_header  # noqa: E402
 
+from megatron_mecefo.recovery.state.memory import rss_bytes  # noqa: E402
+
 TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
 GIB = 1024**3
 STATE_BYTES_PER_PARAM = 16
@@ -341,13 +343,9 @@ def descendants(root: int, ppids: Dict[int, int]) -> List[int]:
 def _rss(pid: int) -> Optional[int]:
     """VmRSS of ``pid`` in bytes, or ``None`` if it is gone."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
+        return rss_bytes(str(pid)) or None  # a zombie has no VmRSS
     except OSError:
         return None
-    return None
 
 
 def mem_available() -> int:

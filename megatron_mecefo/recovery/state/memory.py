@@ -46,11 +46,7 @@ def release_unused() -> bool:
 
 def rss_bytes(pid: str = "self") -> int:
     """Resident set size of ``pid`` (``/proc/<pid>/status`` VmRSS), in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmRSS", pid)
 
 
 def written_bytes(pid: str = "self") -> int:
@@ -96,8 +92,9 @@ def mem_trace(slot: int, inc: int, point: str, iteration: int) -> None:
     )
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
+def _status_bytes(field: str, pid: str = "self") -> int:
+    """A ``/proc/<pid>/status`` field given in kB, in bytes (0 if absent)."""
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024

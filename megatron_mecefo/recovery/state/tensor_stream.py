@@ -340,18 +340,22 @@ def recv_tensors(
     mine = torch.zeros(len(plan), 2, dtype=torch.int64)
     staging: Optional[torch.Tensor] = None
 
+    def is_direct(k: int) -> bool:
+        """Whether message ``k`` lands in its destination without staging."""
+        device = views[plan[k].parts[0][0]].device
+        return plan[k].direct and _staging_device(device, group) == device
+
     def post(k: int) -> Tuple[Any, torch.Tensor, bool]:
         """Post message ``k``'s receive: (work, buffer, staged)."""
         nonlocal staging
         msg = plan[k]
-        device = views[msg.parts[0][0]].device
-        staged_on = _staging_device(device, group)
-        if msg.direct and staged_on == device:  # straight into the destination
+        if is_direct(k):  # straight into the destination
             i, start, n = msg.parts[0]
             buf = views[i][start : start + n]
             return dist.irecv(buf, src, group=group), buf, False
         if staging is None:
-            staging = torch.empty(config.bucket_bytes, dtype=torch.uint8, device=staged_on)
+            device = _staging_device(views[msg.parts[0][0]].device, group)
+            staging = torch.empty(config.bucket_bytes, dtype=torch.uint8, device=device)
             stats.staging_bytes += config.bucket_bytes
         buf = staging[: msg.nbytes]
         return dist.irecv(buf, src, group=group), buf, True
@@ -363,14 +367,10 @@ def recv_tensors(
         """Post receives in plan order, up to ``in_flight``, one staged at a time."""
         nonlocal next_k
         while next_k < len(plan) and len(posted) < config.in_flight:
-            if any(staged for _, _, staged in posted) and not _is_direct(next_k):
+            if any(staged for _, _, staged in posted) and not is_direct(next_k):
                 return  # the staging bucket is in use: its message must be unpacked first
             posted.append(post(next_k))
             next_k += 1
-
-    def _is_direct(k: int) -> bool:
-        device = views[plan[k].parts[0][0]].device
-        return plan[k].direct and _staging_device(device, group) == device
 
     refill()
     for k, msg in enumerate(plan):
