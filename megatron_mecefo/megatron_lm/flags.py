@@ -454,6 +454,8 @@ def job_args(args: Any, world_size: int) -> argparse.Namespace:
         # example trainer's): the session must not count on them.
         save=None,
         load=None,
+        # Only named in the line of a job that cannot continue in memory (failures.py).
+        checkpoint_dirs=(getattr(args, "save", None), getattr(args, "load", None)),
     )
 
 

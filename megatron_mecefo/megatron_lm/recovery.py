@@ -540,6 +540,7 @@ def _install_hooks() -> None:
     setup = training.setup_model_and_optimizer
     log = training.training_log
     decide = training.checkpoint_and_decide_exit
+    build_datasets = getattr(training, "build_train_valid_test_datasets", None)
 
     @functools.wraps(setup)
     def setup_model_and_optimizer(*a: Any, **kw: Any) -> Any:
@@ -561,9 +562,25 @@ def _install_hooks() -> None:
         return result
 
     training.setup_model_and_optimizer = setup_model_and_optimizer
+    if build_datasets is not None:  # a tag without it builds its data elsewhere: no kill phase
+        training.build_train_valid_test_datasets = _dataset_build_phase(build_datasets)
     training.training_log = training_log
     training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
     _INSTALLED.append(True)
+
+
+def _dataset_build_phase(build: Callable) -> Callable:
+    """``build_train_valid_test_datasets`` with the kill phase ``dataset-build`` before it
+    (``--mecefo-kill R:I:dataset-build``): the state is in place by then, and the peers meet
+    in the dataset builder's barrier next."""
+
+    @functools.wraps(build)
+    def build_train_valid_test_datasets(*a: Any, **kw: Any) -> Any:
+        if _ACTIVE is not None:
+            _ACTIVE.phase("dataset-build", _ACTIVE.iteration + 1)
+        return build(*a, **kw)
+
+    return build_train_valid_test_datasets
 
 
 def stop_loader_workers(loaders: List[Any]) -> None:

@@ -8,8 +8,8 @@ about to start), ``optimizer`` (the commit vote passed, the update is about to r
 (the save's write: this rank is about to write its files, or, writing none, to wait for the
 writers) and ``save-finalize`` (the write is done on every rank; the tracker file is not
 written yet); and, for tests
-of a failure during a recovery, ``regroup``, ``world``, ``groups`` and ``heal``
-(:data:`RECOVERY_PHASES`). Any field may be
+of a failure during a recovery, ``regroup``, ``world``, ``groups``, ``heal`` and
+``dataset-build`` (:data:`RECOVERY_PHASES`). Any field may be
 ``?``: it is drawn from a ``random.Random(seed)``, so every rank draws the same kill. Each kill
 fires once per job (a replacement process of the same rank does not fire it again). An
 external ``kill -9`` is handled the same way.
@@ -26,9 +26,9 @@ from typing import Callable, List, Optional, Sequence
 
 PHASES = (
     "forward", "backward", "grad-sync", "optimizer", "between", "regroup", "heal", "world",
-    "groups", "save", "saved", "save-write", "save-finalize",
+    "groups", "save", "saved", "save-write", "save-finalize", "dataset-build",
 )  # fmt: skip
-RECOVERY_PHASES = ("regroup", "heal", "world", "groups")
+RECOVERY_PHASES = ("regroup", "heal", "world", "groups", "dataset-build")
 """Phases inside a recovery, for tests of a failure during a failure: ``regroup`` fires in a
 survivor that has just left a world whose iteration ITERATION (or later) failed; ``world`` in
 a rank that left a world at iteration ITERATION or later (a failure, or a planned switch such
@@ -36,7 +36,11 @@ as a rejoin) once every member of the next generation arrived in the store, just
 ``init_process_group`` (the others then wait in its rendezvous for this rank); ``groups`` in
 it once that world exists, before the trainer builds Megatron's groups (the others wait in a
 ``new_group``'s rendezvous); ``heal`` in a joiner about to receive its state at a rejoin at
-iteration ITERATION or later."""
+iteration ITERATION or later; ``dataset-build`` in Megatron-LM's ``pretrain_gpt.py`` (the
+example trainer builds its data before the state is known and does not fire it), in a rank
+whose ``pretrain()``, entered to run iteration ITERATION or later, is about to build its
+datasets (the state is restored or healed by then; the others wait in the dataset builder's
+barrier)."""
 RANDOM_PHASES = PHASES[:7]
 """What a ``?`` phase is drawn from: the phases before ``world`` and ``groups`` were added, so
 that a seeded schedule draws the kills it drew before."""

@@ -5,7 +5,8 @@ it waits until this process is a member, meets the other members in the store, b
 torch.distributed world on the prefix ``world<g>/`` of the supervisor's store, and runs the
 trainer that ``make_trainer(session)`` returns. The trainer calls
 :meth:`~.session.RecoverySession.on_built` once its model and optimizer exist in the world
-(restore, heal, hooks). A collective error or an aborted vote ends the generation: the rank
+(restore, heal, hooks). A collective error (whatever exception the trainer wrapped it in:
+:mod:`.failures`), an aborted world or an aborted vote ends the generation: the rank
 keeps its state at the last committed boundary, drops the world (:meth:`~.session.
 RecoverySession.leave`) and waits for the next generation, which redoes the in-flight
 iteration under the takeover plan. ``training finished`` ends the loop with the trainer.
@@ -21,11 +22,11 @@ import time
 import traceback
 from typing import Any, Callable, NoReturn, Optional
 
+from megatron_mecefo.recovery import failures, reporting
 from megatron_mecefo.recovery import records as rec_mod
-from megatron_mecefo.recovery import reporting
 from megatron_mecefo.recovery.config import RecoveryConfig
 from megatron_mecefo.recovery.heartbeat import SUPERVISOR_ENV
-from megatron_mecefo.recovery.membership import MembershipStore
+from megatron_mecefo.recovery.membership import Generation, MembershipStore
 from megatron_mecefo.recovery.session import (
     _EXIT,
     DIST_OPT_MESSAGE,
@@ -107,11 +108,16 @@ def run_recoverable(
             outcome = "done"
         except RegroupRequest:
             outcome = "planned"
-        except (RuntimeError, OSError) as err:  # gloo: "Connection closed by peer", timeouts
-            first_line = str(err).partition("\n")[0]  # an empty message has no line 0
-            outcome, error = "failed", f"{type(err).__name__}: {first_line[:300]}"
-            if loader_worker_died(err):
-                exit_for_loader_worker(session.slot, first_line)
+        except Exception as err:  # noqa: BLE001  (classified: failures.generation_failure)
+            # gloo's "Connection closed by peer", timeouts, an aborted world: whatever
+            # Megatron-LM or the user's code wrapped them in, the generation failed, not the
+            # rank (which, exiting, would be counted as a death).
+            if not failures.generation_failure(err, world_aborted(session, gen)):
+                raise
+            outcome, error = "failed", describe(err)
+            for cause in failures.causes(err):
+                if loader_worker_died(cause):
+                    exit_for_loader_worker(session.slot, first_line(cause))
             if os.environ.get("MECEFO_RECOVERY_TRACE"):
                 traceback.print_exc()
         if outcome == "done":
@@ -147,6 +153,35 @@ def run_recoverable(
         trainer = None
         if outcome == "failed":
             session.injector.phase("regroup", failed_iteration)
+
+
+def world_aborted(session: RecoverySession, gen: Generation) -> bool:
+    """Whether ``gen``'s world was ended from outside: its watchdog aborted it, or the store
+    holds a failure generation after it (the watchdog may not have looked yet)."""
+    watchdog = session.watchdog
+    if watchdog is not None and watchdog.fired is not None:
+        return True
+    try:
+        latest = session.ms.generation_number()
+        return any(
+            session.ms.generation(n).at_iteration is None for n in range(gen.number + 1, latest + 1)
+        )
+    except Exception:  # noqa: BLE001  (the store is being taken over: the error's chain decides)
+        return False
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (an empty message has no line 0)."""
+    return str(err).partition("\n")[0]
+
+
+def describe(err: BaseException) -> str:
+    """``Type: first line`` of ``err``, with the collective error it wraps, if any."""
+    text = f"{type(err).__name__}: {first_line(err)[:300]}"
+    root = failures.root_collective_error(err)
+    if root is not None:
+        text += f" (from {type(root).__name__}: {first_line(root)[:200]})"
+    return text
 
 
 def loader_worker_died(err: BaseException) -> bool:

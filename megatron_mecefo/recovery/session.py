@@ -35,6 +35,7 @@ from typing import Any, Deque, Dict, List, Optional
 from megatron_mecefo.recovery import node_vote_host, reporting
 from megatron_mecefo.recovery.abort import GenerationWatchdog, build_aborter, release_megatron
 from megatron_mecefo.recovery.config import RecoveryConfig
+from megatron_mecefo.recovery.failures import checkpoint_line
 from megatron_mecefo.recovery.fault_injection import KillInjector, parse_kills
 from megatron_mecefo.recovery.heartbeat import Heartbeat
 from megatron_mecefo.recovery.membership import Generation, JobLayout, MembershipStore
@@ -200,10 +201,11 @@ class RecoverySession:
             for n in range(self.generation + 1, latest + 1)
         )
 
-    def fatal(self, message: str) -> None:
-        """End the job with one message (every rank: the store's ``fatal`` key)."""
+    def fatal(self, message: str, say: bool = True) -> None:
+        """End the job with one message (every rank: the store's ``fatal`` key); ``say``:
+        rank 0 prints it too (every node's supervisor ends with it: "training aborted")."""
         self.ms.set_fatal(message)
-        if self.rank <= 0:
+        if say and self.rank <= 0:
             print(f"> MeCeFO recovery: error: {message}", flush=True)
         raise RecoveryAbort(3)
 
@@ -383,9 +385,12 @@ class RecoverySession:
         every: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, (mine, self.schedule.real if self.schedule else [], dp_ranks))
         infos = [e[0] for e in every]
-        target = max(it for _, ok, it in infos)
-        if target < 0:
-            raise RuntimeError("no member holds trained state; cannot heal")
+        try:
+            target = healing.heal_target(infos)
+        except healing.NoTrainedState as err:
+            # Every member decides this from the same all-gather, and so stops alike: a next
+            # generation would hold joiners only again (a loop of generations, before).
+            self.fatal(f"{err}; {checkpoint_line(self.args)}", say=False)
         authority = next(i for i, (_, ok, it) in enumerate(infos) if ok and it == target)
         if self.schedule is not None:
             self.schedule.real = [list(e) for e in every[authority][1]]

@@ -38,6 +38,35 @@ class ShardLost(Exception):
     job stops with this message."""
 
 
+class NoTrainedState(Exception):
+    """No member of a world holds trained state: every rank that trained has died, and the
+    members are joiners (replacements, spares) whose state is stale or was never set. Nothing
+    can heal them, nor the joiners of any later generation, so the job stops with this
+    message (and the last checkpoint) instead of forming generation after generation."""
+
+
+def heal_target(infos: Sequence[Tuple[int, bool, int]]) -> int:
+    """The newest committed iteration a member of the world holds: what every member is
+    healed to.
+
+    Args:
+        infos: Per global rank, ``(slot, holds valid state, its iteration or -1)``.
+
+    Raises:
+        NoTrainedState: No member holds trained state (a one-line message).
+    """
+    target = max(it if ok else -1 for _, ok, it in infos)
+    if target < 0:
+        slots = ", ".join(str(slot) for slot, _, _ in infos)
+        which = f"slot {slots}" if len(infos) == 1 else f"slots {slots}"
+        raise NoTrainedState(
+            "no member holds trained state: every rank that trained has died, and the members "
+            f"left ({which}) are joiners with nothing to heal from, so training cannot continue "
+            "in memory"
+        )
+    return target
+
+
 def heal_source(
     infos: Sequence[Tuple[int, bool, int]], group: Sequence[int], target: int
 ) -> Optional[int]:
