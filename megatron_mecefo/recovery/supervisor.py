@@ -269,6 +269,10 @@ class Supervisor:
                     self.ms.set_fatal(startup)
                 self.startup_code = 2 if code == 2 else 1
                 return
+            if self.ms.get_str("fatal") is not None:
+                # A rank that set the job's fatal message exits with it (e.g. a world with
+                # no trained state): the job ends with that one line, not a death to recover.
+                continue
             self.ms.report_dead(slot, child.inc, info)
             if self.ms.get_str("layout") is None and self.ms.get_str("fatal") is None:
                 # No rank runs megatron_mecefo.recovery.session (yet): nothing can regroup.

@@ -57,7 +57,9 @@ def test_no_member_with_trained_state_stops_at_once(megatron_lm: Path, tmp_path:
     rank 0, the last rank that trained, dies as the rejoined world is built, before the
     joiner is healed. The joiner alone holds no trained state: the job stops in that
     generation with one line naming the last checkpoint and a non-zero exit (before: a new
-    generation of the same joiner after every heartbeat timeout, until killed)."""
+    generation of the same joiner after every heartbeat timeout, until killed). Rank 0 dies
+    before the heal, not at ``dataset-build``: after the heal the joiner holds the trained
+    state and goes on alone, as the first test's members do."""
     argv = ["--train-iters", "40", "--global-batch-size", "8", "--save-interval", "2"]
     save = tmp_path / "real"
     kills = ["--mecefo-kill", "1:3:backward", "--mecefo-kill", "0:4:groups"]
@@ -71,11 +73,12 @@ def test_no_member_with_trained_state_stops_at_once(megatron_lm: Path, tmp_path:
     generations = sorted({int(n) for n in GENERATION.findall(out)})
     assert generations == [1, 2, 3], out[-6000:]
     iteration = (save / "latest_checkpointed_iteration.txt").read_text().strip()
-    # One line, the supervisor's last, naming the checkpoint the tracker file names.
+    # One line, the supervisor's, naming the checkpoint the tracker file names; the rank that
+    # stopped the job is no death to report.
     (said,) = [line for line in out.splitlines() if "no member holds trained state" in line]
     assert said.startswith("[supervisor node 0] training aborted: "), said
+    assert "died: exit code" not in out, out[-6000:]
     assert "the members left (slot 1) are joiners" in said, said
     assert said.endswith(
         f"last checkpoint: iteration {iteration} in {save}; resume with --load {save}"
     ), said
-    assert out.rstrip().splitlines()[-1] == said, out[-2000:]
