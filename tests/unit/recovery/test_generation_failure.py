@@ -164,6 +164,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow  # two spawned ranks import megatron-core: 23 s at a load average of 20
 def test_megatron_cores_dataset_builder_wraps_the_barriers_error(tmp_path: Path) -> None:
     """The real thing: gloo's error in the builder's barrier, wrapped by Megatron-Core."""
     ctx = mp.get_context("spawn")
