@@ -25,9 +25,12 @@ import functools
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from megatron_mecefo.planner.step_cost_model import StepCostModel
+
+if TYPE_CHECKING:
+    from megatron_mecefo.planner.recovery_planner import CostProfile
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,30 @@ class DeviceClock:
             "emulated": True,
         }
 
+    def cost_profile(self, base: CostProfile) -> CostProfile:
+        """The costs this clock charges, as the planner's profile: what ``auto`` ranks by under
+        the clock (the costs a GPU would have, not the CPU's).
+
+        An exact and a takeover micro-batch both last forward + backward (the clock charges a
+        takeover micro-batch as an exact one); the basis refresh and the low-rank term run
+        inside a padded phase, so they add nothing; the optimizer phase holds the step and the
+        sync. Regroup, rejoin and activation memory are real, so they stay ``base``'s.
+        """
+        from dataclasses import replace
+
+        micro = 1e3 * (self.target["forward"] + self.target["backward"])
+        return replace(
+            base,
+            exact_ms=micro,
+            takeover_ms=micro,
+            takeover_recompute_ms=micro,
+            takeover_ms_per_rank=0.0,
+            basis_refresh_ms=0.0,
+            optimizer_ms=1e3 * self.target["optimizer"],
+            sync_ms=0.0,
+            source=f"device clock {self.shape.name} (regroup, rejoin, memory: {base.source})",
+        )
+
 
 def clock_for(shape: str, log_path: Optional[str] = None) -> DeviceClock:
     """The clock of a named shape."""
@@ -201,11 +228,15 @@ def clock_for(shape: str, log_path: Optional[str] = None) -> DeviceClock:
 
 def install(trainer: Any, shape: str, rank: int) -> DeviceClock:
     """Put the example trainer's forward-backward and optimizer step on the clock of
-    ``shape``; the per-step log goes beside ``--metrics-file`` (``.clock<rank>.jsonl``)."""
+    ``shape``; the per-step log goes beside ``--metrics-file`` (``.clock<rank>.jsonl``). Under
+    ``--mecefo-policy auto`` the planner's costs become the clock's (:meth:`cost_profile`)."""
     metrics = getattr(trainer.args, "metrics_file", None)
     clock = clock_for(shape, f"{metrics}.clock{rank}.jsonl" if metrics else None)
     trainer.forward_backward = clock.wrap_forward_backward(trainer.forward_backward)
     trainer.optimizer.step = clock.wrap_optimizer_step(trainer.optimizer.step)
+    policy = getattr(getattr(trainer, "controller", None), "policy", None)
+    if hasattr(policy, "use_costs"):  # auto ranks its choices by what the clock charges
+        policy.use_costs(clock.cost_profile(policy.profile))
     return clock
 
 
