@@ -782,7 +782,7 @@ def run_torchft(
     lh_args = TFT_FULL if full else TFT_UNDER_KILLS
     lh = _start([str(TFT_PYTHON), "-c", LIGHTHOUSE, str(lh_addr), *map(str, lh_args)], lh_log)
     procs: Dict[int, subprocess.Popen] = {}
-    every: List[subprocess.Popen] = []
+    started: List[subprocess.Popen] = []
     pending: Dict[int, float] = {}  # slot -> when its replacement starts
     incarnation = {s: 0 for s in range(4)}
     error = None
@@ -825,7 +825,7 @@ def run_torchft(
                 run_dir / f"replica{slot}_{inc}.log",
             )
             procs[slot] = p
-            every.append(p)
+            started.append(p)
 
         for s in range(4):
             spawn(s)
@@ -851,7 +851,7 @@ def run_torchft(
                 break
             # A replica that reached the last step ends the job: a replacement still starting
             # would wait for a quorum that never comes (its peers are gone).
-            if done_t is None and any(p.poll() == 0 for p in every):
+            if done_t is None and any(p.poll() == 0 for p in started):
                 done_t = time.time()
             # Failure-free: every replica runs its evaluation (the deadline still holds).
             if done_t is not None and time.time() > done_t + 5 and not full:
@@ -866,8 +866,8 @@ def run_torchft(
             time.sleep(0.05)
         watch.poll()
     finally:
-        _stop(lh, [p.pid for p in every])
-        for p in every:
+        _stop(lh, [p.pid for p in started])
+        for p in started:
             _stop(p, [])
     recs = [r for f in sorted(run_dir.glob("replica*_*.jsonl")) for r in _read_jsonl(f)]
     return _finish(

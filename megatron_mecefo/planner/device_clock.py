@@ -183,7 +183,14 @@ class DeviceClock:
         if self._log is not None and self._step:
             over = sum(1 for p in self._step if p["over"])
             busy = [p["busy_s"] for p in self._step]
-            rec = {"t": time.time(), "phases": len(self._step), "overruns": over, "busy_s": busy}
+            rec = {
+                "t": time.time(),
+                "phases": len(self._step),
+                "overruns": over,
+                "busy_s": busy,
+                "names": [p["phase"] for p in self._step],
+                "over": [p["over"] for p in self._step],
+            }
             self._log.write(json.dumps(rec) + "\n")
         self._step = []
 
@@ -241,8 +248,11 @@ def install(trainer: Any, shape: str, rank: int) -> DeviceClock:
 
 
 def read_logs(paths: List[str]) -> Dict[str, Any]:
-    """Overrun counts over the per-step logs of several ranks (a torn last line is skipped)."""
+    """Overrun counts over the per-step logs of several ranks (a torn last line is skipped),
+    in total and per phase (``per_phase``: phases, overruns and the largest CPU time; logs
+    written before the phases were named count in the totals only)."""
     steps = phases = over = 0
+    per: Dict[str, Dict[str, Any]] = {}
     for path in paths:
         try:
             lines = open(path).read().splitlines()
@@ -256,9 +266,17 @@ def read_logs(paths: List[str]) -> Dict[str, Any]:
             steps += 1
             phases += rec["phases"]
             over += rec["overruns"]
+            for name, busy, late in zip(
+                rec.get("names", ()), rec["busy_s"], rec.get("over", ()), strict=False
+            ):
+                ph = per.setdefault(name, {"phases": 0, "overruns": 0, "max_busy_s": 0.0})
+                ph["phases"] += 1
+                ph["overruns"] += int(late)
+                ph["max_busy_s"] = max(ph["max_busy_s"], busy)
     return {
         "rank_steps": steps,
         "phases": phases,
         "overruns": over,
         "overrun_fraction": round(over / phases, 4) if phases else None,
+        "per_phase": per,
     }

@@ -44,7 +44,11 @@ def test_pad_sleeps_out_the_phase_and_counts_an_overrun(tmp_path: Path) -> None:
     assert clock.stats["backward"]["overruns"] == 1
     line = json.loads((tmp_path / "clock.jsonl").read_text())
     assert line["phases"] == 2 and line["overruns"] == 1
-    assert read_logs([str(tmp_path / "clock.jsonl")])["overrun_fraction"] == 0.5
+    logs = read_logs([str(tmp_path / "clock.jsonl")])
+    assert logs["overrun_fraction"] == 0.5
+    assert logs["per_phase"]["backward"]["overruns"] == 1
+    assert logs["per_phase"]["forward"] == {"phases": 1, "overruns": 0,
+                                            "max_busy_s": line["busy_s"][0]}  # fmt: skip
 
 
 # The CPU profile's micro-batch costs at the demo widths (results/planner_profile.json): a
