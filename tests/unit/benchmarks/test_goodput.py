@@ -175,17 +175,27 @@ def test_torchft_full_replicas_is_every_rank_step_and_every_evaluation() -> None
     assert (acc["rank_steps"], acc["eval_replicas"]) == (11, 3)
     assert not goodput.full_replicas(acc)
     run = {"system": "torchft", "failure_free": True, "setting": "S8_R5", "round": 0, **acc}
-    assert goodput.checks([run])["torchft_failure_free_short"][0]["rank_steps"] == 11
+    assert goodput.checks([run], 3)["torchft_failure_free_short"][0]["rank_steps"] == 11
 
 
 def test_checks_flag_unequal_kill_counts_in_a_round() -> None:
-    runs = [
-        {"system": s, "failure_free": False, "setting": "S8_R5", "round": 0, "kills_in_window": n}
-        for s, n in (("torchft", 2), ("mecefo-spread", 2), ("mecefo-auto", 3))
+    """Among the runs that trained every step the kills must be equal; a run stopped before
+    the end is listed, not counted against the others; a kill after the window is flagged."""
+
+    def run(system: str, n: int, committed: int = 24) -> dict:
+        kills = [{"slot": 0, "t": 1.0 + i} for i in range(n)]
+        return {"system": system, "failure_free": False, "setting": "S8_R5", "round": 0,
+                "kills_in_window": n, "committed": committed, "kills": kills}  # fmt: skip
+
+    runs = [run("torchft", 2), run("mecefo-spread", 2), run("mecefo-auto", 3)]
+    assert not goodput.checks(runs, 24)["kills_in_window"]["S8_R5"]["equal"]
+    runs[2] = run("checkpoint-restart", 1, committed=10)
+    got = goodput.checks(runs, 24)["kills_in_window"]["S8_R5"]
+    assert got["equal"] and got["unfinished"][0]["system"] == "checkpoint-restart"
+    runs[0]["kills"].append({"slot": 1, "t": 99.0})  # hit a process after the window
+    assert goodput.checks(runs, 24)["kills_in_window"]["S8_R5"]["outside"] == [
+        {"round": 0, "system": "torchft"}
     ]
-    assert not goodput.checks(runs)["kills_in_window"]["S8_R5"]["equal"]
-    runs[2]["kills_in_window"] = 2
-    assert goodput.checks(runs)["kills_in_window"]["S8_R5"]["equal"]
 
 
 def _goodput_json() -> dict:
@@ -232,7 +242,8 @@ def test_headline_numbers_recompute_from_the_raw_runs() -> None:
                 n = sum(1 for e in r["kills"] if e.get("slot") is not None and w is not None
                         and e.get("t") is not None and 0 <= e["t"] <= w)  # fmt: skip
                 assert n == r["kills_in_window"], (setting, system, r["round"])
-                kills.setdefault(r["round"], set()).add(n)
+                if r["committed"] >= iters:  # a run stopped early took only what it reached
+                    kills.setdefault(r["round"], set()).add(n)
             assert common == row["common_per_round"], (setting, system)
             assert ettr == row["ettr_per_round"], (setting, system)
             if common:
