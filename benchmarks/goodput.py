@@ -1,4 +1,4 @@
-"""Goodput (ETTR in samples) under real rank deaths: checkpoint-restart, torchft and MeCeFO.
+"""Goodput in samples under real rank deaths: checkpoint-restart, torchft and MeCeFO.
 
 One workload for every system: the example trainer's small GPT (the demo's model and data,
 ``data/stdlib_text_document``) at DP4 (TP1 PP1) on 4 CPU ranks (gloo), ``--iters`` global
@@ -7,34 +7,44 @@ batches of 16 sequences, under the **device clock** (``--device-clock llama-1b-h
 phases last what the step-cost model gives for Llama-1B on one H100 at 40% MFU (1.43 s a step),
 so a run's step time does not depend on how many ranks share the 2 cores; every figure is
 *emulated*. Recovery costs (detection, regroup, restart, heal) are real. One seeded schedule of
-real ``SIGKILL`` s from outside: kill ``k`` is due ``k * T`` s after the run's first training
-step (its first metrics record), on one random rank, and the dead rank comes back after ``R``
-seconds as a new process. The schedule of a (setting, round) is the same for every system.
+real ``SIGKILL`` s from outside, **by step** (``S<n>_R<s>``, default ``S8_R5``): kill ``k`` is
+sent when the run first reaches step ``k * n``, for ``k * n`` below the last step, on one rank
+drawn from the seed, and the dead rank comes back after ``R`` seconds as a new process. Every
+system takes the same kills at the same steps, inside its training window
+(``T<s>_R<s>``: kill ``k`` at ``k * T`` s after step 1, the older schedule).
 
 Systems, each with **its own failure-free run** in every round (the same command without
 kills), run back to back with its run under failures; the systems' order rotates by round and
 the failure-free run goes first in even rounds:
 
+* ``megatron-core-dp4``: the **common reference**, failure-free only: stock Megatron-Core DP4
+  (the example trainer without ``--mecefo``, no saves) under torchrun and the same clock;
 * ``checkpoint-restart``: the example trainer without ``--mecefo`` under ``torchrun
   --max-restarts`` (c10d rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: pytorch issue
   135712), ``--save D --load D --save-interval K``, K the Young/Daly interval ``sqrt(2 * save *
-  T)`` over the emulated step (save time measured first); its failure-free run saves at the
-  same K. The dead rank's new process waits until its ``R`` s are over (:func:`delayed_exec`);
+  T)`` over the emulated step (save time measured first; T the time between kills); its
+  failure-free run saves at the same K. The dead rank's new process waits until its ``R`` s
+  are over (:func:`delayed_exec`);
 * ``torchft``: torchft 0.2.0's Lighthouse, Manager and ``ProcessGroupGloo`` around the same
   GPTModel, data shares and AdamW settings (``benchmarks/goodput_torchft.py``, one replica
-  group per process, run by the ``.venv-tft`` interpreter, on the same device clock); a killed
-  replica is started again after ``R`` s and heals from a peer; the shares of replicas outside
-  a step's quorum are dropped;
+  group per process, run by the ``.venv-tft`` interpreter, on the same device clock). Its
+  failure-free run has all four replicas in every step (the Lighthouse waits for 4; checked:
+  ``rank_steps`` and ``eval_replicas``); under kills it goes on with fewer, a killed replica is
+  started again after ``R`` s and heals from a peer, and the shares of replicas outside a
+  step's quorum are dropped;
 * ``mecefo-neighbor``, ``mecefo-spread``, ``mecefo-auto``: the example trainer with
   ``--mecefo --mecefo-policy P`` under ``python -m megatron_mecefo.recovery.supervisor
   --replace after:R --standby 1``.
 
-Per run: the training window (from step 1's record to the last step's) and the samples
-trained on in it (samples of steps 2..N that entered a committed update: a dropped or skipped
-share does not count; a redone step counts once). ETTR = samples per second of the window over
-the same system's failure-free run of the same round. Per system: the mean over the rounds with
-a 95% t interval, the validation-loss delta against its own failure-free run, the device
-clock's overruns (phases whose CPU work took longer than the emulated time) and the load.
+Per run: the training window (from step 1's record to the last step's), the samples trained
+on in it (samples of steps 2..N that entered a committed update: a dropped or skipped share
+does not count; a redone step counts once) and the kills inside it. The headline,
+``common_ratio``: samples per second of the window over the common reference's of the same
+round; beside it ETTR: over the same system's failure-free run of the same round. Per system:
+the mean over the rounds with a 95% t interval, the validation-loss delta against its own
+failure-free run, the device clock's overruns (phases whose CPU work took longer than the
+emulated time) and the load. ``checks``: torchft's failure-free runs at 4 of 4 replicas and
+equal kills in the window; the benchmark exits non-zero when either fails.
 
 Usage: ``.venv/bin/python benchmarks/goodput.py [--quick]``; writes ``results/goodput.json``,
 ``results/plots/goodput.png`` and prints the table and one summary line.

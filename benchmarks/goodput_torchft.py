@@ -26,6 +26,9 @@ data share, is known before the forward pass. ``--device-clock SHAPE`` pads forw
 (per micro-batch) and the optimizer phase (all-reduce, clipping, step) as the example trainer's
 device clock does.
 
+``--min-replica-size``: the Manager's ``min_replica_size``, 4 in the benchmark's failure-free run
+(every step with all replicas), 1 under kills.
+
 Writes one JSON line per step attempt to ``--metrics-file``: the step, whether it committed,
 the quorum's participants, whether this replica took part, and the time; at the end one
 ``eval`` line (validation loss and perplexity on the first ``--eval-iters`` global batches).
