@@ -1,4 +1,4 @@
-"""Goodput (ETTR in samples) under real rank deaths: checkpoint-restart, torchft and MeCeFO.
+"""Goodput in samples under real rank deaths: checkpoint-restart, torchft and MeCeFO.
 
 One workload for every system: the example trainer's small GPT (the demo's model and data,
 ``data/stdlib_text_document``) at DP4 (TP1 PP1) on 4 CPU ranks (gloo), ``--iters`` global
@@ -7,34 +7,44 @@ batches of 16 sequences, under the **device clock** (``--device-clock llama-1b-h
 phases last what the step-cost model gives for Llama-1B on one H100 at 40% MFU (1.43 s a step),
 so a run's step time does not depend on how many ranks share the 2 cores; every figure is
 *emulated*. Recovery costs (detection, regroup, restart, heal) are real. One seeded schedule of
-real ``SIGKILL`` s from outside: kill ``k`` is due ``k * T`` s after the run's first training
-step (its first metrics record), on one random rank, and the dead rank comes back after ``R``
-seconds as a new process. The schedule of a (setting, round) is the same for every system.
+real ``SIGKILL`` s from outside, **by step** (``S<n>_R<s>``, default ``S8_R5``): kill ``k`` is
+sent when the run first reaches step ``k * n``, for ``k * n`` below the last step, on one rank
+drawn from the seed, and the dead rank comes back after ``R`` seconds as a new process. Every
+system takes the same kills at the same steps, inside its training window
+(``T<s>_R<s>``: kill ``k`` at ``k * T`` s after step 1, the older schedule).
 
 Systems, each with **its own failure-free run** in every round (the same command without
 kills), run back to back with its run under failures; the systems' order rotates by round and
 the failure-free run goes first in even rounds:
 
+* ``megatron-core-dp4``: the **common reference**, failure-free only: stock Megatron-Core DP4
+  (the example trainer without ``--mecefo``, no saves) under torchrun and the same clock;
 * ``checkpoint-restart``: the example trainer without ``--mecefo`` under ``torchrun
   --max-restarts`` (c10d rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: pytorch issue
   135712), ``--save D --load D --save-interval K``, K the Young/Daly interval ``sqrt(2 * save *
-  T)`` over the emulated step (save time measured first); its failure-free run saves at the
-  same K. The dead rank's new process waits until its ``R`` s are over (:func:`delayed_exec`);
+  T)`` over the emulated step (save time measured first; T the time between kills); its
+  failure-free run saves at the same K. The dead rank's new process waits until its ``R`` s
+  are over (:func:`delayed_exec`);
 * ``torchft``: torchft 0.2.0's Lighthouse, Manager and ``ProcessGroupGloo`` around the same
   GPTModel, data shares and AdamW settings (``benchmarks/goodput_torchft.py``, one replica
-  group per process, run by the ``.venv-tft`` interpreter, on the same device clock); a killed
-  replica is started again after ``R`` s and heals from a peer; the shares of replicas outside
-  a step's quorum are dropped;
+  group per process, run by the ``.venv-tft`` interpreter, on the same device clock). Its
+  failure-free run has all four replicas in every step (the Lighthouse waits for 4; checked:
+  ``rank_steps`` and ``eval_replicas``); under kills it goes on with fewer, a killed replica is
+  started again after ``R`` s and heals from a peer, and the shares of replicas outside a
+  step's quorum are dropped;
 * ``mecefo-neighbor``, ``mecefo-spread``, ``mecefo-auto``: the example trainer with
   ``--mecefo --mecefo-policy P`` under ``python -m megatron_mecefo.recovery.supervisor
   --replace after:R --standby 1``.
 
-Per run: the training window (from step 1's record to the last step's) and the samples
-trained on in it (samples of steps 2..N that entered a committed update: a dropped or skipped
-share does not count; a redone step counts once). ETTR = samples per second of the window over
-the same system's failure-free run of the same round. Per system: the mean over the rounds with
-a 95% t interval, the validation-loss delta against its own failure-free run, the device
-clock's overruns (phases whose CPU work took longer than the emulated time) and the load.
+Per run: the training window (from step 1's record to the last step's), the samples trained
+on in it (samples of steps 2..N that entered a committed update: a dropped or skipped share
+does not count; a redone step counts once) and the kills inside it. The headline,
+``common_ratio``: samples per second of the window over the common reference's of the same
+round; beside it ETTR: over the same system's failure-free run of the same round. Per system:
+the mean over the rounds with a 95% t interval, the validation-loss delta against its own
+failure-free run, the device clock's overruns (phases whose CPU work took longer than the
+emulated time) and the load. ``checks``: torchft's failure-free runs at 4 of 4 replicas and
+equal kills in the window; the benchmark exits non-zero when either fails.
 
 Usage: ``.venv/bin/python benchmarks/goodput.py [--quick]``; writes ``results/goodput.json``,
 ``results/plots/goodput.png`` and prints the table and one summary line.
@@ -43,6 +53,7 @@ Usage: ``.venv/bin/python benchmarks/goodput.py [--quick]``; writes ``results/go
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import math
@@ -104,7 +115,10 @@ SUPERVISOR_TIMEOUTS = [
     "--init-timeout",
     "60",
 ]
+# The common reference (failure-free only): stock Megatron-Core DP4 under the same clock.
+REFERENCE = "megatron-core-dp4"
 SYSTEMS = (
+    REFERENCE,
     "checkpoint-restart",
     "torchft",
     "mecefo-neighbor",
@@ -179,30 +193,55 @@ def _kill(pids: List[int]) -> None:
 
 
 class Killer:
-    """The seeded kill schedule of one run: kill ``k`` is due ``k * T`` s after ``t0``, the
-    end of the run's first training step (``t0`` None: not started yet; ``T`` infinite: a
-    failure-free run). Counting from the first step, not the launch, keeps a kill out of the
+    """The seeded kill schedule of one run. By step (``every`` set): kill ``k`` fires when the
+    run's training first reaches step ``k * every`` (its record appears), for ``k * every`` below
+    the last step, so every system takes the same kills at the same steps, all inside its
+    training window. By time (``every`` None): kill ``k`` is due ``k * T`` s after ``t0``, the
+    end of the run's first training step. ``t0`` None: not started yet; ``T`` infinite: a
+    failure-free run. Counting from the first step, not the launch, keeps a kill out of the
     start-up, whose length depends on the machine's load."""
 
-    def __init__(self, t0: Optional[float], period: float, repair: float, seed: int) -> None:
+    def __init__(
+        self,
+        t0: Optional[float],
+        period: float,
+        repair: float,
+        seed: int,
+        every: Optional[int] = None,
+        iters: int = 0,
+    ) -> None:
         self.t0, self.period, self.repair = t0, period, repair
+        self.every, self.iters = every, iters
         self.rng = random.Random(seed)
         self.next_k = 1
         self.events: List[Dict[str, Any]] = []
 
-    def due(self) -> bool:
-        return self.t0 is not None and time.time() >= self.t0 + self.next_k * self.period
+    def due(self, step: Optional[int] = None) -> bool:
+        """Whether the next kill is due (``step``: the highest training step seen so far)."""
+        if self.t0 is None or math.isinf(self.period):
+            return False
+        if self.every:
+            at = self.next_k * self.every
+            return at < self.iters and step is not None and step >= at
+        return time.time() >= self.t0 + self.next_k * self.period
 
-    def fire(self, live: Dict[int, int], on_kill: Callable[[int, float], None]) -> None:
+    def fire(
+        self,
+        live: Dict[int, int],
+        on_kill: Callable[[int, float], None],
+        step: Optional[int] = None,
+    ) -> None:
         """Kill the drawn rank (or the next live one) among ``live`` (slot -> pid)."""
         drawn = self.rng.randrange(4)
         self.next_k += 1
         slot = next((s % 4 for s in range(drawn, drawn + 4) if s % 4 in live), None)
         event: Dict[str, Any] = {"k": self.next_k - 1, "drawn": drawn, "slot": slot}
+        if self.every:
+            event["at_step"], event["seen_step"] = (self.next_k - 1) * self.every, step
         if slot is not None:
             t = time.time()
             _kill([live[slot]])
-            event.update(pid=live[slot], t=round(t - self.t0, 3))
+            event.update(pid=live[slot], t=round(t - self.t0, 3) if self.t0 else None)
             on_kill(slot, t)
         self.events.append(event)
 
@@ -251,6 +290,10 @@ class Watch:
                     self.first.setdefault(k, now)
                     self.last[k] = now
 
+    def top(self) -> Optional[int]:
+        """The highest training step seen (None before the first)."""
+        return max(self.first) if self.first else None
+
     def start_killer(self, killer: Optional[Killer]) -> None:
         if killer is not None and killer.t0 is None and self.start is not None:
             killer.t0 = self.start[1]
@@ -284,8 +327,9 @@ def _wait(
         if watch is not None:
             watch.poll()
             watch.start_killer(killer)
-        if killer is not None and killer.due():
-            killer.fire(live(), on_kill)
+        step = watch.top() if watch is not None else None
+        if killer is not None and killer.due(step):
+            killer.fire(live(), on_kill, step)
         tick()
         time.sleep(0.05)
     if watch is not None:
@@ -464,6 +508,45 @@ def run_failure_free(run_dir: Path, iters: int, data: str, save_every: int = 0) 
     )
 
 
+def run_reference(run_dir: Path, iters: int, data: str, budget: float) -> Dict:
+    """The common reference: stock Megatron-Core DP4 (the example trainer without ``--mecefo``,
+    no checkpoint saves) under torchrun and the same device clock, no kill. Every system's
+    samples per second under kills is divided by this run's (of the same round)."""
+    metrics = run_dir / "metrics.jsonl"
+    _clean(run_dir)
+    load0, t0 = os.getloadavg(), time.time()
+    proc = _start(
+        [*_torchrun(_free_port(), 0, "ref"), *_trainer_args(iters, metrics, data)],
+        run_dir / "log.txt",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    watch = Watch(lambda: [metrics], _example_key)
+    try:
+        rc = _wait(proc, None, dict, lambda s, t: None, t0 + budget, watch=watch)
+    finally:
+        _stop(proc, [])
+    res = _example_result(metrics)
+    done = len(res["last"]) if rc == 0 else 0
+    return _finish(
+        {
+            "system": REFERENCE,
+            "rc": rc,
+            "committed": done,
+            "logged_iterations": res["logged"],
+            "redone_iterations": 0,
+            "repeated_samples": 0,
+            "skipped_samples": (iters - done) * GBS,
+            "eval": res["eval"],
+            "kills": [],
+        },
+        t0,
+        load0,
+        watch,
+        iters,
+        sorted(run_dir.glob("metrics.jsonl.clock*")),
+    )
+
+
 def delayed_exec(back_dir: str, argv: List[str]) -> None:
     """The checkpoint-restart shim: a worker whose rank is still 'down' waits until its
     repair time is over (``back_dir/back_<LOCAL_RANK>`` holds it), then becomes the trainer."""
@@ -484,6 +567,7 @@ def run_checkpoint_restart(
     seed: int,
     k: int,
     budget: float,
+    every: Optional[int] = None,
 ) -> Dict:
     """Stock checkpoint-restart under torchrun, killed on the schedule."""
     metrics, ckpt = run_dir / "metrics.jsonl", run_dir / "ckpt"
@@ -507,7 +591,7 @@ def run_checkpoint_restart(
     # LOGLEVEL=INFO: the agent's restart lines. TORCH_DISABLE_SHARE_RDZV_TCP_STORE: without it
     # the restarted gloo ranks read the dead attempt's addresses and fail or hang in init.
     proc = _start(cmd, run_dir / "log.txt", LOGLEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    killer = Killer(None, period, repair, seed)
+    killer = Killer(None, period, repair, seed, every, iters)
     watch = Watch(lambda: [metrics], _example_key)
     seen: set = set()
 
@@ -565,6 +649,7 @@ def run_mecefo(
     seed: int,
     policy: str,
     budget: float,
+    every: Optional[int] = None,
 ) -> Dict:
     """MeCeFO under the supervisor: survivors take over, replacements rejoin after R s."""
     metrics, records, pid_file = (
@@ -597,7 +682,7 @@ def run_mecefo(
     ]
     load0, t0 = os.getloadavg(), time.time()
     proc = _start(cmd, run_dir / "log.txt")
-    killer = Killer(None, period, repair, seed)
+    killer = Killer(None, period, repair, seed, every, iters)
     watch = Watch(lambda: [metrics], _example_key)
 
     def live() -> Dict[int, int]:
@@ -645,6 +730,14 @@ def run_mecefo(
                 1 for r in res["last"].values() if r.get("mecefo", {}).get("degraded")
             ),
             "recovery_total_s": [r.get("total_s") for r in fails],
+            # auto: the planner's choice in the degraded iterations (what it ranked first).
+            "planner_policies": dict(
+                collections.Counter(
+                    r["mecefo"]["planner"].get("policy")
+                    for r in res["last"].values()
+                    if r.get("mecefo", {}).get("degraded") and r["mecefo"].get("planner")
+                )
+            ),
             "eval": res["eval"],
             "kills": killer.events,
         },
@@ -656,11 +749,15 @@ def run_mecefo(
     )
 
 
+# The Lighthouse's (min_replicas, join_timeout_ms, heartbeat_timeout_ms): failure-free, all four
+# replicas in every step; under kills, go on with whoever is there.
+TFT_FULL = (4, 60000, 60000)
+TFT_UNDER_KILLS = (1, 1000, 5000)
 LIGHTHOUSE = """
 import os, sys, time
 from torchft._torchft import LighthouseServer
-s = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000,
-                     heartbeat_timeout_ms=5000)
+s = LighthouseServer(bind="[::]:0", min_replicas=int(sys.argv[2]),
+                     join_timeout_ms=int(sys.argv[3]), heartbeat_timeout_ms=int(sys.argv[4]))
 # A file of its own: the server's log lines interleave with stdout.
 with open(sys.argv[1] + ".tmp", "w") as f:
     f.write(s.address())
@@ -670,21 +767,36 @@ time.sleep(1e9)
 
 
 def run_torchft(
-    run_dir: Path, iters: int, data: str, period: float, repair: float, seed: int, budget: float
+    run_dir: Path,
+    iters: int,
+    data: str,
+    period: float,
+    repair: float,
+    seed: int,
+    budget: float,
+    every: Optional[int] = None,
 ) -> Dict:
-    """torchft at DP4: 4 replica groups of one process, Lighthouse, heal from a peer."""
+    """torchft at DP4: 4 replica groups of one process, Lighthouse, heal from a peer.
+
+    Its failure-free run (``period`` infinite) has all four replicas in every step: the
+    Lighthouse waits for 4 (``min_replicas`` 4, a join timeout and heartbeat timeout of 60 s
+    that cover a slow start under load), the Manager's ``min_replica_size`` is 4, and the job
+    ends when every replica has run its evaluation. Under kills it goes on with fewer:
+    ``min_replicas`` 1, join timeout 1 s, heartbeat timeout 5 s, ``min_replica_size`` 1."""
+    full = math.isinf(period)
     _clean(run_dir)
     load0, t0 = os.getloadavg(), time.time()
     lh_log = run_dir / "lighthouse.txt"
     lh_addr = run_dir / "lighthouse.addr"
     lh_addr.unlink(missing_ok=True)
-    lh = _start([str(TFT_PYTHON), "-c", LIGHTHOUSE, str(lh_addr)], lh_log)
+    lh_args = TFT_FULL if full else TFT_UNDER_KILLS
+    lh = _start([str(TFT_PYTHON), "-c", LIGHTHOUSE, str(lh_addr), *map(str, lh_args)], lh_log)
     procs: Dict[int, subprocess.Popen] = {}
-    every: List[subprocess.Popen] = []
+    started: List[subprocess.Popen] = []
     pending: Dict[int, float] = {}  # slot -> when its replacement starts
     incarnation = {s: 0 for s in range(4)}
     error = None
-    killer = Killer(None, period, repair, seed)
+    killer = Killer(None, period, repair, seed, every, iters)
     watch = Watch(lambda: sorted(run_dir.glob("replica*_*.jsonl")), _torchft_key, _torchft_first)
     try:
         while not (
@@ -716,12 +828,14 @@ def run_torchft(
                     str(run_dir / f"replica{slot}_{inc}.jsonl"),
                     "--wait-go",
                     str(go),
+                    "--min-replica-size",
+                    str(4 if full else 1),
                     *(["--device-clock", DEVICE_CLOCK] if DEVICE_CLOCK else []),
                 ],
                 run_dir / f"replica{slot}_{inc}.log",
             )
             procs[slot] = p
-            every.append(p)
+            started.append(p)
 
         for s in range(4):
             spawn(s)
@@ -747,22 +861,23 @@ def run_torchft(
                 break
             # A replica that reached the last step ends the job: a replacement still starting
             # would wait for a quorum that never comes (its peers are gone).
-            if done_t is None and any(p.poll() == 0 for p in every):
+            if done_t is None and any(p.poll() == 0 for p in started):
                 done_t = time.time()
-            if done_t is not None and time.time() > done_t + 5:
+            # Failure-free: every replica runs its evaluation (the deadline still holds).
+            if done_t is not None and time.time() > done_t + 5 and not full:
                 break
             if time.time() > deadline:
                 error = "deadline"
                 break
             watch.poll()
             watch.start_killer(killer)
-            if killer.due():
-                killer.fire(live(), on_kill)
+            if killer.due(watch.top()):
+                killer.fire(live(), on_kill, watch.top())
             time.sleep(0.05)
         watch.poll()
     finally:
-        _stop(lh, [p.pid for p in every])
-        for p in every:
+        _stop(lh, [p.pid for p in started])
+        for p in started:
             _stop(p, [])
     recs = [r for f in sorted(run_dir.glob("replica*_*.jsonl")) for r in _read_jsonl(f)]
     return _finish(
@@ -821,8 +936,14 @@ def torchft_accounting(
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     med = statistics.median(gaps) if gaps else 0.0
     stall = sum(g - med for g in gaps if g > 5 * med)
+    # The replicas that ran the evaluation after the last step (failure-free: all four).
+    eval_replicas = {r["replica"] for r in recs if r.get("type") == "eval" and r["step"] >= iters}
     return {
         "committed": committed,
+        "rank_steps": sum(1 for s, _ in used if s < iters),
+        "rank_steps_expected": iters * 4,
+        "eval_replicas": len(eval_replicas),
+        "eval_replicas_expected": 4,
         "samples_used": sum(1 for s, _ in used if s + 1 > after_step) * share,
         "stall_s": round(stall, 3),
         "redone_iterations": len(failed_steps),
@@ -843,6 +964,20 @@ def torchft_accounting(
 
 
 # ---------------------------------------------------------------- driver
+
+
+def parse_setting(name: str) -> Tuple[float, float, Optional[int]]:
+    """``S<steps>_R<s>`` (kill k at step k x steps) or ``T<s>_R<s>`` (kill k at k x T s) as
+    (period s, repair s, steps); by step the period is 1.0 (any finite value: not failure-free)."""
+    m = re.fullmatch(r"([ST])([\d.]+)_R([\d.]+)", name)
+    if not m or (m.group(1) == "S" and not m.group(2).isdigit()):
+        raise SystemExit(
+            f"goodput: --settings {name!r} is not S<steps>_R<seconds> or T<seconds>_R<seconds>; "
+            "use e.g. --settings S8_R5"
+        )
+    if m.group(1) == "S":
+        return 1.0, float(m.group(3)), int(m.group(2))
+    return float(m.group(2)), float(m.group(3)), None
 
 
 def young_daly(save_s: float, mtbf_s: float, step_s: float) -> int:
@@ -877,19 +1012,40 @@ def run_one(
     seed: int,
     k: int,
     budget: float,
+    every: Optional[int] = None,
 ) -> Dict[str, Any]:
-    """One run of ``system`` (``period`` infinite: its failure-free run); a run still going
-    after ``budget`` seconds is stopped (what it committed by then counts)."""
+    """One run of ``system`` (``period`` infinite: its failure-free run; ``every``: kill by
+    step); a run still going after ``budget`` seconds is stopped (what it committed by then
+    counts)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    if system == REFERENCE:
+        return run_reference(run_dir, a.iters, a.data_path, budget)
     if system == "checkpoint-restart":
         return run_checkpoint_restart(
-            run_dir, a.iters, a.data_path, period, repair, seed, k, budget
+            run_dir, a.iters, a.data_path, period, repair, seed, k, budget, every
         )
     if system == "torchft":
-        return run_torchft(run_dir, a.iters, a.data_path, period, repair, seed, budget)
-    return run_mecefo(
-        run_dir, a.iters, a.data_path, period, repair, seed, system.removeprefix("mecefo-"), budget
-    )
+        return run_torchft(run_dir, a.iters, a.data_path, period, repair, seed, budget, every)
+    policy = system.removeprefix("mecefo-")
+    return run_mecefo(run_dir, a.iters, a.data_path, period, repair, seed, policy, budget, every)
+
+
+def full_replicas(run: Dict[str, Any]) -> bool:
+    """Whether a torchft run had all its replicas: every rank-step and every evaluation."""
+    steps = run.get("rank_steps") == run.get("rank_steps_expected")
+    return steps and run.get("eval_replicas") == run.get("eval_replicas_expected")
+
+
+def kills_in_window(run: Dict[str, Any]) -> int:
+    """The kills that hit a process inside the run's training window (from step 1's record to
+    the last step's): a kill after the window, or one with no live target, is not counted."""
+    w = run.get("window_s")
+    if w is None:
+        return 0
+    return sum(
+        1 for e in run["kills"] if e.get("slot") is not None and e.get("t") is not None
+        and 0 <= e["t"] <= w
+    )  # fmt: skip
 
 
 def _kills(run: Dict[str, Any]) -> int:
@@ -920,24 +1076,74 @@ def _loss(run: Dict[str, Any]) -> Optional[float]:
 
 
 def _post(runs: List[Dict[str, Any]]) -> None:
-    """Per run with failures: ETTR = its samples trained on per second of its training window
-    over its own system's failure-free run of the same round (``samples_per_s``), and its
-    validation loss minus that run's; torchft's stall per kill."""
+    """Per run: the kills inside its window; ``common_ratio`` = its samples per second over the
+    common reference's (stock Megatron-Core DP4, failure-free, same setting and round); and per
+    run with failures ETTR = its samples per second over its own system's failure-free run of
+    the same round, its validation loss minus that run's, torchft's stall per kill."""
     ff = {(r["setting"], r["round"], r["system"]): r for r in runs if r["failure_free"]}
     for r in runs:
+        r["kills_in_window"] = kills_in_window(r)
+        ref = ff.get((r["setting"], r["round"], REFERENCE))
+        r["common_ratio"] = None
+        if ref is not None and ref.get("samples_per_s"):
+            r["common_ratio"] = round((r.get("samples_per_s") or 0.0) / ref["samples_per_s"], 4)
         if r["failure_free"]:
             r["ettr"] = 1.0
             continue
-        ref = ff.get((r["setting"], r["round"], r["system"]))
+        own = ff.get((r["setting"], r["round"], r["system"]))
         r["ettr"] = None
-        if ref is not None and ref.get("samples_per_s"):
-            r["ettr"] = round((r.get("samples_per_s") or 0.0) / ref["samples_per_s"], 4)
-        lo, lf = _loss(r), _loss(ref) if ref else None
+        if own is not None and own.get("samples_per_s"):
+            r["ettr"] = round((r.get("samples_per_s") or 0.0) / own["samples_per_s"], 4)
+        lo, lf = _loss(r), _loss(own) if own else None
         r["val_loss_minus_own_failure_free"] = (
             None if lo is None or lf is None else round(lo - lf, 4)
         )
         if r["system"] == "torchft" and r.get("stall_s") is not None and _kills(r):
             r["torchft_stall_s_per_kill"] = round(r["stall_s"] / _kills(r), 3)
+
+
+def checks(runs: List[Dict[str, Any]], iters: int) -> Dict[str, Any]:
+    """What the headline rests on: torchft's failure-free runs had all four replicas (every
+    rank-step and every evaluation); in each round every system that trained all ``iters``
+    steps took the same number of kills inside its window (``equal``); a run stopped before the
+    end took only the kills of the steps it reached (``unfinished``), and no run took a kill
+    outside its window (``outside``)."""
+    short = [
+        {"setting": r["setting"], "round": r["round"], "rank_steps": r.get("rank_steps"),
+         "eval_replicas": r.get("eval_replicas")}
+        for r in runs if r["system"] == "torchft" and r["failure_free"] and not full_replicas(r)
+    ]  # fmt: skip
+    kills: Dict[str, Any] = {}
+    for setting in sorted({r["setting"] for r in runs}):
+        per_round: Dict[str, Dict[str, int]] = {}
+        finished: Dict[str, set] = {}
+        unfinished, outside = [], []
+        for r in runs:
+            if r["setting"] != setting or r["failure_free"]:
+                continue
+            rnd = str(r["round"])
+            per_round.setdefault(rnd, {})[r["system"]] = r["kills_in_window"]
+            if r.get("committed", 0) >= iters:
+                finished.setdefault(rnd, set()).add(r["kills_in_window"])
+            else:
+                unfinished.append({"round": r["round"], "system": r["system"],
+                                   "committed": r.get("committed"),
+                                   "kills_in_window": r["kills_in_window"]})  # fmt: skip
+            if _kills(r) != r["kills_in_window"]:
+                outside.append({"round": r["round"], "system": r["system"]})
+        kills[setting] = {
+            "per_round": per_round,
+            "equal": all(len(v) <= 1 for v in finished.values()) and not outside,
+            "unfinished": unfinished,
+            "outside": outside,
+        }
+    return {
+        "torchft_failure_free_runs": sum(
+            1 for r in runs if r["system"] == "torchft" and r["failure_free"]
+        ),
+        "torchft_failure_free_short": short,
+        "kills_in_window": kills,
+    }
 
 
 def _overruns(rs: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -959,15 +1165,37 @@ def summarize(
             mine = [r for r in runs if r["setting"] == setting and r["system"] == system]
             fails = sorted((r for r in mine if not r["failure_free"]), key=lambda r: r["round"])
             refs = sorted((r for r in mine if r["failure_free"]), key=lambda r: r["round"])
+            if system == REFERENCE and refs:
+                rate = [r["samples_per_s"] for r in refs if r.get("samples_per_s")]
+                rows[system] = {
+                    "rounds": len(refs),
+                    "reference": True,
+                    "samples_per_s": rate,
+                    "samples_per_s_mean": round(statistics.mean(rate), 4) if rate else None,
+                    "over_emulated_ideal": (
+                        round(statistics.mean(rate) * emulated_step_s / GBS, 4)
+                        if rate and emulated_step_s
+                        else None
+                    ),
+                    "clock_overruns": _overruns(refs),
+                    "loadavg_end": [r["loadavg_start_end"][1][0] for r in refs],
+                }
+                continue
             if not fails:
                 continue
             ettr = [r["ettr"] for r in fails if r.get("ettr") is not None]
             ci = interval(ettr)
+            common = [r["common_ratio"] for r in fails if r.get("common_ratio") is not None]
+            cci = interval(common)
             ff_rate = [r["samples_per_s"] for r in refs if r.get("samples_per_s")]
             delta = [r["val_loss_minus_own_failure_free"] for r in fails]
             bound = None if ci["ci95"] is None else 1 + ci["ci95"]
             rows[system] = {
                 "rounds": len(fails),
+                "common_mean": cci["mean"],
+                "common_ci95": cci["ci95"],
+                "common_per_round": common,
+                "ff_over_common_reference": [r.get("common_ratio") for r in refs],
                 "ettr_mean": ci["mean"],
                 "ettr_ci95": ci["ci95"],
                 "ettr_per_round": ettr,
@@ -983,7 +1211,9 @@ def summarize(
                     if ff_rate and emulated_step_s
                     else None
                 ),
-                "kills_mean": statistics.mean(_kills(r) for r in fails),
+                "kills_in_window": [r["kills_in_window"] for r in fails],
+                "kills_mean": statistics.mean(r["kills_in_window"] for r in fails),
+                "kills_after_window": [_kills(r) - r["kills_in_window"] for r in fails],
                 "committed": [r["committed"] for r in fails],
                 "samples_trained": [r["samples_trained"] for r in fails],
                 "samples_trained_fraction": [
@@ -1014,19 +1244,23 @@ def markdown(table: Dict[str, Any], iters: int) -> str:
         return ", ".join("-" if x is None else fmt.format(x) for x in xs)
 
     lines = [
-        "| setting | system | ETTR (emulated) mean ± 95% | per round | failure-free samples/s "
-        "(emulated) | kills | samples trained | val loss − own failure-free | phases overrun |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| setting | system | samples/s ÷ common reference (emulated) mean ± 95% | per round | "
+        "ETTR (own failure-free) mean ± 95% | per round | failure-free samples/s "
+        "(emulated) | kills in window | samples trained | val loss − own failure-free | "
+        "phases overrun |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for setting, rows in table.items():
         for system, r in rows.items():
-            if r["ettr_mean"] is None:
+            if r.get("reference") or r["ettr_mean"] is None:
                 continue
             over = r["clock_overruns_failures"]
             lines.append(
-                f"| {setting} | {system} | {r['ettr_mean']:.3f} ± {r['ettr_ci95'] or 0:.3f} | "
+                f"| {setting} | {system} | {r['common_mean'] or 0:.3f} ± "
+                f"{r['common_ci95'] or 0:.3f} | {cell(r['common_per_round'], '{:.3f}')} | "
+                f"{r['ettr_mean']:.3f} ± {r['ettr_ci95'] or 0:.3f} | "
                 f"{cell(r['ettr_per_round'], '{:.3f}')} | "
-                f"{r['ff_samples_per_s_mean'] or 0:.2f} | {r['kills_mean']:.1f} | "
+                f"{r['ff_samples_per_s_mean'] or 0:.2f} | {cell(r['kills_in_window'])} | "
                 f"{cell(r['samples_trained_fraction'], '{:.2f}')} of {iters * GBS} | "
                 f"{cell(r['val_loss_minus_own_failure_free'], '{:+.3f}')} | "
                 f"{over['overruns']} of {over['phases']} |"
@@ -1041,7 +1275,8 @@ def plot(table: Dict[str, Any], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     settings = list(table)
-    systems = list(dict.fromkeys(s for rows in table.values() for s in rows))
+    systems = list(dict.fromkeys(s for rows in table.values() for s, r in rows.items()
+                                 if not r.get("reference")))  # fmt: skip
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / max(1, len(settings))
     top = 1.0
@@ -1049,19 +1284,20 @@ def plot(table: Dict[str, Any], path: Path, title: str) -> None:
         xs, ys, err = [], [], []
         for j, system in enumerate(systems):
             row = table[setting].get(system)
-            if not row or row["ettr_mean"] is None:
+            if not row or row.get("reference") or row.get("common_mean") is None:
                 continue
             x = j + (i - (len(settings) - 1) / 2) * width
             xs.append(x)
-            ys.append(row["ettr_mean"])
-            err.append(row["ettr_ci95"] or 0.0)
-            pts = row["ettr_per_round"]
+            ys.append(row["common_mean"])
+            err.append(row["common_ci95"] or 0.0)
+            pts = row["common_per_round"]
             ax.plot([x] * len(pts), pts, "o", ms=3, color="black", alpha=0.6)
-            top = max(top, max(pts), row["ettr_mean"] + (row["ettr_ci95"] or 0))
+            top = max(top, max(pts), row["common_mean"] + (row["common_ci95"] or 0))
         ax.bar(xs, ys, width, yerr=err, capsize=3, label=setting.replace("_", ", "))
     ax.set_xticks(range(len(systems)))
     ax.set_xticklabels(systems, rotation=15)
-    ax.set_ylabel("ETTR in samples, emulated\n(bar: mean; whiskers: 95% t; dots: rounds)",
+    ax.set_ylabel("samples/s ÷ stock DP4 failure-free, emulated\n(bar: mean; whiskers: "
+                  "95% t; dots: rounds)",
                   fontsize=8)  # fmt: skip
     ax.set_ylim(0, top + 0.1)
     ax.axhline(1.0, color="grey", lw=0.5)
@@ -1092,9 +1328,12 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="the smoke test: T10_R5, one round, 12 batches, checkpoint-restart, "
-                   "torchft and mecefo-auto")  # fmt: skip
-    p.add_argument("--settings", default="T20_R10", help="comma list of T<seconds>_R<seconds>")
+                   help="the smoke test: S4_R5, one round, 12 batches, the reference, "
+                   "checkpoint-restart, torchft and mecefo-auto")  # fmt: skip
+    p.add_argument("--settings", default="S8_R5",
+                   help="comma list of S<steps>_R<seconds> (kill k at step k x steps, the same "
+                   "steps for every system) or T<seconds>_R<seconds> (kill k at k x T s after "
+                   "step 1); R: seconds until the dead rank's new process starts")  # fmt: skip
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--iters", type=int, default=24, help="global batches per run")
@@ -1105,7 +1344,7 @@ def main() -> None:
     p.add_argument(
         "--max-slowdown",
         type=float,
-        default=3.0,
+        default=5.0,
         help="stop a run after this many emulated failure-free training times (+60 s): "
         "what it committed by then counts",
     )
@@ -1136,8 +1375,8 @@ def main() -> None:
         )
         return
     if a.quick:
-        a.settings, a.repeats, a.iters = "T10_R5", 1, 12
-        a.systems = "checkpoint-restart,torchft,mecefo-auto"
+        a.settings, a.repeats, a.iters = "S4_R5", 1, 12
+        a.systems = f"{REFERENCE},checkpoint-restart,torchft,mecefo-auto"
         a.save_time = 0.5 if a.save_time is None else a.save_time
     suffix = "_quick" if a.quick else ""
     a.output = a.output or str(REPO / "results" / f"goodput{suffix}.json")
@@ -1148,9 +1387,7 @@ def main() -> None:
         systems.remove("torchft")
     settings = {}
     for s in a.settings.split(","):
-        m = re.fullmatch(r"T([\d.]+)_R([\d.]+)", s)
-        assert m, f"bad setting {s}"
-        settings[s] = (float(m.group(1)), float(m.group(2)))
+        settings[s] = parse_setting(s)
     step_s = emulated_step(DEVICE_CLOCK, GBS // (2 * 4))
     if a.recount:
         old = json.loads(Path(a.output).read_text())
@@ -1183,15 +1420,16 @@ def main() -> None:
         runs = json.loads(Path(a.output).read_text())["runs"]
         print(f"goodput: resuming after {len(runs)} finished runs", flush=True)
     done = {(r["setting"], r["round"], r["system"], r["failure_free"]) for r in runs}
-    for setting, (period, repair) in settings.items():
-        k = young_daly(a.save_time, period, step_ref)
+    for setting, (period, repair, every) in settings.items():
+        # Young/Daly over the time between kills (by step: every x the emulated step).
+        k = young_daly(a.save_time, every * step_ref if every else period, step_ref)
         for rnd in range(a.repeats):
             seed = a.seed * 1000 + rnd * 17 + int(period)
             # Rotate the systems' order, and alternate which run of a pair goes first.
             order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
             kinds = (True, False) if rnd % 2 == 0 else (False, True)
             for system in order:
-                for failure_free in kinds:
+                for failure_free in (True,) if system == REFERENCE else kinds:
                     if (setting, rnd, system, failure_free) in done:
                         continue
                     name = "failure-free" if failure_free else "failures"
@@ -1205,6 +1443,7 @@ def main() -> None:
                             seed,
                             k,
                             budget,
+                            every,
                         )
                     except Exception as e:  # a harness error ends this run, not the benchmark
                         load = list(os.getloadavg())
@@ -1215,6 +1454,12 @@ def main() -> None:
                     run["system"], run["failure_free"] = system, failure_free
                     run["setting"], run["round"], run["seed"] = setting, rnd, seed
                     runs.append(run)
+                    if system == "torchft" and failure_free and not full_replicas(run):
+                        print(f"goodput: FAIL: torchft's failure-free run of {setting} round "
+                              f"{rnd} ran {run.get('rank_steps')} of "
+                              f"{run.get('rank_steps_expected')} rank-steps, "
+                              f"{run.get('eval_replicas')} of 4 replicas at the evaluation",
+                              flush=True)  # fmt: skip
                     ev = run.get("eval") or {}
                     oc = run.get("device_clock") or {}
                     print(
@@ -1238,7 +1483,7 @@ def finish(
     a: argparse.Namespace,
     runs: List[Dict[str, Any]],
     systems: List[str],
-    settings: Dict[str, Tuple[float, float]],
+    settings: Dict[str, Tuple[float, float, Optional[int]]],
     calibration: Optional[Dict[str, Any]],
     started: str,
     duration: float,
@@ -1274,8 +1519,18 @@ def finish(
             "global_batch_size": GBS,
             "device_clock": clock,
             "emulated_step_s": step_s,
-            "settings": {s: {"T_s": t, "R_s": r} for s, (t, r) in settings.items()},
-            "kill_schedule": "kill k at k * T s after the first training step's record",
+            "settings": {
+                s: {"T_s": None if e else t, "R_s": r, "kill_every_steps": e}
+                for s, (t, r, e) in settings.items()
+            },
+            "kill_schedule": "S<n>: kill k when the run first reaches step k * n (its record "
+            "appears), for k * n below the last step: the same steps for every system, all "
+            "inside the training window; T<s>: kill k at k * T s after the first training "
+            "step's record. Only the kills inside the window are counted (kills_in_window)",
+            "common_reference": f"{REFERENCE}: stock Megatron-Core DP4 (the example trainer "
+            "without --mecefo, no checkpoint saves) under torchrun and the same device clock, "
+            "failure-free, one run per round; common_ratio = a run's samples per second over "
+            "this run's of the same round (the headline column)",
             "repeats": a.repeats,
             "seed": a.seed,
             "systems": systems,
@@ -1298,18 +1553,22 @@ def finish(
                 *SUPERVISOR_TIMEOUTS,
             ],
             "mecefo": ["--mecefo", "--mecefo-rank", "16", "--mecefo-policy", "P"],
-            "torchft": "0.2.0 in .venv-tft (the newest release on PyPI here); Lighthouse "
-            "min_replicas 1, join_timeout 1 s, heartbeat timeout 5 s; Manager "
-            "min_replica_size 1, synchronous quorum, ProcessGroupGloo timeout 30 s; one "
+            "torchft": "0.2.0 in .venv-tft (the newest release on PyPI here); failure-free: "
+            "Lighthouse min_replicas 4, join_timeout 60 s, heartbeat timeout 60 s, Manager "
+            "min_replica_size 4 (all four replicas in every step; checked: rank_steps and "
+            "eval_replicas); under kills: Lighthouse min_replicas 1, join_timeout 1 s, "
+            "heartbeat timeout 5 s, Manager min_replica_size 1; synchronous quorum, "
+            "ProcessGroupGloo timeout 30 s; one "
             "replica group per process; the same model, data shares and AdamW settings and "
             "parameter groups as the example trainer, no Megatron DDP",
             "ettr": "samples trained on (entered a committed update) in steps 2..N per second "
             "of the training window (step 1's record to step N's), over the same system's "
-            "failure-free run of the same round",
+            "failure-free run of the same round (the second column)",
             "interval": "95% Student t over the rounds",
             "max_slowdown": a.max_slowdown,
         },
         "table": table,
+        "checks": checks(runs, a.iters),
         "runs": runs,
     }
     title = (
@@ -1333,16 +1592,25 @@ def finish(
     parts = []
     for setting, rows in table.items():
         cells = ", ".join(
-            f"{s} {r['ettr_mean']} ± {r['ettr_ci95']}" for s, r in rows.items() if r["ettr_mean"]
+            f"{s} {r['common_mean']} ± {r['common_ci95']} (ETTR {r['ettr_mean']})"
+            for s, r in rows.items()
+            if not r.get("reference") and r["common_mean"] is not None
         )
         parts.append(f"{setting}: {cells}")
     print(
         f"goodput (DP4, emulated {DEVICE_CLOCK}, {a.iters} batches, {a.repeats} round(s), "
         f"save every K by Young/Daly from {a.save_time:.2f} s saves, load {load_start[0]:.1f} "
-        f"-> {load_end[0]:.1f}, {duration:.0f} s): ETTR in samples "
+        f"-> {load_end[0]:.1f}, {duration:.0f} s): samples/s over stock DP4's failure-free "
         + "; ".join(parts)
         + f"; wrote {a.output}"
     )
+    bad = result["checks"]["torchft_failure_free_short"]
+    if bad or not all(c["equal"] for c in result["checks"]["kills_in_window"].values()):
+        raise SystemExit(
+            f"goodput: FAIL: torchft failure-free runs short of all replicas: {bad}; kills in "
+            f"window per round equal for every system: "
+            f"{ {k: v['equal'] for k, v in result['checks']['kills_in_window'].items()} }"
+        )
 
 
 if __name__ == "__main__":

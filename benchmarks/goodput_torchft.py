@@ -26,6 +26,9 @@ data share, is known before the forward pass. ``--device-clock SHAPE`` pads forw
 (per micro-batch) and the optimizer phase (all-reduce, clipping, step) as the example trainer's
 device clock does.
 
+``--min-replica-size``: the Manager's ``min_replica_size``, 4 in the benchmark's failure-free run
+(every step with all replicas), 1 under kills.
+
 Writes one JSON line per step attempt to ``--metrics-file``: the step, whether it committed,
 the quorum's participants, whether this replica took part, and the time; at the end one
 ``eval`` line (validation loss and perplexity on the first ``--eval-iters`` global batches).
@@ -68,6 +71,9 @@ def _parse(argv: List[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-file", required=True)
     p.add_argument("--wait-go", default=None, help="touch PATH.ready<id>, wait for PATH")
     p.add_argument("--timeout", type=float, default=30.0, help="torchft op timeout, seconds")
+    p.add_argument("--min-replica-size", type=int, default=1,
+                   help="the Manager's min_replica_size: 1 under kills (go on with fewer); the "
+                   "failure-free run passes 4 (every step with all replicas)")  # fmt: skip
     p.add_argument("--device-clock", default=None, help="emulated GPU shape (device_clock.py)")
     return p.parse_args(argv)
 
@@ -195,7 +201,7 @@ def main(argv: List[str] | None = None) -> None:
         pg=ProcessGroupGloo(timeout=timeout),
         load_state_dict=load_state_dict,
         state_dict=state_dict,
-        min_replica_size=1,
+        min_replica_size=a.min_replica_size,
         use_async_quorum=False,
         timeout=timeout,
         quorum_timeout=timedelta(seconds=120),

@@ -103,6 +103,15 @@ class AutoPolicy(TakeoverPolicy):
         self.rescaled = factor
         self.decision = None
 
+    def use_costs(self, profile: CostProfile) -> None:
+        """Rank the choices by ``profile`` from the next decision on: under the device clock,
+        the clock's costs (:meth:`~megatron_mecefo.planner.device_clock.DeviceClock.cost_profile`).
+        They are not rescaled by the start-up calibration (``rescaled`` is set to 1): that
+        measures the CPU's critical path, which the clock does not charge."""
+        self.profile = profile
+        self.rescaled = 1.0
+        self.decision = None
+
     def reset(self) -> None:
         """Forget the decisions and the observed rates."""
         self.rescaled: Optional[float] = None

@@ -25,9 +25,12 @@ import functools
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from megatron_mecefo.planner.step_cost_model import StepCostModel
+
+if TYPE_CHECKING:
+    from megatron_mecefo.planner.recovery_planner import CostProfile
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,14 @@ class DeviceClock:
         if self._log is not None and self._step:
             over = sum(1 for p in self._step if p["over"])
             busy = [p["busy_s"] for p in self._step]
-            rec = {"t": time.time(), "phases": len(self._step), "overruns": over, "busy_s": busy}
+            rec = {
+                "t": time.time(),
+                "phases": len(self._step),
+                "overruns": over,
+                "busy_s": busy,
+                "names": [p["phase"] for p in self._step],
+                "over": [p["over"] for p in self._step],
+            }
             self._log.write(json.dumps(rec) + "\n")
         self._step = []
 
@@ -193,6 +203,30 @@ class DeviceClock:
             "emulated": True,
         }
 
+    def cost_profile(self, base: CostProfile) -> CostProfile:
+        """The costs this clock charges, as the planner's profile: what ``auto`` ranks by under
+        the clock (the costs a GPU would have, not the CPU's).
+
+        An exact and a takeover micro-batch both last forward + backward (the clock charges a
+        takeover micro-batch as an exact one); the basis refresh and the low-rank term run
+        inside a padded phase, so they add nothing; the optimizer phase holds the step and the
+        sync. Regroup, rejoin and activation memory are real, so they stay ``base``'s.
+        """
+        from dataclasses import replace
+
+        micro = 1e3 * (self.target["forward"] + self.target["backward"])
+        return replace(
+            base,
+            exact_ms=micro,
+            takeover_ms=micro,
+            takeover_recompute_ms=micro,
+            takeover_ms_per_rank=0.0,
+            basis_refresh_ms=0.0,
+            optimizer_ms=1e3 * self.target["optimizer"],
+            sync_ms=0.0,
+            source=f"device clock {self.shape.name} (regroup, rejoin, memory: {base.source})",
+        )
+
 
 def clock_for(shape: str, log_path: Optional[str] = None) -> DeviceClock:
     """The clock of a named shape."""
@@ -201,17 +235,24 @@ def clock_for(shape: str, log_path: Optional[str] = None) -> DeviceClock:
 
 def install(trainer: Any, shape: str, rank: int) -> DeviceClock:
     """Put the example trainer's forward-backward and optimizer step on the clock of
-    ``shape``; the per-step log goes beside ``--metrics-file`` (``.clock<rank>.jsonl``)."""
+    ``shape``; the per-step log goes beside ``--metrics-file`` (``.clock<rank>.jsonl``). Under
+    ``--mecefo-policy auto`` the planner's costs become the clock's (:meth:`cost_profile`)."""
     metrics = getattr(trainer.args, "metrics_file", None)
     clock = clock_for(shape, f"{metrics}.clock{rank}.jsonl" if metrics else None)
     trainer.forward_backward = clock.wrap_forward_backward(trainer.forward_backward)
     trainer.optimizer.step = clock.wrap_optimizer_step(trainer.optimizer.step)
+    policy = getattr(getattr(trainer, "controller", None), "policy", None)
+    if hasattr(policy, "use_costs"):  # auto ranks its choices by what the clock charges
+        policy.use_costs(clock.cost_profile(policy.profile))
     return clock
 
 
 def read_logs(paths: List[str]) -> Dict[str, Any]:
-    """Overrun counts over the per-step logs of several ranks (a torn last line is skipped)."""
+    """Overrun counts over the per-step logs of several ranks (a torn last line is skipped),
+    in total and per phase (``per_phase``: phases, overruns and the largest CPU time; logs
+    written before the phases were named count in the totals only)."""
     steps = phases = over = 0
+    per: Dict[str, Dict[str, Any]] = {}
     for path in paths:
         try:
             lines = open(path).read().splitlines()
@@ -225,9 +266,17 @@ def read_logs(paths: List[str]) -> Dict[str, Any]:
             steps += 1
             phases += rec["phases"]
             over += rec["overruns"]
+            for name, busy, late in zip(
+                rec.get("names", ()), rec["busy_s"], rec.get("over", ()), strict=False
+            ):
+                ph = per.setdefault(name, {"phases": 0, "overruns": 0, "max_busy_s": 0.0})
+                ph["phases"] += 1
+                ph["overruns"] += int(late)
+                ph["max_busy_s"] = max(ph["max_busy_s"], busy)
     return {
         "rank_steps": steps,
         "phases": phases,
         "overruns": over,
         "overrun_fraction": round(over / phases, 4) if phases else None,
+        "per_phase": per,
     }

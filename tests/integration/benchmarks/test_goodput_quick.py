@@ -15,11 +15,13 @@ from conftest import REPO
 
 @pytest.mark.slow
 def test_quick_run(tmp_path: Path, text_data: str) -> None:
-    """The --quick mode end to end (T = 10 s, one round, 12 batches; checkpoint-restart,
-    torchft where .venv-tft exists, MeCeFO auto; each with its own failure-free run, under the
-    device clock): every run was measured, each failure-free run (torchft's apart) trained every
-    sample at the emulated step time, a MeCeFO run that finished skipped no sample, ETTR is in
-    samples, and no process is left.
+    """The --quick mode end to end (kills at steps 4 and 8, one round, 12 batches; the stock
+    DP4 reference, checkpoint-restart, torchft where .venv-tft exists, MeCeFO auto; each with
+    its own failure-free run, under the device clock): every run was measured, each
+    failure-free run trained every sample at the emulated step time (torchft's with all four
+    replicas in every step and at the evaluation), every system took the same kills inside its
+    window, a MeCeFO run that finished skipped no sample, the common-reference column and ETTR
+    are in samples, and no process is left.
 
     Marked slow (several minutes); ``make test-goodput`` runs it, and ``.ci/run`` with it.
     Whether checkpoint-restart finishes depends on its restarts: at T = 10 s they can outlast
@@ -52,13 +54,25 @@ def test_quick_run(tmp_path: Path, text_data: str) -> None:
     assert res["emulated"] and res["config"]["emulated_step_s"] > 1.0
     iters, gbs = res["config"]["global_batches"], res["config"]["global_batch_size"]
     systems = {r["system"] for r in res["runs"]}
-    assert {"checkpoint-restart", "mecefo-auto"} <= systems
-    for system in systems:
+    assert {"megatron-core-dp4", "checkpoint-restart", "mecefo-auto"} <= systems
+    ref = next(r for r in res["runs"] if r["system"] == "megatron-core-dp4")
+    assert ref["failure_free"] and ref["committed"] == iters and ref["samples_per_s"] > 0
+    assert res["checks"]["torchft_failure_free_short"] == []
+    assert all(k["equal"] for k in res["checks"]["kills_in_window"].values())
+    for system in systems - {"megatron-core-dp4"}:
         pair = {r["failure_free"]: r for r in res["runs"] if r["system"] == system}
         ff, run = pair[True], pair[False]
         assert ff["rc"] == 0 and ff["committed"] == iters
-        if system != "torchft":  # torchft's quorums drop late replicas' shares even failure-free
-            assert ff["samples_trained"] == iters * gbs, system
+        assert ff["samples_trained"] == iters * gbs, system
+        if system == "torchft":
+            assert (ff["rank_steps"], ff["eval_replicas"]) == (4 * iters, 4)
+        # Kills at steps 4 and 8 of 12; a run stopped early took only the steps it reached.
+        assert run["kills_in_window"] == 2 or (
+            run["committed"] < iters and run["kills_in_window"] < 2
+        ), system
+        assert (
+            abs(run["common_ratio"] - (run["samples_per_s"] or 0.0) / ref["samples_per_s"]) < 1e-3
+        )
         assert ff["device_clock"]["phases"] > 0, system
         # Steps 2..N at no faster than the emulated step (the clock pads every phase).
         emulated = res["config"]["emulated_step_s"] * (iters - 1)

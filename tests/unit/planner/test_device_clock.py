@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,4 +44,86 @@ def test_pad_sleeps_out_the_phase_and_counts_an_overrun(tmp_path: Path) -> None:
     assert clock.stats["backward"]["overruns"] == 1
     line = json.loads((tmp_path / "clock.jsonl").read_text())
     assert line["phases"] == 2 and line["overruns"] == 1
-    assert read_logs([str(tmp_path / "clock.jsonl")])["overrun_fraction"] == 0.5
+    logs = read_logs([str(tmp_path / "clock.jsonl")])
+    assert logs["overrun_fraction"] == 0.5
+    assert logs["per_phase"]["backward"]["overruns"] == 1
+    assert logs["per_phase"]["forward"] == {"phases": 1, "overruns": 0,
+                                            "max_busy_s": line["busy_s"][0]}  # fmt: skip
+
+
+# The CPU profile's micro-batch costs at the demo widths (results/planner_profile.json): a
+# takeover micro-batch is cheaper than an exact one on the CPU, which the clock does not charge.
+CPU_COSTS = dict(
+    exact_ms=23.28, takeover_ms=15.72, takeover_recompute_ms=20.76, optimizer_ms=5.42,
+    sync_ms=6.27, sync_replicas=4, profile_rank=32, takeover_ms_per_rank=0.0738,
+    basis_refresh_ms=10.86, regroup_ms=667.0, rejoin_ms=939.0, activation_exact_bytes=7934464,
+    activation_takeover_bytes=3410432, activation_takeover_recompute_bytes=393728,
+    activation_bytes_per_rank=4096, source="cpu",
+)  # fmt: skip
+
+
+def _auto(profile: Any, budget: float = float("inf")) -> Any:
+    """An AutoPolicy at r = 16 (the goodput benchmark's) with ``profile`` and ``budget``."""
+    from megatron_mecefo.planner.auto_policy import AutoPolicy
+    from megatron_mecefo.planner.recovery_planner import PlannerConfig
+
+    return AutoPolicy(profile, PlannerConfig(rank_min=16, rank_max=16, grad_error_budget=budget))
+
+
+def test_clock_profile_charges_what_the_clock_pads() -> None:
+    """Under the clock a takeover micro-batch costs an exact one, and the profile's failure-free
+    step is the clock's emulated step; regroup, rejoin and memory stay measured."""
+    from megatron_mecefo.planner.recovery_planner import CostProfile
+
+    clock = DeviceClock(SHAPES["llama-1b-h100"])
+    prof = clock.cost_profile(CostProfile(**CPU_COSTS))
+    t = clock.target
+    assert prof.takeover_ms == prof.takeover_recompute_ms == prof.exact_ms
+    assert prof.failure_free_step(4, 2) == pytest.approx(
+        1e3 * (2 * (t["forward"] + t["backward"]) + t["optimizer"])
+    )
+    assert prof.regroup_ms == 667.0 and prof.activation_exact_bytes == 7934464
+
+
+def test_auto_under_the_clock_ranks_by_the_clocks_costs() -> None:
+    """One replica of 4 down, M = 2: on the CPU's costs (takeover cheaper than exact) the
+    neighbour running the dead replica's 2 micro-batches as takeover is fastest; on the clock's
+    (takeover = exact) spreading them (3 micro-batches on the critical path, not 4) is.
+    ``install`` hands the clock's costs to the trainer's auto policy, whose choice follows."""
+    from types import SimpleNamespace
+
+    from megatron_mecefo.planner.device_clock import install
+    from megatron_mecefo.planner.recovery_planner import CostProfile
+
+    failed = frozenset({1})
+    cpu = _auto(CostProfile(**CPU_COSTS))
+    cpu.plan(1, failed, 4, 2)
+    assert cpu.decision.policy == "neighbor"
+    auto = _auto(CostProfile(**CPU_COSTS))
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(metrics_file=None),
+        forward_backward=lambda **kw: None,
+        optimizer=SimpleNamespace(step=lambda: None),
+        controller=SimpleNamespace(policy=auto),
+    )
+    install(trainer, "llama-1b-h100", 0)
+    assert auto.profile.exact_ms == auto.profile.takeover_ms and auto.rescaled == 1.0
+    auto.plan(1, failed, 4, 2)
+    assert auto.decision.policy == "spread"
+    clock_step = DeviceClock(SHAPES["llama-1b-h100"]).target
+    assert auto.decision.step_time_ms == pytest.approx(
+        1e3 * (3 * (clock_step["forward"] + clock_step["backward"]) + clock_step["optimizer"])
+    )
+
+
+def test_gradient_error_budget_still_rules_over_the_clock_costs() -> None:
+    """At the default budget (0.3) spread's predicted gradient error at r = 16 (0.38) is over
+    it, so auto takes exact on either costs: the budget, not the costs, decides there."""
+    from megatron_mecefo.planner.config import DEFAULT_GRAD_ERROR_BUDGET
+    from megatron_mecefo.planner.recovery_planner import CostProfile
+
+    clock = DeviceClock(SHAPES["llama-1b-h100"])
+    for prof in (CostProfile(**CPU_COSTS), clock.cost_profile(CostProfile(**CPU_COSTS))):
+        auto = _auto(prof, DEFAULT_GRAD_ERROR_BUDGET)
+        auto.plan(1, frozenset({1}), 4, 2)
+        assert auto.decision.policy == "exact"
