@@ -270,9 +270,9 @@ docs: venv
 flags-doc: venv
 	$(PY) scripts/render_flags.py
 
-# The built site in headless Chromium (tests/integration/docs/test_site_render.py): the home,
-# Megatron-LM and results pages render, and no code block on the Megatron-LM page is cut off
-# at 1280 px; then the docs' unit tests (status table, README's first screen, the results
+# The built site in headless Chromium (tests/integration/docs/test_site_render.py): every page
+# of the nav renders, and no table or code block on any page is wider than its column at
+# 1280 px; then the docs' unit tests (status table, README's first screen, the results
 # page's numbers against results/*.json). Installs Debian's chromium with apt when it is
 # missing (root), as make test-slurm installs its packages. MECEFO_SCREENSHOT_DIR=DIR keeps
 # each page's screenshot.
