@@ -13,11 +13,18 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-errors test-slurm test-goodput etcd bench bench-convergence bench-goodput bench-long lint clean
 
-# torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
+# torch 2.13.0 first and pinned, from TORCH_INDEX: PyTorch's CPU index by default, because a
+# plain `pip install torch==2.13.0` on Linux pulls the CUDA build from PyPI (its CUDA libraries
+# are gigabytes). TORCH_INDEX= (empty) uses pip's own configured index instead; a CUDA index
+# (e.g. https://download.pytorch.org/whl/cu130) gives a GPU build. A venv that has torch
+# 2.13.0 already keeps it (a change to setup.py reinstalls the package only). Then the
+# package, constrained to that torch.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" \
+	    2> /dev/null || $(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -c constraints.txt -e .[test]
 	touch $@
 

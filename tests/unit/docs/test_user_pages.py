@@ -1,5 +1,5 @@
-"""The user pages carry no lab notebook: no issue numbers, commit hashes, "the shared notes" or
-numbered stops. Those belong on the developers' page (docs/development.md), which this test
+"""The user pages carry no lab notebook: no issue numbers, commit hashes, "the shared notes",
+numbered stops or former values ("(was 5.58 s)"). Those belong on the developers' page
 leaves alone. The user pages: every page of docs/ but development.md, the README and the two
 repository READMEs the site shows (patches/, benchmarks/)."""
 
@@ -28,6 +28,7 @@ NOTEBOOK = {
     "a commit hash": re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"),
     "the shared notes": re.compile(r"\bshared notes\b", re.I),
     "a numbered stop": re.compile(r"\bstops? \d+\b", re.I),
+    "a former value": re.compile(r"\((?:was|before:?|previously) [−-]?\d", re.I),
 }
 
 # What looks like it but is not: citations of other projects' trackers, and the checksums the
@@ -54,7 +55,7 @@ def notebook_lines(text: str) -> List[Tuple[int, str, str]]:
 
 @pytest.mark.parametrize("page", USER_PAGES)
 def test_user_page_has_no_lab_notebook(page: str) -> None:
-    """No issue number, commit hash, shared-notes reference or numbered stop on a user page."""
+    """No issue number, commit hash, shared-notes reference, numbered stop or former value."""
     hits = notebook_lines((REPO / page).read_text())
     assert not hits, f"{page}: move these to {DEVELOPERS} or drop them: {hits}"
 
@@ -69,6 +70,7 @@ def test_user_page_has_no_lab_notebook(page: str) -> None:
         "at commit 1f0c2d9e8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e",
         "the shared notes had measured it",
         "Stop 12 measured 3 s",
+        "heal 0.93 s (was 5.58 s)",
     ],
 )
 def test_the_patterns_catch_the_notebook(text: str) -> None:
