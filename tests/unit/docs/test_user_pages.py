@@ -1,7 +1,8 @@
 """The user pages carry no lab notebook: no issue numbers, commit hashes, "the shared notes",
 numbered stops or former values ("(was 5.58 s)"). Those belong on the developers' page
-(docs/development.md), which this test leaves alone. The user pages: every page of docs/ but development.md, the README and the two
-repository READMEs the site shows (patches/, benchmarks/)."""
+(docs/development.md), which this test leaves alone. The user pages: every page of docs/ but
+development.md, the README and the two repository READMEs the site shows (patches/,
+benchmarks/)."""
 
 from __future__ import annotations
 
