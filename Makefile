@@ -11,7 +11,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-errors test-slurm test-goodput etcd bench bench-convergence bench-goodput bench-long lint clean
+.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-slow test-errors test-slurm test-goodput etcd bench bench-convergence bench-goodput bench-long lint clean
 
 # torch 2.13.0 first and pinned, from TORCH_INDEX: PyTorch's CPU index by default, because a
 # plain `pip install torch==2.13.0` on Linux pulls the CUDA build from PyPI (its CUDA libraries
@@ -119,6 +119,13 @@ test-errors: venv
 
 test-all: venv
 	$(PY) -m pytest -q --timeout=1800 tests
+
+# The tests marked slow, without the goodput benchmark's (make test-goodput): the second of
+# each pair of integration twins (make test keeps one of each kind), the Megatron-LM real-death
+# runs, the per-phase and multi-failure real-death tests, the multi-process user-error rows.
+# Over an hour on 2 cores, so not in .ci/run (45 minutes); make test-all runs these and the rest.
+test-slow: venv
+	$(PY) -m pytest -q -m slow --timeout=1800 --durations=15 --ignore=tests/integration/benchmarks tests
 
 # The Slurm scripts (examples/slurm/) under a real slurmctld + slurmd on this host (README
 # "Running on a cluster"): installs slurm-wlm, munge and shellcheck with apt when missing
