@@ -11,13 +11,20 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-errors test-slurm test-goodput etcd bench bench-convergence bench-goodput bench-long lint clean
+.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-slow test-errors test-slurm test-goodput etcd bench bench-convergence bench-goodput bench-long lint clean
 
-# torch 2.13.0 (the CPU wheel) first and pinned; then the package, constrained to that torch.
+# torch 2.13.0 first and pinned, from TORCH_INDEX: PyTorch's CPU index by default, because a
+# plain `pip install torch==2.13.0` on Linux pulls the CUDA build from PyPI (its CUDA libraries
+# are gigabytes). TORCH_INDEX= (empty) uses pip's own configured index instead; a CUDA index
+# (e.g. https://download.pytorch.org/whl/cu130) gives a GPU build. A venv that has torch
+# 2.13.0 already keeps it (a change to setup.py reinstalls the package only). Then the
+# package, constrained to that torch.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" \
+	    2> /dev/null || $(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -c constraints.txt -e .[test]
 	touch $@
 
@@ -112,6 +119,13 @@ test-errors: venv
 
 test-all: venv
 	$(PY) -m pytest -q --timeout=1800 tests
+
+# The tests marked slow, without the goodput benchmark's (make test-goodput): the second of
+# each pair of integration twins (make test keeps one of each kind), the Megatron-LM real-death
+# runs, the per-phase and multi-failure real-death tests, the multi-process user-error rows.
+# Over an hour on 2 cores, so not in .ci/run (45 minutes); make test-all runs these and the rest.
+test-slow: venv
+	$(PY) -m pytest -q -m slow --timeout=1800 --durations=15 --ignore=tests/integration/benchmarks tests
 
 # The Slurm scripts (examples/slurm/) under a real slurmctld + slurmd on this host (README
 # "Running on a cluster"): installs slurm-wlm, munge and shellcheck with apt when missing
@@ -270,9 +284,9 @@ docs: venv
 flags-doc: venv
 	$(PY) scripts/render_flags.py
 
-# The built site in headless Chromium (tests/integration/docs/test_site_render.py): the home,
-# Megatron-LM and results pages render, and no code block on the Megatron-LM page is cut off
-# at 1280 px; then the docs' unit tests (status table, README's first screen, the results
+# The built site in headless Chromium (tests/integration/docs/test_site_render.py): every page
+# of the nav renders, and no table or code block on any page is wider than its column at
+# 1280 px; then the docs' unit tests (status table, README's first screen, the results
 # page's numbers against results/*.json). Installs Debian's chromium with apt when it is
 # missing (root), as make test-slurm installs its packages. MECEFO_SCREENSHOT_DIR=DIR keeps
 # each page's screenshot.

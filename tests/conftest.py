@@ -23,6 +23,24 @@ TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
 WORKERS = REPO / "tests" / "workers"
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
+# Integration twins marked slow here rather than in their files (files other work edits often):
+# make test keeps one test of each kind, make test-slow and make test-all run these too. Each
+# id names the twin that stays in make test. tests/unit/test_slow_twins.py checks the names.
+SLOW_TWINS = {
+    "tests/integration/recovery/test_etcd_mode.py::test_leader_node_sigkilled_matches_simulated": (
+        "test_leader_lost_twice_with_a_rejoin (the leader SIGKILLed, twice, and a rejoin)"
+    ),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Mark the SLOW_TWINS slow."""
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW_TWINS:
+            item.add_marker(pytest.mark.slow)
+
+
 # A tiny LLaMA-style model that still has every parallel dimension to split.
 TINY_MODEL = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

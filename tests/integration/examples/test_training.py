@@ -19,7 +19,17 @@ from conftest import TINY_MODEL, run_trainer, train_records
 LOSS_ATOL = 1e-5
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 2)])
+# DP2 alone in make test: the TP2, PP2 and TP2 x PP2 layouts train in
+# test_parallel_layout_matches_single_rank too, so their runs here are slow twins.
+@pytest.mark.parametrize(
+    "tp,pp,dp",
+    [
+        (1, 1, 2),
+        pytest.param(2, 1, 2, marks=pytest.mark.slow),
+        pytest.param(1, 2, 2, marks=pytest.mark.slow),
+        pytest.param(2, 2, 2, marks=pytest.mark.slow),
+    ],
+)
 def test_layout_trains_and_keeps_replicas_identical(
     tmp_path: Path, text_data: str, tp: int, pp: int, dp: int
 ) -> None:

@@ -112,6 +112,7 @@ def test_dp4_rank0_dies_after_the_commit_and_its_iteration_is_logged(tmp_path: P
     assert "iteration        3/       8" in job.log()
 
 
+@pytest.mark.slow  # the twin of the DP4 kill above; test_tp2_pp2_dp2_each_phase is slow too
 def test_tp2_pp2_dp2_kill_grad_sync_matches_simulated(tmp_path: Path) -> None:
     """TP2xPP2xDP2: a rank of replica 1 dies at the gradient sync; replica 0 goes on alone,
     the dead rank's three live siblings wait as spares."""
@@ -170,7 +171,7 @@ def test_dp4_two_replicas_lost(tmp_path: Path, second: str) -> None:
     assert sorted(job.params()) == [0, 3] and diff <= PARAM_ATOL
 
 
-@pytest.mark.parametrize("second", ["world", "groups"])
+@pytest.mark.parametrize("second", ["world", pytest.param("groups", marks=pytest.mark.slow)])
 def test_dp4_second_death_while_the_world_is_built(tmp_path: Path, second: str) -> None:
     """Rank 1 dies in iteration 3; rank 3 dies while the survivors build the next world: all
     members arrived in the store and it dies before init_process_group (``world``: the others
