@@ -26,6 +26,7 @@ import select
 import socket
 import threading
 import time
+import uuid
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_mecefo.recovery.config import RecoveryConfig
@@ -207,8 +208,10 @@ class StoreHost:
         from megatron_mecefo.recovery.store_etcd import (
             HOT_STORE,
             LEADER_NODE,
+            RUN_KEY,
             etcd_address,
             register_control,
+            run_token,
         )
         from megatron_mecefo.recovery.store_forwarding import StoreFailedOver
 
@@ -229,6 +232,12 @@ class StoreHost:
                 except NotElected:  # another job's node 0 claimed the prefix meanwhile
                     raise SupervisorError(self._prefix_taken(prefix, wait_s)) from None
                 self.control.put_fenced(LEADER_NODE, str(self.node))
+                # This run's token, before its store is published: the clients that know it
+                # never follow a store of another run under this prefix.
+                run = uuid.uuid4().hex[:16]
+                self.control.put_fenced(RUN_KEY, run)
+                self.cfg.store = etcd_address(a.etcd_endpoints, prefix, ttl, run)
+                register_control(self.cfg.store, self.control)
                 self.server = serve(a.store_host, a.store_port, self.cfg.init_timeout_s)
                 self.hot_address = f"{a.store_host}:{self.server.port}"
                 self.control.put_fenced(HOT_STORE, self.hot_address)
@@ -237,6 +246,12 @@ class StoreHost:
                     f"{','.join(a.etcd_endpoints)} (term {self.control.term.number})"
                 )
             self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+            if not self.hosts_store and (run := run_token(self.control)):
+                # The run this node joined (its token is written before its store): from
+                # here on, this supervisor and its ranks follow no store of another run.
+                self.cfg.store = etcd_address(a.etcd_endpoints, prefix, ttl, run)
+                register_control(self.cfg.store, self.control)
+                self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
             if a.store_file:  # any node: what a node that joins or rejoins passes as --store
                 _write_atomically(a.store_file, self.cfg.store)
         except SupervisorError:
@@ -480,12 +495,15 @@ class StoreHost:
         from etcd, declare the old leader's ranks dead, coordinate, publish the address."""
         import json
 
+        from megatron_mecefo.recovery.etcd_control import Fenced
         from megatron_mecefo.recovery.membership import MembershipStore
         from megatron_mecefo.recovery.store_etcd import (
             HOT_STORE,
             LEADER_NODE,
             hot_store,
             restore,
+            run_of,
+            run_token,
         )
         from megatron_mecefo.recovery.store_forwarding import PRIMARY_KEY, tcp_client
 
@@ -493,6 +511,9 @@ class StoreHost:
         assert c is not None and c.term is not None
         a = self.args
         t0 = time.time()
+        run, ours = run_token(c), run_of(self.cfg.store)
+        if ours and run != ours:  # the prefix was cleared for another job: not ours to lead
+            raise Fenced(f"the etcd key prefix {c.prefix} holds another run now (not run {ours})")
         old = hot_store(c)
         c.put_fenced(HOT_STORE, "")  # from now on no client of the old store writes to etcd
         kv, _ = c.conn.get(c.key(LEADER_NODE))

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator, List
 
@@ -123,3 +124,56 @@ def test_second_job_with_a_live_jobs_id_is_refused(tmp_path: Path, etcd: EtcdClu
     assert still_training, job.log()[-4000:]
     assert rc == [0], (rc, job.log()[-5000:])
     check_every_sample_once(train_records(job.metrics), iters, gbs, 2)
+
+
+def test_a_client_never_follows_another_runs_store(etcd: EtcdCluster) -> None:
+    """The prefix cleared and taken by another run (its token in ``run``, its store in
+    ``hot_store``, its ``done`` set): a client that knows its own run's token fails its calls
+    rather than read the other run's ``done`` (a rank that read it would end "training
+    finished" before its last iteration, exit 0). A client without a token (the contrast)
+    follows there and reads it."""
+    from torch.distributed import DistError
+
+    from megatron_mecefo.recovery.etcd_control import EtcdControl
+    from megatron_mecefo.recovery.store_etcd import (
+        HOT_STORE,
+        RUN_KEY,
+        EtcdStore,
+        etcd_address,
+    )
+    from megatron_mecefo.recovery.store_forwarding import serve
+
+    prefix = "/mecefo/two-runs"
+    control = EtcdControl(etcd.endpoints, prefix, 2.0)
+    ours, theirs = serve("127.0.0.1", 0), serve("127.0.0.1", 0)
+    try:
+        control.conn.put(control.key(RUN_KEY), "ours")
+        control.conn.put(control.key(HOT_STORE), f"127.0.0.1:{ours.port}")
+        guarded = EtcdStore(etcd_address(etcd.endpoints, prefix, 2.0, run="ours"), 5.0)
+        plain = EtcdStore(etcd_address(etcd.endpoints, prefix, 2.0), 5.0)
+        assert guarded.check(["done"]) is False and plain.check(["done"]) is False
+        theirs.set("done", "1")
+        control.conn.put(control.key(RUN_KEY), "theirs")
+        control.conn.put(control.key(HOT_STORE), f"127.0.0.1:{theirs.port}")
+        # The hot_store watch shuts this process's sockets to our store: the next calls fail.
+        deadline = time.monotonic() + 30
+        while plain.address != f"127.0.0.1:{theirs.port}":
+            assert time.monotonic() < deadline, "the plain client never followed"
+            try:
+                plain.check(["done"])
+            except DistError:
+                pass
+            time.sleep(0.05)
+        assert plain.check(["done"]) is True  # the contrast: another run's "done"
+        refused = 0
+        while refused < 3:
+            assert time.monotonic() < deadline, "the guarded client's calls never failed"
+            try:
+                assert guarded.check(["done"]) is False, "read another run's done"
+            except DistError:
+                refused += 1
+            time.sleep(0.05)
+        assert guarded.address == f"127.0.0.1:{ours.port}"
+    finally:
+        control.close()
+        del ours, theirs
