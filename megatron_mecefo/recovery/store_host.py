@@ -245,7 +245,17 @@ class StoreHost:
                     f"membership store at {self.hot_address}, elected leader on etcd "
                     f"{','.join(a.etcd_endpoints)} (term {self.control.term.number})"
                 )
+            deadline = time.monotonic() + self.cfg.init_timeout_s
             self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+            while not (self.hosts_store or a.rejoin) and _ended(self.ms):
+                # An earlier run's store, up a little after its end: joining it would end this
+                # node's ranks at once ("training finished"). This job's node 0 deletes it and
+                # publishes its own store; a store that stays ended is said as no leader's.
+                if time.monotonic() > deadline:
+                    raise StoreFailedOver("only an ended run's store was published")
+                time.sleep(0.2)
+                left = max(deadline - time.monotonic(), 1.0)
+                self.ms = MembershipStore.connect(self.cfg.store, left)
             if not self.hosts_store and (run := run_token(self.control)):
                 # The run this node joined (its token is written before its store): from
                 # here on, this supervisor and its ranks follow no store of another run.
@@ -696,6 +706,11 @@ def prefix_source(args: argparse.Namespace) -> str:
         if os.environ.get(name):
             return f"{name}={os.environ[name]}"
     return "command, --nnodes and --nproc-per-node (no MECEFO_JOB_ID: the prefix is their digest)"
+
+
+def _ended(ms: "MembershipStore") -> bool:
+    """Whether the run whose store ``ms`` reaches has ended (``done`` or ``fatal`` set)."""
+    return ms.get_str("done") is not None or ms.get_str("fatal") is not None
 
 
 def _connect(address: str) -> "tuple[Optional[socket.socket], bool]":

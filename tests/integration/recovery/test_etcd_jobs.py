@@ -177,3 +177,39 @@ def test_a_client_never_follows_another_runs_store(etcd: EtcdCluster) -> None:
     finally:
         control.close()
         del ours, theirs
+
+
+def test_a_node_never_joins_an_ended_run(tmp_path: Path, etcd: EtcdCluster) -> None:
+    """A node 1 started while the prefix still names an earlier run's store, up after that
+    run ended (``done`` set): it waits for its own job's node 0 and, none coming, stops at
+    --init-timeout with one line, having started no rank. Before, it joined the ended run, and
+    its ranks ended "training finished" at once, exit 0."""
+    from megatron_mecefo.recovery.etcd_control import EtcdControl
+    from megatron_mecefo.recovery.store_etcd import HOT_STORE, RUN_KEY
+    from megatron_mecefo.recovery.store_forwarding import serve
+
+    control = EtcdControl(etcd.endpoints, "/mecefo/relaunched", 2.0)
+    ended = serve("127.0.0.1", 0)
+    try:
+        ended.set("done", "1")
+        control.conn.put(control.key(RUN_KEY), "earlier")
+        control.conn.put(control.key(HOT_STORE), f"127.0.0.1:{ended.port}")
+        pids = tmp_path / "pids"
+        node1 = subprocess.run(
+            [sys.executable, "-m", "megatron_mecefo.recovery.supervisor", "--nproc-per-node",
+             "1", "--nnodes", "2", "--node-rank", "1", "--pid-file", str(pids),
+             *_etcd_args(etcd), "--heartbeat-interval", "0.2", "--heartbeat-timeout", "0.5",
+             "--collective-timeout", "1", "--init-timeout", "3", "--",
+             str(REPO / "tests" / "workers" / "dump_trainer.py"), *_layout(3, 4)],
+            cwd=tmp_path, env=child_env(MECEFO_JOB_ID="relaunched"), capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        control.close()
+        del ended
+    out = node1.stdout + node1.stderr
+    lines = [line for line in out.splitlines() if line.startswith(SUP)]
+    assert node1.returncode == 1 and len(lines) == 1, out[-4000:]
+    assert "no leader published a membership store under /mecefo/relaunched" in lines[0]
+    assert not (pids.exists() and pids.read_text().strip()), pids.read_text()
+    assert "training finished" not in out and "Traceback" not in out, out[-4000:]
