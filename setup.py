@@ -13,18 +13,24 @@ setup(
     packages=find_packages(include=["megatron_mecefo", "megatron_mecefo.*"]),
     # Tested: megatron-core 0.16.1 (CPU, Python 3.11); the code also follows the 0.19 API.
     # Install torch first and pin it: an unpinned torch pulls the CUDA build.
-    install_requires=["torch>=2.6", "megatron-core>=0.16.1", "numpy", "psutil"],
+    # The etcd client is core: the sbatch scripts launch --store-mode etcd from three nodes
+    # on, and a launch must never miss what it uses. The recovery control plane on etcd v3
+    # (recovery/etcd_control.py) talks etcd's gRPC API through etcd-sdk-python's stubs
+    # (chosen over etcd3gw by benchmarks/etcd_client.py); its generated code needs protobuf
+    # >= 5.27.2, which it does not declare.
+    install_requires=[
+        "torch>=2.6", "megatron-core>=0.16.1", "numpy", "psutil", "etcd-sdk-python>=0.0.7",
+        "protobuf>=5.27.2",
+    ],  # fmt: skip
     extras_require={
         # The tests also run Megatron-LM's own pretrain_gpt.py (its megatron/training needs
         # what the megatron-lm extra lists).
         "test": [
             "pytest>=8", "pytest-timeout", "tensorboard", "zfec>=1.5", "pyeclib>=1.6",
-            "six", "regex", "pyyaml", "pydantic", "etcd-sdk-python>=0.0.7", "protobuf>=5.27.2",
+            "six", "regex", "pyyaml", "pydantic",
         ],  # fmt: skip
-        # The recovery control plane on etcd v3 (recovery/etcd_control.py): etcd's gRPC API
-        # from etcd-sdk-python (chosen over etcd3gw by benchmarks/etcd_client.py). Its
-        # generated code needs protobuf >= 5.27.2, which it does not declare.
-        "etcd": ["etcd-sdk-python>=0.0.7", "protobuf>=5.27.2"],
+        # Kept so that an install line that names it still works: the etcd client is core now.
+        "etcd": [],
         # In-memory snapshots' Reed-Solomon parity (m >= 2): zfec, the fastest measured here
         # (benchmarks/snapshot_overhead.py); pyeclib (its wheel bundles ISA-L) the alternative.
         "snapshot": ["zfec>=1.5", "pyeclib>=1.6"],

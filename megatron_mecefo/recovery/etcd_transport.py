@@ -123,6 +123,12 @@ def op_get(key: bytes) -> Any:
     return rpc.RequestOp(request_range=rpc.RangeRequest(key=key))
 
 
+def op_delete_prefix(prefix: bytes) -> Any:
+    """Delete every key that starts with ``prefix`` (in a txn)."""
+    req = rpc.DeleteRangeRequest(key=prefix, range_end=prefix_end(prefix))
+    return rpc.RequestOp(request_delete_range=req)
+
+
 def txn_kv(response: Any, index: int) -> Optional[Any]:
     """The key-value of the ``index``-th (range) operation of a txn response, or None."""
     kvs = response.responses[index].response_range.kvs

@@ -2,9 +2,12 @@
 path, the state that must outlive the leader on etcd first, and a client that follows the
 leader to the next node.
 
-The store address the ranks and supervisors get is ``etcd://H:P,H:P,H:P/<prefix>?ttl=<s>``.
-:class:`EtcdStore` reads ``<prefix>/hot_store`` (the ``HOST:PORT`` of the TCPStore the
-leader serves) from etcd and talks to it. Writes of the durable keys (:data:`DURABLE_KEYS`,
+The store address the ranks and supervisors get is
+``etcd://H:P,H:P,H:P/<prefix>?ttl=<s>&run=<token>``. :class:`EtcdStore` reads
+``<prefix>/hot_store`` (the ``HOST:PORT`` of the TCPStore the leader serves) from etcd and
+talks to it; it follows a new address only while ``<prefix>/run`` still holds its run's token
+(:data:`RUN_KEY`), so a client never reads the store, and the ``done``, of another job that
+took the prefix over. Writes of the durable keys (:data:`DURABLE_KEYS`,
 :data:`DURABLE_PREFIXES`: deaths, incarnations, the layout, the committed and logged
 iteration, records, the fatal message, ...) go to ``<prefix>/kv/<key>`` on etcd first, in a
 transaction that requires ``hot_store`` to still name this client's store: a client of a
@@ -39,6 +42,9 @@ HOT_STORE = "hot_store"
 """etcd key: the ``HOST:PORT`` of the leader's TCPStore ("" while a takeover restores)."""
 LEADER_NODE = "leader_node"
 """etcd key: the node whose supervisor leads (its ranks are declared dead at a takeover)."""
+RUN_KEY = "run"
+"""etcd key: the token of the run under the prefix, written by node 0 when the job starts.
+An address that names it (``&run=``) never follows a store of another run under the prefix."""
 
 DURABLE_KEYS = (
     "layout", "world_size", "progress", "logged", "done", "fatal", "stopping", "rdzv",
@@ -59,9 +65,26 @@ def is_etcd_address(address: str) -> bool:
     return address.startswith(SCHEME)
 
 
-def etcd_address(endpoints: List[str], prefix: str, ttl_s: float) -> str:
-    """``etcd://H:P,H:P/<prefix>?ttl=<s>``: what the ranks and the other supervisors get."""
-    return f"{SCHEME}{','.join(endpoints)}/{prefix.strip('/')}?ttl={ttl_s:g}"
+def etcd_address(endpoints: List[str], prefix: str, ttl_s: float, run: str = "") -> str:
+    """``etcd://H:P,H:P/<prefix>?ttl=<s>[&run=<token>]``: what the ranks and the other
+    supervisors get (``run``: the run's token, :data:`RUN_KEY`)."""
+    tail = f"&run={run}" if run else ""
+    return f"{SCHEME}{','.join(endpoints)}/{prefix.strip('/')}?ttl={ttl_s:g}{tail}"
+
+
+def run_of(address: str) -> str:
+    """The run token an ``etcd://`` address names ("" for none)."""
+    return parse_qs(address.partition("?")[2]).get("run", [""])[0]
+
+
+def run_token(control: Any) -> str:
+    """The token of the run that holds the prefix now ("" before node 0 wrote one)."""
+    kv, _ = control.conn.get(control.key(RUN_KEY))
+    return kv.value.decode() if kv is not None else ""
+
+
+class RunReplaced(StoreFailedOver):
+    """The prefix holds another run now: this run's store is gone, and never followed there."""
 
 
 def parse_etcd_address(address: str) -> Tuple[List[str], str, float]:
@@ -204,6 +227,7 @@ class EtcdStore(ForwardingStore):
         self.call_timeout_s = min(timeout_s, max(self.ttl_s, 2.0))
         self.raise_on_failover = raise_on_failover
         self.pinned = pinned
+        self.run = run_of(address)
         self._lock = threading.Lock()
         self.address = ""
         self._client: Any = None
@@ -229,6 +253,12 @@ class EtcdStore(ForwardingStore):
         error = "no leader has published its store"
         while True:
             address = hot_store(self.control)
+            if address and address != old and self.run and run_token(self.control) != self.run:
+                # Another job took the prefix over: its store, and its "done", are not ours.
+                raise RunReplaced(
+                    f"etcd mode: the key prefix {self.control.prefix} holds another run now (not "
+                    f"run {self.run}); this run's membership store is gone"
+                )
             if address and address != old:
                 try:
                     return address, self._connect(address, self.call_timeout_s)

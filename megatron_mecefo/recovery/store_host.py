@@ -19,11 +19,14 @@ The supervisor's loop (:mod:`.supervisor`) uses the :class:`StoreHost` through
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import select
 import socket
 import threading
 import time
+import uuid
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_mecefo.recovery.config import RecoveryConfig
@@ -41,6 +44,10 @@ LOST_NODES_EVERY_S = 0.5
 
 LEADER_WATCH_S = 1.0
 """A follower re-reads the leader's store address on etcd at least this often."""
+
+LEADERLESS_GRACE_S = 2.0
+"""Node 0 of a fresh job deletes the keys of an unfinished run under its prefix only when no
+leader was elected there for this long (a takeover elects one within moments)."""
 
 
 class StoreHost:
@@ -196,14 +203,17 @@ class StoreHost:
         leader's store, and campaigns in the background, to take over when the leader's term
         ends."""
 
-        from megatron_mecefo.recovery.etcd_control import ControlError, EtcdControl
+        from megatron_mecefo.recovery.etcd_control import ControlError, EtcdControl, NotElected
         from megatron_mecefo.recovery.membership import MembershipStore
         from megatron_mecefo.recovery.store_etcd import (
             HOT_STORE,
             LEADER_NODE,
+            RUN_KEY,
             etcd_address,
             register_control,
+            run_token,
         )
+        from megatron_mecefo.recovery.store_forwarding import StoreFailedOver
 
         a = self.args
         prefix = etcd_prefix(a)
@@ -213,10 +223,21 @@ class StoreHost:
         register_control(self.cfg.store, self.control)
         try:
             if self.hosts_store:
-                # A fresh job: nothing of an earlier run under its prefix.
-                self.control.conn.delete(self.control.key(""), prefix=True)
-                self.control.campaign(self.candidate, self.cfg.init_timeout_s)
+                # A fresh job: nothing of an earlier run under its prefix, and never the keys
+                # of a job that still runs there (fenced: deleted only while nobody leads).
+                wait_s = self.control.ttl_s + LEADERLESS_GRACE_S
+                self._clear_prefix(prefix, wait_s)
+                try:
+                    self.control.campaign(self.candidate, wait_s)
+                except NotElected:  # another job's node 0 claimed the prefix meanwhile
+                    raise SupervisorError(self._prefix_taken(prefix, wait_s)) from None
                 self.control.put_fenced(LEADER_NODE, str(self.node))
+                # This run's token, before its store is published: the clients that know it
+                # never follow a store of another run under this prefix.
+                run = uuid.uuid4().hex[:16]
+                self.control.put_fenced(RUN_KEY, run)
+                self.cfg.store = etcd_address(a.etcd_endpoints, prefix, ttl, run)
+                register_control(self.cfg.store, self.control)
                 self.server = serve(a.store_host, a.store_port, self.cfg.init_timeout_s)
                 self.hot_address = f"{a.store_host}:{self.server.port}"
                 self.control.put_fenced(HOT_STORE, self.hot_address)
@@ -224,16 +245,52 @@ class StoreHost:
                     f"membership store at {self.hot_address}, elected leader on etcd "
                     f"{','.join(a.etcd_endpoints)} (term {self.control.term.number})"
                 )
+            deadline = time.monotonic() + self.cfg.init_timeout_s
             self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+            while not (self.hosts_store or a.rejoin) and _ended(self.ms):
+                # An earlier run's store, up a little after its end: joining it would end this
+                # node's ranks at once ("training finished"). This job's node 0 deletes it and
+                # publishes its own store; a store that stays ended is said as no leader's.
+                if time.monotonic() > deadline:
+                    raise StoreFailedOver("only an ended run's store was published")
+                time.sleep(0.2)
+                left = max(deadline - time.monotonic(), 1.0)
+                self.ms = MembershipStore.connect(self.cfg.store, left)
+            if not self.hosts_store and (run := run_token(self.control)):
+                # The run this node joined (its token is written before its store): from
+                # here on, this supervisor and its ranks follow no store of another run.
+                self.cfg.store = etcd_address(a.etcd_endpoints, prefix, ttl, run)
+                register_control(self.cfg.store, self.control)
+                self.ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
             if a.store_file:  # any node: what a node that joins or rejoins passes as --store
                 _write_atomically(a.store_file, self.cfg.store)
+        except SupervisorError:
+            raise
         except ControlError as err:
             raise SupervisorError(f"--etcd {','.join(a.etcd_endpoints)}: {err}") from None
+        except StoreFailedOver:  # a follower found no leader's store under the prefix
+            raise SupervisorError(
+                f"node {self.node}: no leader published a membership store under {prefix} on "
+                f"etcd {','.join(a.etcd_endpoints)} within --init-timeout="
+                f"{self.cfg.init_timeout_s:g}s; start node 0's supervisor with the same "
+                f"{prefix_source(a)} as this node"
+            ) from None
         except Exception as err:  # noqa: BLE001 (torch's DistNetworkError and kin)
             raise SupervisorError(
                 f"--store-mode etcd: cannot serve or reach the membership store "
                 f"({_first_line(err)}); pass a --store-host of this machine"
             ) from None
+        if not self.hosts_store and not a.rejoin:
+            # Another job under the same prefix (or this node started twice): joining would
+            # hand this node's slots to that job's world.
+            joined = self.ms.get_str(f"node/{self.node}")
+            if joined is not None:
+                raise SupervisorError(
+                    f"node {self.node} of the job under the etcd key prefix {prefix} has "
+                    f"already joined (on {joined}): another job uses this prefix, or this node "
+                    f"was started twice; export MECEFO_JOB_ID=<a name unique to each job> on "
+                    "every node of it (or pass --rejoin for a node that replaces a lost one)"
+                )
         self.ms.store.set(f"node/{self.node}", socket.gethostname())
         self._serve_rdzv_and_coordinate(self.hot_address)
         if not self.hosts_store:
@@ -242,6 +299,64 @@ class StoreHost:
                 target=self._watch_leader, name="mecefo-leader-watch", daemon=True
             ).start()
         return self.ms
+
+    def _clear_prefix(self, prefix: str, wait_s: float) -> None:
+        """Node 0 of a fresh job: delete the keys of an earlier run under ``prefix``, in one
+        etcd transaction that requires ``leader`` to be absent, so that a live job's keys are
+        never deleted. A leader's lease that outlives its job (a crashed run) expires within
+        the TTL: wait up to ``wait_s`` for that. A run that ended without ``done`` or
+        ``fatal`` and has no leader may be in a takeover: its next leader is elected within
+        moments, so its keys are deleted only when ``leader`` stayed absent (and
+        ``hot_store`` unchanged) for :data:`LEADERLESS_GRACE_S`.
+
+        Raises:
+            SupervisorError: A leader held the prefix for all of ``wait_s``.
+        """
+        from megatron_mecefo.recovery.etcd_transport import (
+            cmp_mod,
+            cmp_version,
+            op_delete_prefix,
+            op_get,
+            txn_kv,
+        )
+        from megatron_mecefo.recovery.store_etcd import HOT_STORE
+
+        c = self.control
+        assert c is not None
+        leader, hot = c.leader_key, c.key(HOT_STORE)
+        ended = [c.key("kv/done"), c.key("kv/fatal")]
+        deadline = time.monotonic() + wait_s
+        while True:
+            r = c.conn.txn("read the job's prefix", [], [op_get(k) for k in (leader, hot, *ended)],
+                           [])  # fmt: skip
+            lead, store = txn_kv(r, 0), txn_kv(r, 1)
+            unfinished = store is not None and txn_kv(r, 2) is None and txn_kv(r, 3) is None
+            if lead is None and unfinished:  # a takeover under way looks like this, briefly
+                c.conn.watch_once(leader, r.header.revision + 1, LEADERLESS_GRACE_S)
+            if lead is None:
+                same = [cmp_version(leader, 0)]
+                same.append(cmp_mod(hot, store.mod_revision) if store else cmp_version(hot, 0))
+                d = c.conn.txn(
+                    "clear the keys of an earlier run", same, [op_delete_prefix(c.key(""))], []
+                )
+                if d.succeeded:
+                    return
+                continue  # something moved: look again
+            left = deadline - time.monotonic()
+            if left <= 0:
+                holder = lead.value.decode(errors="replace")
+                raise SupervisorError(self._prefix_taken(prefix, wait_s, holder))
+            c.conn.watch_once(leader, r.header.revision + 1, min(left, 1.0))
+
+    def _prefix_taken(self, prefix: str, wait_s: float, holder: str = "") -> str:
+        """The line of a node 0 whose key prefix holds a live job."""
+        by = f" (its leader {holder} kept its lease for {wait_s:.0f} s)" if holder else ""
+        return (
+            f"the etcd key prefix {prefix} holds a live job{by}: two jobs on one etcd need "
+            f"different ids (this one's comes from its {prefix_source(self.args)}); export "
+            "MECEFO_JOB_ID=<a name unique to this job> on every node of this job, or stop the "
+            "other job"
+        )
 
     def _serve_rdzv_and_coordinate(self, coordinator_store: str) -> None:
         """The end of opening, in every store mode: the ``env://`` rendezvous address, and on
@@ -390,12 +505,15 @@ class StoreHost:
         from etcd, declare the old leader's ranks dead, coordinate, publish the address."""
         import json
 
+        from megatron_mecefo.recovery.etcd_control import Fenced
         from megatron_mecefo.recovery.membership import MembershipStore
         from megatron_mecefo.recovery.store_etcd import (
             HOT_STORE,
             LEADER_NODE,
             hot_store,
             restore,
+            run_of,
+            run_token,
         )
         from megatron_mecefo.recovery.store_forwarding import PRIMARY_KEY, tcp_client
 
@@ -403,6 +521,9 @@ class StoreHost:
         assert c is not None and c.term is not None
         a = self.args
         t0 = time.time()
+        run, ours = run_token(c), run_of(self.cfg.store)
+        if ours and run != ours:  # the prefix was cleared for another job: not ours to lead
+            raise Fenced(f"the etcd key prefix {c.prefix} holds another run now (not run {ours})")
         old = hot_store(c)
         c.put_fenced(HOT_STORE, "")  # from now on no client of the old store writes to etcd
         kv, _ = c.conn.get(c.key(LEADER_NODE))
@@ -540,11 +661,18 @@ class StoreHost:
             now = time.monotonic()
             if now - t0 >= self.cfg.init_timeout_s:
                 self.ms.set_fatal(f"nodes {rank_list(missing)} never joined")
+                a = self.args
+                if a.store_mode == "etcd":  # the nodes find each other by the key prefix
+                    how = (
+                        f"--store-mode etcd --etcd {','.join(a.etcd_endpoints)} and the same "
+                        f"{prefix_source(a)} as this node (key prefix {etcd_prefix(a)})"
+                    )
+                else:
+                    how = f"--store {self.cfg.store}"
                 raise SupervisorError(
                     f"node {rank_list(missing)} of --nnodes={nnodes} did not join within "
                     f"--init-timeout={self.cfg.init_timeout_s:g}s (joined: {names}); start "
-                    f"its supervisor with --node-rank {missing[0]} --store {self.cfg.store}, or "
-                    "lower --nnodes"
+                    f"its supervisor with --node-rank {missing[0]} {how}, or lower --nnodes"
                 )
             if now - said >= WAIT_REPORT_S:
                 said = now
@@ -555,11 +683,34 @@ class StoreHost:
             time.sleep(0.1)
 
 
-def etcd_prefix(args: argparse.Namespace) -> str:
-    """The job's key prefix on etcd: ``/mecefo/<job>`` (``MECEFO_JOB_ID``, else Slurm's job
-    id, else the store port)."""
+def etcd_job_id(args: argparse.Namespace) -> str:
+    """The job's id on etcd: ``MECEFO_JOB_ID``, else Slurm's job id, else a digest of what
+    every node of one job passes alike and two different jobs do not: ``--nnodes``,
+    ``--nproc-per-node`` and the trainer's command (``cmd-<12 hex digits>``). Never a flag
+    that one node may pass and another not (``--store-port``, ``--store-host``)."""
     job = os.environ.get("MECEFO_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    return f"/mecefo/{job or f'port{args.store_port}'}"
+    if job:
+        return job
+    what = json.dumps([args.nnodes, args.nproc_per_node, list(args.command)])
+    return "cmd-" + hashlib.sha1(what.encode()).hexdigest()[:12]
+
+
+def etcd_prefix(args: argparse.Namespace) -> str:
+    """The job's key prefix on etcd: ``/mecefo/<job id>`` (:func:`etcd_job_id`)."""
+    return f"/mecefo/{etcd_job_id(args)}"
+
+
+def prefix_source(args: argparse.Namespace) -> str:
+    """What the job's id comes from, as a message names it (after "the same")."""
+    for name in ("MECEFO_JOB_ID", "SLURM_JOB_ID"):
+        if os.environ.get(name):
+            return f"{name}={os.environ[name]}"
+    return "command, --nnodes and --nproc-per-node (no MECEFO_JOB_ID: the prefix is their digest)"
+
+
+def _ended(ms: "MembershipStore") -> bool:
+    """Whether the run whose store ``ms`` reaches has ended (``done`` or ``fatal`` set)."""
+    return ms.get_str("done") is not None or ms.get_str("fatal") is not None
 
 
 def _connect(address: str) -> "tuple[Optional[socket.socket], bool]":

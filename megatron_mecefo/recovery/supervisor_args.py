@@ -116,8 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="HOST:PORT,...",
         help="--store-mode etcd: the client endpoints of every etcd member (e.g. three), "
-        "comma-separated; the job's keys live under /mecefo/<MECEFO_JOB_ID, SLURM_JOB_ID or "
-        "the store port>",
+        "comma-separated, plain HTTP (https:// is refused: no TLS); the job's keys live under "
+        "/mecefo/<MECEFO_JOB_ID, else SLURM_JOB_ID, else a digest of --nnodes, "
+        "--nproc-per-node and the command>, so two jobs on one etcd need different ids, and a "
+        "node 0 whose prefix holds a live job is refused",
     )
     d = RecoveryConfig()
     p.add_argument("--replace", default=d.replace, help="never | immediately | after:SECONDS")
@@ -246,7 +248,14 @@ def validate(args: argparse.Namespace) -> RecoveryConfig:
         _check_port_free(args.store_host, args.store_port)
     args.etcd_endpoints = _etcd_endpoints(args)
     if args.store_mode == "etcd":
-        pass  # the store's address comes from etcd: --store, if given, is not used
+        _check_etcd_client()
+    elif args.store is not None and args.store.strip().startswith("etcd://"):
+        endpoints = args.store.strip()[len("etcd://") :].split("/", 1)[0] or "HOST:PORT,..."
+        raise RecoveryConfigError(
+            f"--store {args.store}: an etcd:// address is the store of --store-mode etcd, "
+            f"which this node was not given; add --store-mode etcd --etcd {endpoints} (every "
+            "node of the job passes both; --store is then not needed)"
+        )
     elif args.store is not None:
         host, _, port = args.store.strip().rpartition(":")
         if not host or "," in host or not port.isdigit() or not 0 < int(port) <= 65535:
@@ -315,6 +324,18 @@ def _etcd_endpoints(args: argparse.Namespace) -> List[str]:
         )
     endpoints = [e.strip().removeprefix("http://") for e in args.etcd.split(",") if e.strip()]
     for e in endpoints:
+        if e.lower().startswith("https://"):
+            plain = ",".join(x.split("://")[-1].split("/")[0] for x in endpoints)
+            raise RecoveryConfigError(
+                f"--etcd {args.etcd}: '{e}': TLS (https://) is not supported; serve etcd's "
+                "client URLs over plain HTTP on the cluster's private network and pass "
+                f"HOST:PORT (e.g. --etcd {plain})"
+            )
+        if "://" in e:
+            raise RecoveryConfigError(
+                f"--etcd {args.etcd}: '{e}': only HOST:PORT (or http://HOST:PORT) is "
+                "supported; pass every etcd member's client address, comma-separated"
+            )
         host, _, port = e.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) <= 65535:
             raise RecoveryConfigError(
@@ -326,6 +347,27 @@ def _etcd_endpoints(args: argparse.Namespace) -> List[str]:
             f"--etcd {args.etcd}: an endpoint is listed twice; list each etcd member once"
         )
     return endpoints
+
+
+ETCD_CLIENT_FIX = (
+    "reinstall megatron-mecefo (pip install -e . from the checkout brings it), or pip install "
+    "'etcd-sdk-python>=0.0.7' 'protobuf>=5.27.2'"
+)
+
+
+def _check_etcd_client() -> None:
+    """``--store-mode etcd`` needs the etcd client (``etcd-sdk-python``: module ``pyetcd``, and
+    grpcio and protobuf under it); imported here, before any process starts, so that a
+    missing or broken one is one line naming the fix, not a traceback later."""
+    try:
+        import grpc  # noqa: F401
+        from pyetcd import etcdrpc  # noqa: F401
+    except Exception as err:  # noqa: BLE001 (ImportError, protobuf's VersionError and kin)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        raise SupervisorError(
+            f"--store-mode etcd needs the etcd client etcd-sdk-python, which does not import "
+            f"here ({type(err).__name__}: {first}); {ETCD_CLIENT_FIX}"
+        ) from None
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -142,6 +142,40 @@ def _waited_for_nodes(output: str, tmp: Path) -> None:
     assert "waiting for nodes: joined 0" in output and "missing 1" in output, output
 
 
+WITHOUT_ETCD_CLIENT = (
+    "import runpy, sys; sys.modules['pyetcd'] = None; "
+    "runpy.run_module('megatron_mecefo.recovery.supervisor', run_name='__main__', alter_sys=True)"
+)
+"""The supervisor in an interpreter where ``import pyetcd`` fails, as without the etcd client."""
+
+NO_JOB_ID = {"MECEFO_JOB_ID": "", "SLURM_JOB_ID": ""}
+"""A row's env without a job id (empty counts as unset): the key prefix is the digest."""
+
+
+def _no_etcd_store_flag(output: str, tmp: Path) -> None:
+    """The fix names etcd's flags, not ``--store etcd://...``, which etcd mode ignores."""
+    assert "--store etcd://" not in output, output[-3000:]
+
+
+def _live_job_kept(output: str, tmp: Path) -> None:
+    """The refused node 0 deleted nothing and led nothing: the live job's leader key (the
+    ``live_job`` fixture's) and a key beside it are still there, as they were."""
+    import json
+
+    from megatron_mecefo.recovery.etcd_control import EtcdControl
+
+    assert "elected leader" not in output, output[-3000:]
+    live = json.loads((tmp / "live_job.json").read_text())
+    control = EtcdControl(live["endpoints"], live["prefix"], 2.0)
+    try:
+        leader, _ = control.conn.get(control.leader_key)
+        marker, _ = control.conn.get(control.key("kv/layout"))
+    finally:
+        control.close()
+    assert leader is not None and leader.value.decode() == live["leader"], leader
+    assert marker is not None and marker.value.decode() == "live", marker
+
+
 TRAIN_LONG = [*MOCK, "--train-iters", "100000", "--metrics-file", "{tmp}/m.jsonl"]
 SUPERVISED_LONG = [*SUPERVISOR, "--nproc-per-node", "2", "--standby", "1", "--",
                    str(TRAINER), *TRAIN_LONG, "--mecefo", "--mecefo-rank", "16"]  # fmt: skip
@@ -346,6 +380,41 @@ ROWS = [
         "--nnodes", "2", "--store-mode", "replicated", "--", str(TRAINER)], 2, SUP,
         ["argument --store-mode: 'replicated' was removed",
          "--store-mode etcd --etcd HOST:PORT,...", "docs/cluster.md"]),
+    # ----------------------------------------------- launch: the etcd mode as a user meets it
+    # One block: the rows of the etcd user path (an https endpoint, an etcd:// --store in the
+    # single mode, the etcd client missing, a key prefix that nodes derive apart or that holds
+    # a live job). The rows that reach etcd run a private cluster (the ``etcd`` fixture).
+    Row("etcd-https-endpoint", "launch", [*SUPERVISOR, "--nproc-per-node", "1", "--store-mode",
+        "etcd", "--etcd", "https://127.0.0.1:2379", "--", str(TRAINER)], 2, SUP,
+        ["--etcd https://127.0.0.1:2379", "TLS (https://) is not supported",
+         "pass HOST:PORT (e.g. --etcd 127.0.0.1:2379)"]),
+    Row("etcd-store-without-store-mode", "launch", [*SUPERVISOR, "--nproc-per-node", "1",
+        "--nnodes", "2", "--node-rank", "1", "--store",
+        "etcd://127.0.0.1:2379,127.0.0.1:2381/mecefo/j?ttl=8", "--", str(TRAINER)], 2, SUP,
+        ["an etcd:// address is the store of --store-mode etcd",
+         "add --store-mode etcd --etcd 127.0.0.1:2379,127.0.0.1:2381"]),
+    Row("etcd-client-missing", "launch", [PY, "-c", WITHOUT_ETCD_CLIENT, "--nproc-per-node",
+        "1", "--store-mode", "etcd", "--etcd", "127.0.0.1:2379", "--", str(TRAINER)], 1, SUP,
+        ["--store-mode etcd needs the etcd client etcd-sdk-python", "pip install -e .",
+         "etcd-sdk-python>=0.0.7"]),
+    Row("etcd-store-port-on-node-0-only", "launch", [*SUPERVISOR, "--nproc-per-node", "1",
+        "--nnodes", "2", "--store-mode", "etcd", "--etcd", "{etcd}", "--store-port",
+        "{free_port}", *FAST, "--", str(TRAINER), "--mock-data"], 1, SUP,
+        ["node 1 of --nnodes=2 did not join within --init-timeout=2s",
+         "start its supervisor with --node-rank 1 --store-mode etcd --etcd {etcd} and the same "
+         "command, --nnodes and --nproc-per-node"], NO_JOB_ID, needs=("etcd", "busy_port"),
+        check=_no_etcd_store_flag),
+    Row("etcd-node-finds-no-leader", "launch", [*SUPERVISOR, "--nproc-per-node", "1",
+        "--nnodes", "2", "--node-rank", "1", "--store-mode", "etcd", "--etcd", "{etcd}",
+        *FAST, "--", str(TRAINER), "--mock-data", "--train-iters", "3"], 1, SUP,
+        ["node 1: no leader published a membership store under /mecefo/cmd-",
+         "within --init-timeout=2s", "start node 0's supervisor with the same command"],
+        NO_JOB_ID, needs=("etcd",)),
+    Row("etcd-prefix-holds-live-job", "launch", [*SUPERVISOR, "--nproc-per-node", "1",
+        "--store-mode", "etcd", "--etcd", "{etcd}", *FAST, "--", str(TRAINER), "--mock-data"],
+        1, SUP, ["the etcd key prefix /mecefo/{live_job} holds a live job",
+                 "MECEFO_JOB_ID={live_job}", "export MECEFO_JOB_ID=<a name unique to this job>"],
+        {"MECEFO_JOB_ID": "{live_job}"}, needs=("etcd", "live_job"), check=_live_job_kept),
     # ------------------------------------------------------------- signals and time limits
     Row("sup-ctrl-c", "signals", SUPERVISED_LONG, 130, STOPPED,
         ["SIGINT", "2 ranks and 1 standbys ended", "--exit-signal-handler"],

@@ -163,6 +163,37 @@ def busy_port() -> dict[str, str]:
         yield {"busy_port": str(s.getsockname()[1]), "free_port": str(free_port())}
 
 
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A private 3-member etcd cluster (skips where no ``etcd`` binary exists)."""
+    from etcd_cluster import running_cluster
+
+    for cluster in running_cluster(tmp_path_factory.mktemp("etcd")):
+        yield {"etcd": ",".join(cluster.endpoints)}
+
+
+@pytest.fixture
+def live_job(etcd: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """A live job's keys on ``etcd``: a leader holding its lease (kept alive by this process,
+    as a leader's supervisor does) and a durable key beside it; described in
+    ``tmp_path/live_job.json`` for the row's check. Resigned afterwards."""
+    from megatron_mecefo.recovery.etcd_control import EtcdControl
+
+    job = f"live-{uuid.uuid4().hex[:8]}"
+    control = EtcdControl(etcd["etcd"], f"/mecefo/{job}", 2.0)
+    try:
+        term = control.campaign("node0@live-job-fixture", 10.0)
+        control.conn.put(control.key("kv/layout"), "live")
+        (tmp_path / "live_job.json").write_text(json.dumps(
+            {"endpoints": etcd["etcd"], "prefix": f"/mecefo/{job}", "leader": term.candidate}
+        ))  # fmt: skip
+        yield {"live_job": job}
+    finally:
+        if control.term is not None:
+            control.resign()
+        control.close()
+
+
 # ---------------------------------------------------------------- the runner
 def _marked(marker: str) -> list[psutil.Process]:
     found = []
