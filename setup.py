@@ -11,6 +11,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_mecefo", "megatron_mecefo.*"]),
+    # --mecefo-policy auto's default cost profile (read from the package, not the cwd).
+    package_data={"megatron_mecefo.planner": ["default_profile.json"]},
     # Tested: megatron-core 0.16.1 (CPU, Python 3.11); the code also follows the 0.19 API.
     # Install torch first and pin it: an unpinned torch pulls the CUDA build.
     # The etcd client is core: the sbatch scripts launch --store-mode etcd from three nodes

@@ -863,12 +863,16 @@ def _validate_mecefo(args: argparse.Namespace) -> None:
     from megatron_mecefo.failslow.arguments import config_from_args
 
     args.fail_slow_config = fs = config_from_args(args)
+    dp, mbs, gbs = args.data_parallel_size, args.micro_batch_size, args.global_batch_size
     try:
         fs_warning = fs.validate(
-            data_parallel_size=args.data_parallel_size,
+            data_parallel_size=dp,
             mecefo=args.mecefo,
             virtual_replicas=args.mecefo_virtual_replicas is not None,
             virtual_pipeline=args.virtual_pipeline_model_parallel_size is not None,
+            microbatches=gbs // (mbs * dp),
+            train_iters=args.train_iters,
+            batch_flags=f"--global-batch-size={gbs} / (--micro-batch-size={mbs} x {dp} replicas)",
         )
     except MecefoConfigError as err:
         raise ConfigError(str(err)) from None
@@ -884,6 +888,26 @@ def ft_kind(args: argparse.Namespace) -> str:
 def _validate_failures(args: argparse.Namespace) -> None:
     """Scripted failures and kills that can never fire, or a kill aimed at a replica the
     simulated schedule has already taken down (it never happened, and nothing said so)."""
+    if args.mecefo_kill and not (args.exit_signal_handler or args.exit_duration_in_mins):
+        # A kill inside a save needs a save at its iteration (a signal or the time limit can
+        # save at any iteration: then any may).
+        from megatron_mecefo.recovery.fault_injection import (
+            parse_kills,
+            save_iterations,
+            unreachable_save_kill,
+        )
+
+        seed = args.mecefo_seed if args.mecefo_seed is not None else args.seed
+        saves = None
+        if args.save:
+            saves = save_iterations(args.train_iters, args.save_interval, args.exit_interval)
+        flags = f"--save-interval={args.save_interval} with --train-iters={args.train_iters}"
+        if args.exit_interval:
+            flags += f" and --exit-interval={args.exit_interval}"
+        kills = parse_kills(args.mecefo_kill, args.world_size, args.train_iters, seed)
+        problem = unreachable_save_kill(kills, saves, flags)
+        if problem:
+            raise ConfigError(problem)
     tp = args.tensor_model_parallel_size
     schedule = None
     if args.mecefo and ft_kind(args) == "scripted":

@@ -78,11 +78,24 @@ class FailSlowConfig:
         mecefo: bool,
         virtual_replicas: bool = False,
         virtual_pipeline: bool = False,
+        microbatches: Optional[int] = None,
+        train_iters: Optional[int] = None,
+        batch_flags: str = "",
     ) -> Optional[str]:
         """Check the flags against the job; raise :class:`FailSlowConfigError` on a problem.
 
+        Args:
+            data_parallel_size: Replicas.
+            mecefo: Whether ``--mecefo`` is on.
+            virtual_replicas: Whether one process simulates every replica.
+            virtual_pipeline: Whether the interleaved pipeline schedule runs.
+            microbatches: ``M``, micro-batches per replica per step (None: not checked).
+            train_iters: Iterations of the run (None: not checked).
+            batch_flags: How ``M`` comes about, for the warning (e.g. ``--global-batch-size=4
+                / (--micro-batch-size=2 x 2 replicas)``).
+
         Returns:
-            A warning line when the flags are valid but do nothing, else None.
+            A warning line when the flags are valid but some can never act, else None.
         """
         if self.mode not in MODES:
             raise FailSlowConfigError(
@@ -101,7 +114,7 @@ class FailSlowConfig:
                 f"smoothed over; give an integer from 1 to {MAX_WINDOW} (e.g. 5)"
             )
         if not self.rebalance:
-            return None
+            return self._window_warning(train_iters)
         if not mecefo:
             raise FailSlowConfigError(
                 "--mecefo-fail-slow=rebalance moves micro-batches through the MeCeFO plan; add "
@@ -123,4 +136,34 @@ class FailSlowConfig:
                 "--mecefo-fail-slow=rebalance with a data-parallel size of 1: there is no "
                 "other replica to hand micro-batches to, so it only detects"
             )
-        return None
+        if microbatches is not None and microbatches < 2:
+            # A slow replica keeps at least one micro-batch (its speed stays measured), so with
+            # one each nothing can ever move.
+            how = f" ({batch_flags})" if batch_flags else ""
+            return (
+                f"--mecefo-fail-slow=rebalance with {microbatches} micro-batch per replica{how}: "
+                "a slow replica always keeps one micro-batch, so rebalancing can never act (it "
+                "only detects); give each replica at least 2 micro-batches: raise "
+                "--global-batch-size or lower --micro-batch-size"
+            )
+        return self._window_warning(train_iters)
+
+    def _window_warning(self, train_iters: Optional[int]) -> Optional[str]:
+        """The warning for a window the run cannot fill; only when the window or ``rebalance``
+        was asked for (the default detection of a short test run says nothing)."""
+        if train_iters is None or not self.enabled:
+            return None
+        if self.window == FailSlowConfig.window and not self.rebalance:
+            return None
+        # The first verdict comes at the window's last step; a plan acts from the next one.
+        need = self.window + 1 if self.rebalance else self.window
+        if train_iters >= need:
+            return None
+        what = "rebalancing" if self.rebalance and self.window <= train_iters else "detection"
+        verb = "act" if what == "rebalancing" else "start"
+        return (
+            f"--mecefo-fail-slow-window={self.window} with --train-iters={train_iters}: a "
+            f"replica is first judged after {self.window} measured steps and the run has "
+            f"{train_iters}, so {what} can never {verb}; lower --mecefo-fail-slow-window to at "
+            f"most {max(1, train_iters - (need - self.window))} or raise --train-iters"
+        )

@@ -339,10 +339,18 @@ def fail_slow_config(args: Any, warnings: Optional[List[str]] = None) -> Any:
             "detection and rebalancing run in the --mecefo training hooks, so it would be "
             "ignored; add --mecefo or drop it"
         )
+    dp = int(args.data_parallel_size)
+    mbs, gbs = getattr(args, "micro_batch_size", None), getattr(args, "global_batch_size", None)
+    iters = None
+    if getattr(args, "train_iters", None) or (gbs and getattr(args, "train_samples", None)):
+        iters = train_iters(args)
     warning = config.validate(
-        data_parallel_size=int(args.data_parallel_size),
+        data_parallel_size=dp,
         mecefo=mecefo,
         virtual_pipeline=getattr(args, "virtual_pipeline_model_parallel_size", None) is not None,
+        microbatches=int(gbs) // (int(mbs) * dp) if mbs and gbs else None,
+        train_iters=iters,
+        batch_flags=f"--global-batch-size={gbs} / (--micro-batch-size={mbs} x {dp} replicas)",
     )
     if warning and warnings is not None:
         warnings.append(warning)
@@ -377,6 +385,9 @@ def check_recovery_args(args: Any) -> None:
         exit_with_config_error(
             message.replace("examples/pretrain_gpt/pretrain_gpt.py", "pretrain_gpt.py")
         )
+    message = _save_kill_problem(args, job)
+    if message:
+        exit_with_config_error(message)
     config = RecoveryConfig.from_env()
     if config is None:
         return
@@ -419,6 +430,37 @@ def check_recovery_args(args: Any) -> None:
         )
     # Every group Megatron-LM creates waits at most the supervisor's backstop.
     args.distributed_timeout_minutes = config.collective_timeout_s / 60.0
+
+
+def _save_kill_problem(args: Any, job: argparse.Namespace) -> Optional[str]:
+    """A ``--mecefo-kill`` inside a save (``save``, ``save-write``, ...) at an iteration where
+    Megatron-LM saves no checkpoint: it would never fire. Megatron-LM saves at every
+    ``--save-interval`` and ``--non-persistent-save-interval``, at ``--exit-interval`` and at
+    the end; a signal or ``--exit-duration-in-mins`` can save at any iteration (not checked)."""
+    if not job.mecefo_kill or getattr(args, "exit_signal_handler", False):
+        return None
+    if getattr(args, "exit_duration_in_mins", None):
+        return None
+    from megatron_mecefo.recovery.fault_injection import (
+        parse_kills,
+        save_iterations,
+        unreachable_save_kill,
+    )
+
+    seed = job.mecefo_seed if job.mecefo_seed is not None else job.seed
+    kills = parse_kills(job.mecefo_kill, job.world_size, job.train_iters, seed)
+    interval = getattr(args, "save_interval", None)
+    extra = getattr(args, "non_persistent_save_interval", None)
+    exit_interval = getattr(args, "exit_interval", None)
+    saves = None
+    if getattr(args, "save", None):
+        saves = save_iterations(job.train_iters, interval, exit_interval, (extra,))
+    flags = f"--save-interval={interval} with --train-iters={job.train_iters}"
+    if extra:
+        flags += f", --non-persistent-save-interval={extra}"
+    if exit_interval:
+        flags += f" and --exit-interval={exit_interval}"
+    return unreachable_save_kill(kills, saves, flags)
 
 
 def job_args(args: Any, world_size: int) -> argparse.Namespace:

@@ -49,9 +49,11 @@ def add_planner_arguments(group: Any) -> None:
     )
     g.add_argument(
         "--mecefo-planner-profile",
-        default="results/planner_profile.json",
+        default=None,
         metavar="JSON",
-        help="auto: the calibrated cost profile (python -m megatron_mecefo.planner.calibration).",
+        help="auto: the calibrated cost profile, written by python -m "
+        "megatron_mecefo.planner.calibration (default: the one shipped in the package, measured "
+        "on a CPU with the example trainer's demo model).",
     )
     g.add_argument(
         "--mecefo-planner-calibrate-steps",

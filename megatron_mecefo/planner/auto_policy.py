@@ -81,6 +81,9 @@ class AutoPolicy(TakeoverPolicy):
         self.profile = profile
         self.config = config
         self.on_decision = on_decision
+        self.profile_origin: Optional[str] = None
+        """Which profile file this is (said once, before the first decision's line)."""
+        self._origin_said = False
         self.reset()
 
     def rescale(self, factor: float) -> None:
@@ -199,11 +202,16 @@ class AutoPolicy(TakeoverPolicy):
         }
 
     def log_line(self, iteration: int) -> str:
-        """One run-log line for the decision just taken."""
+        """One run-log line for the decision just taken (the first one is preceded by a
+        line naming the cost profile)."""
         d = self.decision
         assert d is not None
         rank = f", r={d.rank}" if d.rank is not None else ""
-        return (
+        first = ""
+        if self.profile_origin and not self._origin_said:
+            self._origin_said = True
+            first = f"> MeCeFO planner: cost profile {self.profile_origin}\n"
+        return first + (
             f"> MeCeFO planner: iteration {iteration}, replicas down {sorted(self._current)}: "
             f"{d.policy} (FFN recompute {'on' if d.recompute_ffn else 'off'}{rank}); predicted "
             f"step {d.step_time_ms:.1f} ms, transition {d.transition_ms:.1f} ms, peak "

@@ -11,9 +11,12 @@ The planner's terms come from measurements already in ``results/``:
 * ``benchmarks/recovery_latency.py`` (real rank deaths, DP 4): the regroup and the rejoin.
 
 ``python -m megatron_mecefo.planner.calibration`` writes them into one profile file
-(``results/planner_profile.json``) that ``--mecefo-policy auto`` reads
-(``--mecefo-planner-profile``). :func:`prediction_report` reads a run's metrics JSONL and
-reports how far the predicted step times were from the measured ones.
+(``results/planner_profile.json``) that ``--mecefo-policy auto`` reads when
+``--mecefo-planner-profile`` names it. Without that flag ``auto`` reads the profile shipped in
+the package (:data:`PACKAGED_PROFILE`, a copy of the repository's measurement: the example
+trainer's demo model on a CPU), whatever the working directory. :func:`prediction_report`
+reads a run's metrics JSONL and reports how far the predicted step times were from the
+measured ones.
 
 No in-memory snapshot costs: the snapshot issue has not landed, so that recovery option is
 not in the profile nor in the planner.
@@ -30,6 +33,28 @@ from typing import Any, Dict, List, Optional
 from megatron_mecefo.planner.recovery_planner import CostProfile
 
 DEFAULT_PROFILE = "results/planner_profile.json"
+"""Where the calibration writes (its ``--output``) by default."""
+
+PACKAGED_PROFILE = str(Path(__file__).with_name("default_profile.json"))
+"""The profile ``auto`` reads without ``--mecefo-planner-profile``: the repository's
+``results/planner_profile.json``, shipped as package data."""
+
+
+def resolve_profile(path: Optional[str]) -> str:
+    """The profile file to read: ``path`` (``--mecefo-planner-profile``), else the packaged
+    one (never the working directory's ``results/``: a run must not depend on where it was
+    started)."""
+    return path if path else PACKAGED_PROFILE
+
+
+def describe_profile(path: Optional[str]) -> str:
+    """Which profile a run reads, for its start-up line."""
+    if path:
+        return f"{path} (--mecefo-planner-profile)"
+    return (
+        f"{PACKAGED_PROFILE} (the packaged default, measured on a CPU with the example "
+        "trainer's demo model; calibrate your own: docs/megatron-lm.md)"
+    )
 
 
 def _read(path: Optional[str]) -> Optional[Dict[str, Any]]:

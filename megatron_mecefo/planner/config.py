@@ -38,8 +38,9 @@ class AutoPolicyConfig:
     memory_headroom_mb: float = 0.0
     """Activation MiB allowed above the failure-free peak before FFN recompute."""
 
-    profile: str = "results/planner_profile.json"
-    """The cost profile file."""
+    profile: Optional[str] = None
+    """The cost profile file (None: the packaged one,
+    :data:`~megatron_mecefo.planner.calibration.PACKAGED_PROFILE`)."""
 
     allow_shrink: bool = False
     """Whether shrinking data parallelism is a choice."""
@@ -135,10 +136,10 @@ class AutoPolicyConfig:
                 f"replica's work to, but the data-parallel size is {dp}; launch more ranks or "
                 "lower the TP/PP sizes"
             )
-        from megatron_mecefo.planner.calibration import load_profile
+        from megatron_mecefo.planner.calibration import load_profile, resolve_profile
 
         try:
-            load_profile(self.profile)
+            load_profile(resolve_profile(self.profile))
         except (FileNotFoundError, ValueError) as err:
             raise MecefoConfigError(f"--mecefo-planner-profile: {err}") from None
 
@@ -187,7 +188,14 @@ class AutoPolicyConfig:
         decisions set the FFN recompute and the rank of ``state`` (and drop the bases of
         ``modules`` on a new r)."""
         from megatron_mecefo.planner.auto_policy import AutoPolicy, technique_hook
-        from megatron_mecefo.planner.calibration import load_profile
+        from megatron_mecefo.planner.calibration import (
+            describe_profile,
+            load_profile,
+            resolve_profile,
+        )
 
         hook = technique_hook(state, modules) if state is not None else None
-        return AutoPolicy(load_profile(self.profile), planner_config, skip_attention, hook)
+        profile = load_profile(resolve_profile(self.profile))
+        policy = AutoPolicy(profile, planner_config, skip_attention, hook)
+        policy.profile_origin = describe_profile(self.profile)
+        return policy

@@ -46,6 +46,69 @@ RANDOM_PHASES = PHASES[:7]
 that a seeded schedule draws the kills it drew before."""
 
 
+SAVE_PHASES = ("save", "save-write", "save-finalize", "saved")
+"""Phases inside a checkpoint save: they fire only at an iteration that saves."""
+
+
+def save_iterations(
+    train_iters: int,
+    save_interval: Optional[int],
+    exit_interval: Optional[int] = None,
+    more_intervals: Sequence[Optional[int]] = (),
+) -> List[int]:
+    """The iterations a run saves a checkpoint at, in both trainers: every multiple of each
+    interval, and the last iteration (the end of training, or the first multiple of
+    ``exit_interval``, where the run stops and saves)."""
+    last = min(train_iters, exit_interval) if exit_interval else train_iters
+    out = {last}
+    for every in (save_interval, *more_intervals):
+        if every and every > 0:
+            out.update(range(every, last + 1, every))
+    return sorted(out)
+
+
+def _iterations_text(iterations: Sequence[int]) -> str:
+    shown = [str(i) for i in iterations[:4]]
+    if len(iterations) > 5:
+        shown.append("...")
+    if len(iterations) > 4:
+        shown.append(str(iterations[-1]))
+    return ", ".join(shown)
+
+
+def unreachable_save_kill(
+    kills: Sequence["KillSpec"], saves: Optional[Sequence[int]], flags: str
+) -> Optional[str]:
+    """The error for a kill at a save phase (:data:`SAVE_PHASES`) of an iteration that saves
+    no checkpoint: it would never fire, and a run meant to test a death in a save would pass
+    without one. None when every such kill has its save.
+
+    Args:
+        kills: The parsed kills.
+        saves: The iterations that save (:func:`save_iterations`); None without ``--save``.
+        flags: The flags that set ``saves``, for the message (e.g. ``--save-interval=10``).
+    """
+    for k in kills:
+        if k.phase not in SAVE_PHASES:
+            continue
+        if saves is None:
+            return (
+                f"--mecefo-kill={k.key}: {k.phase} fires inside a checkpoint save and no "
+                "--save is given, so nothing is saved and the kill never fires; add --save "
+                f"DIR --save-interval {k.iteration}, or kill at another phase (e.g. "
+                f"{k.rank}:{k.iteration}:backward)"
+            )
+        if k.iteration not in saves:
+            near = min(saves, key=lambda i: (abs(i - k.iteration), i))
+            return (
+                f"--mecefo-kill={k.key}: no checkpoint is saved at iteration {k.iteration} "
+                f"({flags} saves at {_iterations_text(saves)}), so the kill never fires; kill "
+                f"at an iteration that saves (e.g. {k.rank}:{near}:{k.phase}) or save at "
+                f"{k.iteration} (e.g. --save-interval {k.iteration})"
+            )
+    return None
+
+
 class KillSpecError(ValueError):
     """A bad ``--mecefo-kill`` value; the message names the fix."""
 

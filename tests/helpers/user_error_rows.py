@@ -82,6 +82,12 @@ def megatron_lm(*flags: str, mock: bool = True) -> list[str]:
             "--vocab-size", "128", "--train-iters", "2", "--lr", "1e-3", *flags]  # fmt: skip
 
 
+def torchrun(*cmd: str) -> list[str]:
+    """``cmd`` (a python command line without the interpreter) on two ranks under torchrun."""
+    return [PY, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            "--master_port={free_port}", *cmd]  # fmt: skip
+
+
 # ---------------------------------------------------------------- actions of the signal rows
 def _when_training(proc: subprocess.Popen, tmp: Path, iterations: int = 2) -> None:
     metrics = tmp / "m.jsonl"
@@ -217,6 +223,44 @@ ROWS = [
     Row("kill-iteration-beyond-run", "flags", trainer(*MOCK, "--train-iters", "10", "--mecefo",
         "--mecefo-rank", "16", "--mecefo-kill", "1:50:backward"), 2, TP,
         ["iteration 50 is outside 1..10"], rank_env(2, MECEFO_RECOVERY="{}")),
+    # Settings that can never act: a save-phase kill without a save at its iteration (an
+    # error: a test that meant to kill in a save would pass without a death), fail-slow
+    # rebalancing without a micro-batch to move and a window the run never fills (warnings:
+    # the run still trains and detects).
+    Row("kill-save-phase-without-save", "flags", trainer(*MOCK, "--train-iters", "20",
+        "--mecefo", "--mecefo-rank", "16", "--mecefo-kill", "1:5:save-write"), 2, TP,
+        ["--mecefo-kill=1:5:save-write", "no --save is given", "never fires", "add --save DIR"],
+        rank_env(2, MECEFO_RECOVERY="{}")),
+    Row("kill-save-phase-no-save-there", "flags", trainer(*MOCK, "--train-iters", "20",
+        "--mecefo", "--mecefo-rank", "16", "--save", "{tmp}/save", "--save-interval", "10",
+        "--mecefo-kill", "1:5:save-write"), 2, TP,
+        ["--mecefo-kill=1:5:save-write", "no checkpoint is saved at iteration 5",
+         "--save-interval=10", "never fires", "1:10:save-write"],
+        rank_env(2, MECEFO_RECOVERY="{}")),
+    Row("fail-slow-rebalance-one-microbatch", "flags", torchrun(str(TRAINER), *MOCK,
+        "--train-iters", "2", "--mecefo", "--mecefo-rank", "16", "--mecefo-fail-slow",
+        "rebalance"), 0, "WARNING: --mecefo-fail-slow=rebalance",
+        ["1 micro-batch per replica", "a slow replica always keeps one micro-batch",
+         "can never act", "raise --global-batch-size or lower --micro-batch-size"],
+        needs=("busy_port",), slow=True, timeout=300),
+    Row("fail-slow-window-beyond-run", "flags", torchrun(str(TRAINER), *MOCK, "--train-iters",
+        "20", "--mecefo-fail-slow-window", "50"), 0, "WARNING: --mecefo-fail-slow-window=50",
+        ["--train-iters=20", "detection can never start",
+         "lower --mecefo-fail-slow-window to at most 20"],
+        needs=("busy_port",), slow=True, timeout=300),
+    Row("mlm-fail-slow-rebalance-one-microbatch", "flags", torchrun(*megatron_lm("--mecefo",
+        "--mecefo-rank", "16", "--global-batch-size", "4", "--mecefo-fail-slow", "rebalance",
+        "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0")[1:]), 0,
+        "WARNING: MeCeFO: --mecefo-fail-slow=rebalance",
+        ["1 micro-batch per replica", "a slow replica always keeps one micro-batch",
+         "can never act", "raise --global-batch-size or lower --micro-batch-size"],
+        needs=("mlm", "busy_port"), slow=True, timeout=400),
+    Row("mlm-kill-save-phase-no-save-there", "flags", megatron_lm("--mecefo", "--mecefo-rank",
+        "16", "--train-iters", "20", "--save", "{tmp}/save", "--save-interval", "10",
+        "--mecefo-kill", "1:5:save-write"), 2, TP,
+        ["--mecefo-kill=1:5:save-write", "no checkpoint is saved at iteration 5",
+         "--save-interval=10", "never fires"],
+        rank_env(2, MECEFO_RECOVERY="{}"), needs=("mlm",), startup_s=60),
     Row("abft-layer-beyond-model", "flags", trainer(*MOCK, "--mecefo-abft-inject",
         "kind=inf,op=scores,layer=9,iter=2"), 2, TP, ["layer 9 does not exist", "never fire"],
         rank_env()),

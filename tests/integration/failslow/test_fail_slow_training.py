@@ -12,7 +12,10 @@ go; a second run of the same flags is never slowed (the reference). Checked:
 * exactness: the same global batch per step makes the same gradient, so every iteration's loss
   and the final parameters equal the reference's up to fp32 summation order. Plain SGD keeps
   that difference at the size of the reassociation (Adam's ``m / sqrt(v)`` would magnify it
-  on entries whose gradient is ~0).
+  on entries whose gradient is ~0);
+* the summary's measured step times: the mean over the steps run slow and not rebalanced (the
+  window that marked replica 1 slow) and over the steps run rebalanced, each equal to the mean
+  of the step times logged for those iterations, beside the prediction.
 
 Every process is ended by PID, also on failure.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -36,13 +40,13 @@ from harness import check_every_sample_once
 from megatron_mecefo.failslow.duty_cycle import DutyCycle
 
 WORKER = REPO / "tests" / "workers" / "failslow_trainer.py"
-GBS, MBS, ITERS, M = 16, 2, 30, 4
+GBS, MBS, ITERS, M, WINDOW = 16, 2, 30, 4, 3
 ARGS = [
     "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
     "--seq-length", "256", "--micro-batch-size", str(MBS), "--global-batch-size", str(GBS),
     "--optimizer", "sgd", "--lr", "0.05", "--lr-decay-style", "constant", "--split", "90,10,0",
     "--make-vocab-size-divisible-by", "256", "--eval-iters", "0", "--log-interval", "1",
-    "--train-iters", str(ITERS), "--mecefo", "--mecefo-fail-slow-window", "3",
+    "--train-iters", str(ITERS), "--mecefo", "--mecefo-fail-slow-window", str(WINDOW),
 ]  # fmt: skip
 SLOW_FROM = 3
 """Iteration after which the duty cycle starts."""
@@ -187,6 +191,30 @@ def test_slow_replica_is_rebalanced_exactly_and_given_back(tmp_path: Path, text_
     assert fs[-1]["slow"] == []
 
     check_every_sample_once(recs, ITERS, GBS, 2, MBS)
+
+    # The measured step times, from the records alone: the window of steps that marked a
+    # replica slow and any marked step run balanced (not rebalanced), the rebalanced steps.
+    onsets = [i for i, f in enumerate(fs) if f["slow"] and (i == 0 or not fs[i - 1]["slow"])]
+    before = {j for i in onsets for j in range(max(0, i - WINDOW + 1), i + 1)}
+    before |= {i for i, f in enumerate(fs) if f["slow"]}
+    before = {i for i in before if not fs[i]["rebalanced"]}
+    measured = fs[-1]["measured"]
+    assert measured["not_rebalanced_steps"] == len(before) >= WINDOW, (measured, sorted(before))
+    assert measured["rebalanced_steps"] == len(reb)
+    mean_before = statistics.fmean(recs[i]["step_time_s"] for i in before)
+    mean_after = statistics.fmean(recs[i]["step_time_s"] for i in reb)
+    assert measured["not_rebalanced_mean_step_s"] == pytest.approx(mean_before, abs=1e-6)
+    assert measured["rebalanced_mean_step_s"] == pytest.approx(mean_after, abs=1e-6)
+    ms_before, ms_after = (1e3 * measured[k] for k in ("not_rebalanced_mean_step_s",
+                                                         "rebalanced_mean_step_s"))  # fmt: skip
+    summary = next(ln for ln in log.splitlines() if "fail-slow measured" in ln)
+    assert (
+        f"mean step {ms_before:.1f} ms over {len(before)} step(s) slow, not rebalanced; "
+        f"{ms_after:.1f} ms over {len(reb)} step(s) rebalanced" in summary
+    ), summary
+    assert "predicted x" in next(ln for ln in log.splitlines() if "fail-slow rebalanced" in ln)
+    print(f"measured: {ms_before:.1f} ms slow, not rebalanced ({len(before)} steps), "
+          f"{ms_after:.1f} ms rebalanced ({len(reb)} steps)")  # fmt: skip
 
     ref = reference.records()
     assert all(r["mecefo"]["microbatches_per_replica"] == [M, M] for r in ref)
