@@ -198,6 +198,8 @@ bench: data
 	set -o pipefail; $(PY) benchmarks/degraded_throughput.py | tee $(BENCH_LOG)/degraded_throughput.txt
 	set -o pipefail; $(PY) benchmarks/failure_trace.py | tee $(BENCH_LOG)/failure_trace.txt
 	$(PY) -m megatron_mecefo.planner.calibration --takeover-cost results/takeover_cost.json --output results/planner_profile.json > $(BENCH_LOG)/planner_profile.txt
+	@# The profile --mecefo-policy auto reads when none is given: shipped with the package
+	cp results/planner_profile.json megatron_mecefo/planner/default_profile.json
 	set -o pipefail; $(PY) benchmarks/planner_accuracy.py | tee $(BENCH_LOG)/planner_accuracy.txt
 	set -o pipefail; $(PY) benchmarks/cluster_sim.py | tee $(BENCH_LOG)/cluster_sim.txt
 	set -o pipefail; $(PY) examples/pretrain_gpt/convergence.py | tee $(BENCH_LOG)/convergence.txt
