@@ -20,8 +20,12 @@ cut off) finds the key gone or re-created by the next leader, and its write fail
 :class:`Fenced`, having changed nothing. Its own keepalive thread also notices (the lease's
 TTL is 0, or no member answered for a TTL) and sets :attr:`EtcdControl.lost`.
 
-Every call is bounded (``call_timeout_s``, default the lease TTL); when etcd has no quorum,
-calls raise :class:`ControlPlaneLost` with one line within that bound.
+Every call is bounded (``call_timeout_s``, default the lease TTL); when no member answers
+with a quorum (etcd lost it, or this node lost its links to etcd: the two look the same from
+here), calls raise :class:`ControlPlaneLost` with one line within that bound. A write over
+etcd's space quota raises :class:`EtcdNoSpace` at once. While it leads, a process renews its
+lease every half second (its heartbeat on etcd, :meth:`EtcdControl.lease_silent_s`) and
+compacts the history every :data:`COMPACT_EVERY_S`.
 """
 
 from __future__ import annotations
@@ -175,7 +179,8 @@ class EtcdControl:
         Ends within ``timeout_s`` plus a few call bounds (the last try's grant, txn, revoke).
 
         Returns:
-            The term, whose lease a thread now keeps alive every TTL/3.
+            The term, whose lease a thread now keeps alive every
+            :data:`KEEPALIVE_EVERY_S` (TTL/3 when shorter).
 
         Raises:
             NotElected: another candidate held ``leader`` for all of ``timeout_s``.
@@ -286,7 +291,8 @@ class EtcdControl:
         return max(0, granted - remaining - 1)
 
     def _keep_alive(self, term: Term, granted_at: float, stop: threading.Event) -> None:
-        """Refresh the lease every TTL/3. Lost when etcd says the lease is gone (TTL <= 0), or
+        """Refresh the lease every :data:`KEEPALIVE_EVERY_S` (TTL/3 when shorter): the
+        leader's heartbeat on etcd. Lost when etcd says the lease is gone (TTL <= 0), or
         when no refresh succeeded for a TTL (counted from the last successful one's start:
         the lease may have expired on etcd's side since)."""
         period = min(term.ttl_s / 3.0, KEEPALIVE_EVERY_S)

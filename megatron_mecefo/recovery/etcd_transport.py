@@ -229,9 +229,19 @@ class EtcdConnection:
                     time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     # ------------------------------------------------------------------ KV
-    def range(self, key: bytes, prefix: bool = False, timeout_s: Optional[float] = None) -> Any:
-        """A linearizable range read (every member answers from the committed log)."""
-        req = rpc.RangeRequest(key=key, range_end=prefix_end(key) if prefix else b"")
+    def range(
+        self,
+        key: bytes,
+        prefix: bool = False,
+        timeout_s: Optional[float] = None,
+        serializable: bool = False,
+    ) -> Any:
+        """A linearizable range read (every member answers from the committed log), or with
+        ``serializable`` one the member answers from its own copy (no consensus round: for a
+        periodic look that may be a moment stale)."""
+        req = rpc.RangeRequest(
+            key=key, range_end=prefix_end(key) if prefix else b"", serializable=serializable
+        )
         return self.call(
             f"get {key.decode(errors='replace')}",
             lambda i, t: self._kv[i].Range(req, timeout=t),

@@ -131,8 +131,9 @@ class Supervisor:
 
     def _control_lost(self, line: str) -> None:
         """``--store-mode etcd``, from a background thread: this node was deposed (its lease
-        expired: hung, cut off) or etcd lost its quorum. Its ranks are killed at once and the
-        supervisor exits with one line, so nothing more is written by this node."""
+        expired: hung, cut off), lost etcd, or its coordinator failed. Its ranks are killed
+        at once and the supervisor exits with one line (:func:`control_lost_line`), so
+        nothing more is written by this node."""
         self.log(control_lost_line(line, self._kill_everyone()))
         os._exit(1)  # the main thread may be in a store call to a lost store: no unwinding
 
@@ -147,8 +148,8 @@ class Supervisor:
     def _watch_declared_dead(self) -> None:
         """``--store-mode etcd``, a thread: a node cut off from the leader but not from etcd
         is declared dead by the leader (its supervisor and ranks fell silent there), while
-        its own calls to the leader's store hang. It learns it from etcd: once every running
-        rank of this node is recorded dead by someone else (no exit code: the coordinator or
+        its own calls to the leader's store hang. It learns it from etcd: once every rank
+        this node holds is recorded dead by someone else (no exit code: the coordinator or
         a takeover), it stops with one line and exits 1 (its writes are refused anyway)."""
         from megatron_mecefo.recovery.etcd_control import ControlError
 
@@ -158,12 +159,14 @@ class Supervisor:
             time.sleep(self.cfg.heartbeat_interval_s)
             if self.stopping is not None:
                 return
-            running = [(s, ch.inc) for s, ch in list(self.children.items())
-                       if ch.proc.poll() is None]  # fmt: skip
+            # Every rank this supervisor holds, exited ones too: cut off from the leader, a
+            # rank fails its collectives and exits while the main loop hangs in a store call.
+            running = [(s, ch.inc) for s, ch in list(self.children.items())]
             if not running:
                 continue
             try:
-                found = c.conn.range(c.key("kv/dead/"), prefix=True).kvs
+                # Serializable: every node looks each interval; a moment's lag costs nothing.
+                found = c.conn.range(c.key("kv/dead/"), prefix=True, serializable=True).kvs
             except ControlError:
                 continue  # etcd unreachable: the keepalive or the campaign says so
             declared = {}
@@ -178,19 +181,18 @@ class Supervisor:
                 return
 
     def _declared_dead(self, slots: List[int], reason: str) -> None:
+        """Stop this node: its ranks were declared dead by the leader. Through the same
+        once-only path as a lost lease (:meth:`_control_lost`: one line, exit 1)."""
         control = self.store_host.control
-        if control is not None and control.term is not None:
+        if control is not None and control.term is not None and not control.lost.is_set():
             try:
                 control.resign()  # this node led: the next leader need not wait for the TTL
             except Exception:  # noqa: BLE001 (the lease then expires by itself)
                 pass
-        killed = self._kill_everyone()
-        self.log(
+        self.store_host._control_lost(
             f"this node was declared dead: ranks {', '.join(map(str, slots))} were declared "
-            f"dead by the leader ({reason}), which this node could not reach while etcd could; "
-            f"{killed} processes of this node killed, exiting (the other nodes go on)"
+            f"dead by the leader ({reason}), which this node could not reach while etcd could"
         )
-        os._exit(1)  # the main thread may be in a call to the leader's store: no unwinding
 
     def _job_ended(self, line: str) -> None:
         """``--store-mode etcd``, from a background thread: this node won a term after the job
