@@ -222,10 +222,18 @@ class Coordinator:
         }
         declare: List[Tuple[int, int]] = []
         unanswered: List[Tuple[int, int]] = []
+        near = self.cfg.heartbeat_timeout_s - 2 * self.cfg.heartbeat_interval_s
         for key, count in zip(keys, counts[: len(keys)], strict=True):
             slot, inc = key
             silent = self._silence(self._hb, key, count, now)
             if silent is None:
+                # A rank of a lost node (its supervisor silent for the timeout) whose own
+                # silence is a check or two short of it: it stopped with its node, its last
+                # beat merely seen a check later. It goes with the node's other ranks, in
+                # one failure generation, rather than in a second one a check later.
+                if gone.get(self._supervisor_of.get(key, "")) is not None:
+                    if now - self._hb[key][1] >= near:
+                        unanswered.append(key)
                 continue
             supervisor_silent = gone.get(self._supervisor_of.get(key, ""))
             if key not in self._kill_requested:
