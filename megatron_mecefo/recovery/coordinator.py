@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from megatron_mecefo.recovery.config import RecoveryConfig
 from megatron_mecefo.recovery.membership import (
@@ -36,6 +36,9 @@ class Coordinator:
         world_size: Slots of the original job (all nodes).
         config: The recovery settings (heartbeat timeout, poll interval, join margin).
         log: Prints one line.
+        join_at_boundary_only: See :attr:`join_at_boundary_only`.
+        on_failure: Called (from the coordinator's thread) with the exception that ended the
+            thread while the job runs; without it, the thread says so in one line and ends.
     """
 
     def __init__(
@@ -45,8 +48,10 @@ class Coordinator:
         config: RecoveryConfig,
         log=print,
         join_at_boundary_only: bool = False,
+        on_failure: Optional[Callable[[BaseException], None]] = None,
     ) -> None:
         self.ms = store
+        self.on_failure = on_failure
         self.join_at_boundary_only = join_at_boundary_only
         """Replacements join only at a planned boundary, never a failure's world: under the
         distributed optimizer the survivors rebuild the lost shards from their snapshots'
@@ -127,6 +132,13 @@ class Coordinator:
                     last_events = events
                     self._rescan()
                 if now - last_hb >= self.cfg.heartbeat_interval_s:
+                    stalled = max(
+                        self.cfg.heartbeat_timeout_s / 2, 3 * self.cfg.heartbeat_interval_s
+                    )
+                    if last_hb and now - last_hb > stalled:
+                        # This thread itself did not run (its process stopped or starved):
+                        # it saw nothing meanwhile, which is no evidence of anyone's silence.
+                        self.restart_heartbeat_clock()
                     last_hb = now
                     if self.ms.get_str("done") is not None:
                         return
@@ -141,9 +153,15 @@ class Coordinator:
                 else:
                     until_hb = last_hb + self.cfg.heartbeat_interval_s - time.monotonic()
                     waiter.wait_event_after(last_events, until_hb)
-            except Exception as err:  # the store went away: the job is over
-                if not self._stop.is_set():
-                    self.log(f"[coordinator] stopped: {err}")
+            except Exception as err:  # noqa: BLE001 (whatever it is, it is said, never silent)
+                # No generation is made while this thread is down, so nobody would recover
+                # from a later death: the owner restarts it or hands the leadership over.
+                if self._stop.is_set():
+                    return
+                if self.on_failure is not None:
+                    self.on_failure(err)
+                else:
+                    self.log(f"[coordinator] stopped: {type(err).__name__}: {err}")
                 return
 
     # ------------------------------------------------------------------ observation
@@ -204,10 +222,18 @@ class Coordinator:
         }
         declare: List[Tuple[int, int]] = []
         unanswered: List[Tuple[int, int]] = []
+        near = self.cfg.heartbeat_timeout_s - 2 * self.cfg.heartbeat_interval_s
         for key, count in zip(keys, counts[: len(keys)], strict=True):
             slot, inc = key
             silent = self._silence(self._hb, key, count, now)
             if silent is None:
+                # A rank of a lost node (its supervisor silent for the timeout) whose own
+                # silence is a check or two short of it: it stopped with its node, its last
+                # beat merely seen a check later. It goes with the node's other ranks, in
+                # one failure generation, rather than in a second one a check later.
+                if gone.get(self._supervisor_of.get(key, "")) is not None:
+                    if now - self._hb[key][1] >= near:
+                        unanswered.append(key)
                 continue
             supervisor_silent = gone.get(self._supervisor_of.get(key, ""))
             if key not in self._kill_requested:

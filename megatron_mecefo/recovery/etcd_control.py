@@ -20,8 +20,12 @@ cut off) finds the key gone or re-created by the next leader, and its write fail
 :class:`Fenced`, having changed nothing. Its own keepalive thread also notices (the lease's
 TTL is 0, or no member answered for a TTL) and sets :attr:`EtcdControl.lost`.
 
-Every call is bounded (``call_timeout_s``, default the lease TTL); when etcd has no quorum,
-calls raise :class:`ControlPlaneLost` with one line within that bound.
+Every call is bounded (``call_timeout_s``, default the lease TTL); when no member answers
+with a quorum (etcd lost it, or this node lost its links to etcd: the two look the same from
+here), calls raise :class:`ControlPlaneLost` with one line within that bound. A write over
+etcd's space quota raises :class:`EtcdNoSpace` at once. While it leads, a process renews its
+lease every half second (its heartbeat on etcd, :meth:`EtcdControl.lease_silent_s`) and
+compacts the history every :data:`COMPACT_EVERY_S`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from megatron_mecefo.recovery.etcd_transport import (
     ControlError,
     ControlPlaneLost,
     EtcdConnection,
+    EtcdNoSpace,
     b,
     cmp_create,
     cmp_mod,
@@ -51,11 +56,33 @@ __all__ = [
     "ControlError",
     "ControlPlaneLost",
     "EtcdControl",
+    "EtcdNoSpace",
     "Fenced",
     "GenerationConflict",
     "NotElected",
     "Term",
+    "lease_ttl_s",
 ]
+
+LEASE_TTL_FLOOR_S = 10.0
+"""The shortest lease TTL a supervisor's leadership gets, whatever ``--heartbeat-timeout``: a
+loaded machine (load average 35 on 2 cores, seen at start-up) starved the keepalive for a
+4 s TTL with no fault anywhere. A hung or cut-off leader is replaced after the TTL; a dead one
+(its store refuses connections) at once, by its followers (``store_host``)."""
+
+KEEPALIVE_EVERY_S = 0.5
+"""The leader renews its lease at least this often (TTL/3 when shorter), so that the lease's
+remaining TTL is the leader's heartbeat on etcd (:meth:`EtcdControl.lease_silent_s`)."""
+
+COMPACT_EVERY_S = 300.0
+"""The leader compacts etcd's history this often, to the revision it saw one period before
+(the history of the last period stays for watches that resume from a recent revision)."""
+
+
+def lease_ttl_s(heartbeat_timeout_s: float) -> float:
+    """The leader's lease TTL for ``--heartbeat-timeout``: never below
+    :data:`LEASE_TTL_FLOOR_S`."""
+    return max(float(heartbeat_timeout_s), LEASE_TTL_FLOOR_S)
 
 
 class Fenced(ControlError):
@@ -93,6 +120,7 @@ class EtcdControl:
             call's bound, at most 1 s), after which the next member is tried.
         on_lost: called once (from the keepalive thread) with a one-line reason when this
             process's leadership is lost.
+        compact_every_s: while it leads, how often it compacts etcd's history.
     """
 
     def __init__(
@@ -103,8 +131,10 @@ class EtcdControl:
         call_timeout_s: Optional[float] = None,
         request_timeout_s: Optional[float] = None,
         on_lost: Optional[Callable[[str], None]] = None,
+        compact_every_s: float = COMPACT_EVERY_S,
     ) -> None:
         self.ttl_s = max(1, math.ceil(ttl_s))
+        self.compact_every_s = compact_every_s
         call = float(call_timeout_s if call_timeout_s is not None else self.ttl_s)
         req = request_timeout_s if request_timeout_s is not None else min(1.0, call / 3)
         self.conn = EtcdConnection(endpoints, call, req)
@@ -115,6 +145,7 @@ class EtcdControl:
         self.lost_reason = ""
         self._stop_keepalive = threading.Event()
         self._keepalive: Optional[threading.Thread] = None
+        self._compact_seen = 0
 
     @property
     def _watch_slice_s(self) -> float:
@@ -148,7 +179,8 @@ class EtcdControl:
         Ends within ``timeout_s`` plus a few call bounds (the last try's grant, txn, revoke).
 
         Returns:
-            The term, whose lease a thread now keeps alive every TTL/3.
+            The term, whose lease a thread now keeps alive every
+            :data:`KEEPALIVE_EVERY_S` (TTL/3 when shorter).
 
         Raises:
             NotElected: another candidate held ``leader`` for all of ``timeout_s``.
@@ -213,12 +245,57 @@ class EtcdControl:
             daemon=True,
         )
         self._keepalive.start()
+        threading.Thread(
+            target=self._compact_while_leading,
+            args=(term, self._stop_keepalive),
+            name=f"etcd-compact-{term.number}",
+            daemon=True,
+        ).start()
+
+    def _compact_while_leading(self, term: Term, stop: threading.Event) -> None:
+        """Every :attr:`compact_every_s` while ``term`` lasts: :meth:`compact_history`. Every
+        write (``progress``, ``logged``: one per iteration) leaves a revision, and an
+        uncompacted history fills etcd's space quota (NOSPACE) in a long job."""
+        while not stop.wait(self.compact_every_s):
+            if self.term != term:
+                return
+            try:
+                self.compact_history()
+            except Fenced:
+                return
+            except ControlError:
+                continue  # etcd slow or without quorum: the keepalive says so; next period
+
+    def compact_history(self) -> Optional[int]:
+        """The leader: drop etcd's history up to the revision its previous call saw (so the
+        last period stays). Fenced: a deposed leader compacts nothing. Returns the revision
+        compacted to, or None (the first call, or compacted past it already).
+
+        Raises:
+            Fenced: this process leads no live term.
+        """
+        r = self._fenced_txn("check the term before a compaction", [], [], [])
+        previous, self._compact_seen = self._compact_seen, int(r.header.revision)
+        if previous and self.conn.compact(previous):
+            return previous
+        return None
+
+    def lease_silent_s(self, lease: int) -> Optional[int]:
+        """Whole seconds since ``lease`` was last renewed, as etcd counts (its granted TTL
+        less its remaining TTL, less the one second a whole-second count loses); None when
+        the lease is gone. The leader renews every :data:`KEEPALIVE_EVERY_S`: this is its
+        heartbeat on etcd."""
+        remaining, granted = self.conn.lease_ttls(lease)
+        if remaining <= 0:
+            return None
+        return max(0, granted - remaining - 1)
 
     def _keep_alive(self, term: Term, granted_at: float, stop: threading.Event) -> None:
-        """Refresh the lease every TTL/3. Lost when etcd says the lease is gone (TTL <= 0), or
+        """Refresh the lease every :data:`KEEPALIVE_EVERY_S` (TTL/3 when shorter): the
+        leader's heartbeat on etcd. Lost when etcd says the lease is gone (TTL <= 0), or
         when no refresh succeeded for a TTL (counted from the last successful one's start:
         the lease may have expired on etcd's side since)."""
-        period = term.ttl_s / 3.0
+        period = min(term.ttl_s / 3.0, KEEPALIVE_EVERY_S)
         valid_from = granted_at
         while not stop.wait(period):
             while True:
@@ -333,6 +410,29 @@ class EtcdControl:
     def put_fenced(self, name: str, value: str) -> None:
         """Write ``<prefix>/<name>`` as the leader (e.g. the committed iteration)."""
         self._fenced_txn(f"put {name}", [], [op_put(self.key(name), value)], [])
+
+    def create_fenced(self, name: str, value: str) -> str:
+        """Create ``<prefix>/<name>`` as the leader if it is absent; returns what stands (the
+        first writer's value: a death, the fatal message)."""
+        key = self.key(name)
+        r = self._fenced_txn(f"create {name}", [cmp_version(key, 0)], [op_put(key, value)],
+                             [op_get(key)])  # fmt: skip
+        if r.succeeded:
+            return value
+        kv = txn_kv(r, 1)
+        return kv.value.decode() if kv is not None else value
+
+    def published_store(self, name: str) -> Tuple[str, int]:
+        """(``<prefix>/<name>``, the term that wrote it), read at one revision: the hot
+        store's address and the term a client's durable writes are fenced on. ("", 0) while
+        the current term has not written it (no leader, or a takeover under way): an address
+        from an earlier term is no one's now, even when a later term reuses it."""
+        key, leader = self.key(name), self.leader_key
+        r = self.conn.txn(f"read {name} and its term", [], [op_get(key), op_get(leader)], [])
+        kv, lead = txn_kv(r, 0), txn_kv(r, 1)
+        if kv is None or lead is None or kv.mod_revision <= lead.create_revision:
+            return "", 0
+        return kv.value.decode(), int(lead.create_revision)
 
     # ------------------------------------------------------------------ generations
     def publish_generation(self, number: int, text: str) -> None:

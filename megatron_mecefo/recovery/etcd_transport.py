@@ -61,7 +61,25 @@ class ControlError(RuntimeError):
 
 
 class ControlPlaneLost(ControlError):
-    """No etcd member answered with a quorum within the call's bound."""
+    """No etcd member answered this process with a quorum within the call's bound: this node
+    lost etcd (whether etcd itself lost its quorum, or only this node's links to it, cannot be
+    told from here)."""
+
+
+class EtcdNoSpace(ControlError):
+    """etcd refuses writes: its database reached its space quota (the NOSPACE alarm). Not
+    transient: no retry helps until an operator frees the space."""
+
+
+NOSPACE_FIX = (
+    "free it and disarm the alarm: etcdctl compact <current revision>; etcdctl defrag "
+    "--cluster; etcdctl alarm disarm (or restart etcd with a larger --quota-backend-bytes)"
+)
+
+
+def _nospace(details: str) -> bool:
+    """etcd's NOSPACE answer (``etcdserver: mvcc: database space exceeded``)."""
+    return "database space exceeded" in details or "NOSPACE" in details
 
 
 def parse_endpoints(endpoints: str | Sequence[str]) -> List[str]:
@@ -189,18 +207,26 @@ class EtcdConnection:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ControlPlaneLost(
-                    f"etcd control plane lost: {what} got no answer with a quorum from "
-                    f"{','.join(self.endpoints)} within {bound:.1f} s ({tries} tries; last: {last})"
+                    f"etcd control plane lost: this node lost etcd: {what} got no answer with "
+                    f"a quorum from {','.join(self.endpoints)} within {bound:.1f} s ({tries} "
+                    f"tries; last: {last})"
                 )
             index = self._current
             try:
                 return fn(index, min(self.request_timeout_s, left))
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
-                if code not in RETRYABLE:
-                    raise
                 details = (e.details() if hasattr(e, "details") else "") or ""
                 details = " ".join(details.split())  # one line
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _nospace(details):
+                    # Every member gives this answer until an operator acts: said at once,
+                    # as what it is, never as a lost quorum after the call's bound.
+                    raise EtcdNoSpace(
+                        f"etcd NOSPACE: {what} refused by {self.endpoints[index]} ({details}): "
+                        f"etcd's database is over its space quota; {NOSPACE_FIX}"
+                    ) from None
+                if code not in RETRYABLE:
+                    raise
                 last = f"{self.endpoints[index]}: {code.name if code else '?'} {details}".strip()
                 tries += 1
                 self._rotate(index)
@@ -209,9 +235,19 @@ class EtcdConnection:
                     time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     # ------------------------------------------------------------------ KV
-    def range(self, key: bytes, prefix: bool = False, timeout_s: Optional[float] = None) -> Any:
-        """A linearizable range read (every member answers from the committed log)."""
-        req = rpc.RangeRequest(key=key, range_end=prefix_end(key) if prefix else b"")
+    def range(
+        self,
+        key: bytes,
+        prefix: bool = False,
+        timeout_s: Optional[float] = None,
+        serializable: bool = False,
+    ) -> Any:
+        """A linearizable range read (every member answers from the committed log), or with
+        ``serializable`` one the member answers from its own copy (no consensus round: for a
+        periodic look that may be a moment stale)."""
+        req = rpc.RangeRequest(
+            key=key, range_end=prefix_end(key) if prefix else b"", serializable=serializable
+        )
         return self.call(
             f"get {key.decode(errors='replace')}",
             lambda i, t: self._kv[i].Range(req, timeout=t),
@@ -235,6 +271,18 @@ class EtcdConnection:
             f"delete {key.decode(errors='replace')}",
             lambda i, t: self._kv[i].DeleteRange(req, timeout=t),
         )
+
+    def compact(self, revision: int) -> bool:
+        """Drop the history before ``revision`` (etcd's Compact); False when it was already
+        compacted past it (by an earlier call of this leader or of another)."""
+        req = rpc.CompactionRequest(revision=revision, physical=False)
+        try:
+            self.call(f"compact to {revision}", lambda i, t: self._kv[i].Compact(req, timeout=t))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.OUT_OF_RANGE:  # "required revision has been compacted"
+                return False
+            raise
+        return True
 
     def txn(self, what: str, compare: List[Any], success: List[Any], failure: List[Any]) -> Any:
         """One transaction. A try whose answer was lost may have been applied: callers make
@@ -282,11 +330,15 @@ class EtcdConnection:
 
     def lease_ttl(self, lease: int) -> int:
         """The lease's remaining TTL (s; -1: expired or unknown)."""
+        return self.lease_ttls(lease)[0]
+
+    def lease_ttls(self, lease: int) -> Tuple[int, int]:
+        """(the lease's remaining TTL, its granted TTL), in whole seconds (-1: expired)."""
         req = rpc.LeaseTimeToLiveRequest(ID=lease)
         r = self.call(
             "lease time-to-live", lambda i, t: self._lease[i].LeaseTimeToLive(req, timeout=t)
         )
-        return int(r.TTL)
+        return int(r.TTL), int(r.grantedTTL)
 
     # ------------------------------------------------------------------ watches
     def watch_once(

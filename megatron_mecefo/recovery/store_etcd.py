@@ -10,13 +10,16 @@ talks to it; it follows a new address only while ``<prefix>/run`` still holds it
 took the prefix over. Writes of the durable keys (:data:`DURABLE_KEYS`,
 :data:`DURABLE_PREFIXES`: deaths, incarnations, the layout, the committed and logged
 iteration, records, the fatal message, ...) go to ``<prefix>/kv/<key>`` on etcd first, in a
-transaction that requires ``hot_store`` to still name this client's store: a client of a
-deposed leader's store changes nothing on etcd. A generation goes to etcd through
-:meth:`~.etcd_control.EtcdControl.publish_generation` (fenced on the leader's term, ``gen``
-== n - 1). The commit vote stays on the hot store and claims nothing on etcd: a vote cut off
-by the leader's loss is not applied by the members in doubt, and the regroup that the
-takeover forces settles it (the heal brings every member to the survivors' highest committed
-iteration; :mod:`.commit`).
+transaction that requires the term whose leader published this client's store to still stand
+(``leader``'s create revision: a later term that reuses the address is another term), and, in
+a rank, its own incarnation not to be declared dead: a client of a deposed leader's store, or
+a rank declared dead that still runs (cut off, hung), changes nothing on etcd. A death and the
+fatal message are created, never overwritten: the first writer's stands. A generation goes
+to etcd through :meth:`~.etcd_control.EtcdControl.publish_generation` (fenced on the
+leader's term, ``gen`` == n - 1). The commit vote stays on the hot store and claims nothing
+on etcd: a vote cut off by the leader's loss is not applied by the members in doubt, and the
+regroup that the takeover forces settles it (the heal brings every member to the survivors'
+highest committed iteration; :mod:`.commit`).
 
 A store call that fails (the server's sockets closed) or gets no answer within the lease TTL
 (a hung node) looks ``hot_store`` up again and waits until a new leader has published
@@ -29,6 +32,7 @@ publishes its address.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import timedelta
@@ -98,6 +102,21 @@ def parse_etcd_address(address: str) -> Tuple[List[str], str, float]:
 
 def durable(key: str) -> bool:
     return key in DURABLE_KEYS or key.startswith(DURABLE_PREFIXES)
+
+
+def first_stands(key: str) -> bool:
+    """Keys whose first write stands (created, never overwritten): a death and the fatal
+    message; a later writer (a zombie's report, a second error) reads the first instead."""
+    return key == "fatal" or key.startswith("dead/")
+
+
+def own_incarnation() -> Optional[Tuple[int, int]]:
+    """(slot, incarnation) of this process when it is a rank (a warm standby once assigned),
+    else None: its durable writes are refused once that incarnation is declared dead."""
+    slot = os.environ.get("MECEFO_RECOVERY_SLOT")
+    if slot is None or not slot.lstrip("-").isdigit() or int(slot) < 0:
+        return None
+    return int(slot), int(os.environ.get("MECEFO_RECOVERY_INC", "0") or 0)
 
 
 _CONTROLS: Dict[str, Any] = {}
@@ -198,6 +217,11 @@ def hot_store(control: Any) -> str:
     return kv.value.decode() if kv is not None else ""
 
 
+def hot_store_term(control: Any) -> Tuple[str, int]:
+    """(the hot store's address, the term that published it); ("", 0) while none stands."""
+    return control.published_store(HOT_STORE)
+
+
 class EtcdStore(ForwardingStore):
     """The subset of ``torch.distributed.Store`` this package uses, over the leader's
     TCPStore found through etcd (see the module docstring).
@@ -230,11 +254,13 @@ class EtcdStore(ForwardingStore):
         self.run = run_of(address)
         self._lock = threading.Lock()
         self.address = ""
+        self.term = 0
+        """The term whose leader published :attr:`address` (durable writes are fenced on it)."""
         self._client: Any = None
         if pinned is not None:
             self.address, self._client = pinned, self._connect(pinned, timeout_s)
         else:
-            self.address, self._client = self._follow("", time.monotonic() + timeout_s)
+            self.address, self._client = self._follow(-1, time.monotonic() + timeout_s)
             _watch_hot_store(address, self.control)
 
     @property
@@ -246,22 +272,25 @@ class EtcdStore(ForwardingStore):
         client.set_timeout(timedelta(seconds=self.call_timeout_s))
         return client
 
-    def _follow(self, old: str, deadline: float) -> Tuple[str, Any]:
-        """The current hot store other than ``old`` and a client of it, once one answers."""
+    def _follow(self, old_term: int, deadline: float) -> Tuple[str, Any]:
+        """The hot store of a term other than ``old_term`` and a client of it, once one
+        answers (a later term's store may have the same address: a reused port)."""
         from torch.distributed import DistError
 
         error = "no leader has published its store"
         while True:
-            address = hot_store(self.control)
-            if address and address != old and self.run and run_token(self.control) != self.run:
+            address, term = hot_store_term(self.control)
+            if address and term != old_term and self.run and run_token(self.control) != self.run:
                 # Another job took the prefix over: its store, and its "done", are not ours.
                 raise RunReplaced(
                     f"etcd mode: the key prefix {self.control.prefix} holds another run now (not "
                     f"run {self.run}); this run's membership store is gone"
                 )
-            if address and address != old:
+            if address and term != old_term:
                 try:
-                    return address, self._connect(address, self.call_timeout_s)
+                    client = self._connect(address, self.call_timeout_s)
+                    self.term = term
+                    return address, client
                 except DistError as err:
                     error = f"{address}: {str(err).splitlines()[0][:200]}"
             if time.monotonic() > deadline:
@@ -279,7 +308,7 @@ class EtcdStore(ForwardingStore):
             if self.pinned is not None:
                 raise Fenced(f"etcd mode: the leader's store at {self.pinned} is no longer used")
             wait = max(FAILOVER_WAIT_MIN_S, 3 * self.ttl_s)
-            self.address, self._client = self._follow(self.address, time.monotonic() + wait)
+            self.address, self._client = self._follow(self.term, time.monotonic() + wait)
 
     def _call(self, name: str, *args: Any) -> Any:
         from torch.distributed import DistError, DistNetworkError, DistStoreError
@@ -306,10 +335,11 @@ class EtcdStore(ForwardingStore):
     # ------------------------------------------------------------------ etcd first
     def _etcd_write(self, key: str, value: str, create: bool = False) -> Optional[str]:
         """Write ``<prefix>/kv/<key>`` (``create``: only if absent; returns what stands),
-        fenced: on hot_store naming this client's store (or the leader's term, pinned)."""
+        fenced on the term that published this client's store (pinned: the leader's own
+        term) and, in a rank, on its incarnation not being declared dead."""
         from megatron_mecefo.recovery.etcd_control import Fenced as TermFenced
         from megatron_mecefo.recovery.etcd_transport import (
-            cmp_value,
+            cmp_create,
             cmp_version,
             op_get,
             op_put,
@@ -319,6 +349,9 @@ class EtcdStore(ForwardingStore):
         c = self.control
         k = c.key(f"kv/{key}")
         own = [cmp_version(k, 0)] if create else []
+        me = own_incarnation()
+        dead = c.key(f"kv/dead/{me[0]}/{me[1]}") if me is not None else None
+        alive = [cmp_version(dead, 0)] if dead is not None else []
         while True:
             client = self._client
             if self.pinned is not None:
@@ -330,20 +363,27 @@ class EtcdStore(ForwardingStore):
                     return value
                 kv = txn_kv(r, 1)
                 return kv.value.decode() if kv is not None else None
-            hot = c.key(HOT_STORE)
+            lead = c.leader_key
+            reads = [op_get(lead), op_get(k)] + ([op_get(dead)] if dead is not None else [])
             r = c.conn.txn(
                 f"write {key}",
-                [cmp_value(hot, self.address)] + own,
+                [cmp_create(lead, self.term)] + alive + own,
                 [op_put(k, value)],
-                [op_get(hot), op_get(k)],
+                reads,
             )
             if r.succeeded:
                 return value
+            if dead is not None and txn_kv(r, 2) is not None:
+                assert me is not None
+                raise Fenced(
+                    f"etcd mode: rank {me[0]} (incarnation {me[1]}) was declared dead: its "
+                    f"write of {key} is refused (a later process or the survivors took over)"
+                )
             now = txn_kv(r, 0)
-            if now is not None and now.value.decode() == self.address:
-                kv = txn_kv(r, 1)  # hot_store stands: the key existed (create)
+            if now is not None and now.create_revision == self.term:
+                kv = txn_kv(r, 1)  # the term stands: the key existed (create)
                 return kv.value.decode() if kv is not None else None
-            self._switch(client)  # our store is not the hot one any more
+            self._switch(client)  # the term that published our store is over
             if self.raise_on_failover:
                 raise StoreFailedOver(f"the membership store moved to {self.address}")
 
@@ -363,6 +403,10 @@ class EtcdStore(ForwardingStore):
         if key.startswith("gen/"):
             if self.pinned is not None:
                 self._publish_generation(key, text)
+        elif first_stands(key):
+            won = self._etcd_write(key, text, create=True)
+            if won is not None and won != text:
+                value = won  # an earlier writer's stands, on the hot store too
         elif durable(key):
             self._etcd_write(key, text)
         self._call("set", key, value)

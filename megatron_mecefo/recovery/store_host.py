@@ -49,6 +49,16 @@ LEADERLESS_GRACE_S = 2.0
 """Node 0 of a fresh job deletes the keys of an unfinished run under its prefix only when no
 leader was elected there for this long (a takeover elects one within moments)."""
 
+REFUSAL_LASTS_S = 0.5
+"""A follower deposes a leader whose store refuses connections only when the refusals last
+this long (a first refusal and another at least this much later, none accepted between), and
+the leader's heartbeat on etcd (its lease's renewals) is stale too: a firewall's REJECT, or
+a restart of the listener, is no death."""
+
+COORDINATOR_RESTARTS = 3
+"""``--store-mode single``: how many times a failed coordinator thread is restarted (each
+said in one line) before the job stops; etcd mode hands the leadership over instead."""
+
 
 class StoreHost:
     """This node's part in the membership store: host, leader (etcd mode) or client.
@@ -77,6 +87,8 @@ class StoreHost:
         the other nodes before it exits): node 0, or the etcd mode's leader once it took
         over."""
         self.ms: Optional["MembershipStore"] = None
+        self._coordinator_store = ""
+        self._coordinator_restarts = 0
         self.rdzv_address = "127.0.0.1:0"
         """The ``env://`` rendezvous (``MASTER_ADDR:MASTER_PORT``) of the ranks."""
         self.control: Optional[Any] = None
@@ -203,7 +215,12 @@ class StoreHost:
         leader's store, and campaigns in the background, to take over when the leader's term
         ends."""
 
-        from megatron_mecefo.recovery.etcd_control import ControlError, EtcdControl, NotElected
+        from megatron_mecefo.recovery.etcd_control import (
+            ControlError,
+            EtcdControl,
+            NotElected,
+            lease_ttl_s,
+        )
         from megatron_mecefo.recovery.membership import MembershipStore
         from megatron_mecefo.recovery.store_etcd import (
             HOT_STORE,
@@ -217,7 +234,7 @@ class StoreHost:
 
         a = self.args
         prefix = etcd_prefix(a)
-        ttl = self.cfg.heartbeat_timeout_s
+        ttl = lease_ttl_s(self.cfg.heartbeat_timeout_s)  # a floor: load cannot cost the lease
         self.cfg.store = etcd_address(a.etcd_endpoints, prefix, ttl)
         self.control = EtcdControl(a.etcd_endpoints, prefix, ttl, on_lost=self._control_lost)
         register_control(self.cfg.store, self.control)
@@ -435,6 +452,7 @@ class StoreHost:
         assert c is not None
         sock: Optional[socket.socket] = None
         watched, ended = "", ""
+        refused_since: Optional[float] = None  # the first of the refusals in a row
         while not (self._closing.is_set() or self._finishing.is_set() or self.hosts_store):
             if c.term is not None:  # this node won the next term: it leads, nothing to watch
                 break
@@ -446,18 +464,21 @@ class StoreHost:
             if address != watched:
                 if sock is not None:
                     sock.close()
-                sock, watched = None, address
+                sock, watched, refused_since = None, address, None
             if not address or address == ended:  # a takeover is under way
                 time.sleep(0.05)
                 continue
             if sock is None:
                 sock, refused = _connect(address)
                 if refused:
-                    if self._end_dead_term(address):
+                    now = time.monotonic()
+                    refused_since = now if refused_since is None else refused_since
+                    if now - refused_since >= REFUSAL_LASTS_S and self._end_dead_term(address):
                         ended = address
                     else:
-                        time.sleep(0.05)  # re-read hot_store
+                        time.sleep(0.1)  # re-read hot_store, connect again
                     continue
+                refused_since = None  # accepted, or no answer: the refusals did not last
                 if sock is None:  # a timeout or an unreachable host: no certainty
                     time.sleep(0.2)
                     continue
@@ -476,9 +497,11 @@ class StoreHost:
             sock.close()
 
     def _end_dead_term(self, address: str) -> bool:
-        """The leader's store at ``address`` refused a connection: revoke its term's lease.
-        True when the term is over (revoked here, or no longer the one that published
-        ``address``); False when etcd did not answer (the caller looks again)."""
+        """The leader's store at ``address`` refused connections for :data:`REFUSAL_LASTS_S`:
+        revoke its term's lease if its heartbeat on etcd is stale too (no renewal of its
+        lease for over a second; it renews every half second). True when the term is over
+        (revoked here, or no longer the one that published ``address``); False when the
+        leader's heartbeat is fresh or etcd did not answer (the caller looks again)."""
         import json
 
         from megatron_mecefo.recovery.etcd_control import ControlError
@@ -489,6 +512,12 @@ class StoreHost:
         note = json.dumps({"store": address, "by": self.node, "t": time.time(),
                            "why": "its store refused connections"})  # fmt: skip
         try:
+            leader, _ = c.conn.get(c.leader_key)
+            if leader is None:
+                return True  # no term to end: the campaigns elect the next leader
+            silent = c.lease_silent_s(leader.lease)
+            if silent is not None and silent < 1:
+                return False  # it renewed its lease within the last second: alive
             term = c.end_term_of(HOT_STORE, address, note)
         except ControlError:  # no quorum: the keepalive and the campaign say it, once
             return False
@@ -556,7 +585,7 @@ class StoreHost:
             if local.dead_info(slot, inc) is None:
                 info = json.dumps({"exit_code": None, "reason": f"leader node {old_node} lost",
                                    "t": t0, "node": old_node})  # fmt: skip
-                c.put_fenced(f"kv/dead/{slot}/{inc}", info)
+                info = c.create_fenced(f"kv/dead/{slot}/{inc}", info)  # the first stands
                 local.store.set(f"dead/{slot}/{inc}", info)
         # Past any event count a supervisor saw on an earlier store: each then looks again.
         local.store.add("events", (c.term.number + 1) << 20)
@@ -601,14 +630,52 @@ class StoreHost:
                                            pinned=address))  # fmt: skip
         else:
             ms = MembershipStore.connect(address, self.cfg.init_timeout_s)
+        self._coordinator_store = address
         self.coordinator = Coordinator(
             ms,
             self.world_size,
             self.cfg,
             log=lambda line: print(line, flush=True),
             join_at_boundary_only="--use-distributed-optimizer" in self.args.command,
+            on_failure=self._coordinator_failed,
         )
         self.coordinator.start(resume=resume)
+
+    def _coordinator_failed(self, err: BaseException) -> None:
+        """The coordinator's thread ended on ``err`` while the job runs (called from it).
+        Without it no death would ever make a generation, so it is never left down: in etcd
+        mode this node resigns its lease (another node takes over at once, with the state on
+        etcd) and stops with one line; with a single store (nobody to take over) the thread
+        is restarted from the store's state, each time with one line, at most
+        :data:`COORDINATOR_RESTARTS` times, and then the job stops with that line."""
+        if self._closing.is_set():
+            return
+        what = f"{type(err).__name__}: {_first_line(err)}"
+        if self.control is not None:
+            try:
+                self.control.resign()
+                handed = "resigned its etcd lease: another node takes over now"
+            except Exception:  # noqa: BLE001 (etcd unreachable: the lease expires instead)
+                handed = f"its etcd lease expires within {self.control.ttl_s} s: another node "
+                handed += "takes over then"
+            self._control_lost(f"the coordinator thread failed ({what}); this node {handed}")
+            return
+        self._coordinator_restarts += 1
+        if self._coordinator_restarts > COORDINATOR_RESTARTS:
+            line = (f"the coordinator thread failed {self._coordinator_restarts} times, the "
+                    f"last with {what}; no generation can be made without it")  # fmt: skip
+            self.log(line)
+            try:
+                assert self.ms is not None
+                self.ms.set_fatal(line)
+            except Exception:  # noqa: BLE001 (the store itself failed: the ranks see it)
+                pass
+            return
+        self.log(
+            f"the coordinator thread failed ({what}); restarted from the store's state "
+            f"({self._coordinator_restarts} of {COORDINATOR_RESTARTS})"
+        )
+        self._start_coordinator(self._coordinator_store, resume=True)
 
     def _wait_for_store(self) -> None:
         """Until node 0's store accepts a connection: a line every few seconds, and one error

@@ -131,21 +131,68 @@ class Supervisor:
 
     def _control_lost(self, line: str) -> None:
         """``--store-mode etcd``, from a background thread: this node was deposed (its lease
-        expired: hung, cut off) or etcd lost its quorum. Its ranks are killed at once and the
-        supervisor exits with one line, so nothing more is written by this node."""
+        expired: hung, cut off), lost etcd, or its coordinator failed. Its ranks are killed
+        at once and the supervisor exits with one line (:func:`control_lost_line`), so
+        nothing more is written by this node."""
+        self.log(control_lost_line(line, self._kill_everyone()))
+        os._exit(1)  # the main thread may be in a store call to a lost store: no unwinding
+
+    def _kill_everyone(self) -> int:
+        """SIGKILL every rank and standby of this node (and what they started); how many."""
         everyone = list(self.children.values()) + list(self.standby)
         for child in everyone:
             kill_group(child.proc.pid)
             kill(child.proc.pid)
-        # A lost quorum stops every node (Slurm requeues the job); a deposed node alone
-        # leaves the others training.
-        after = (
-            "the job stops: etcd has no quorum"
-            if "quorum" in line
-            else "the other nodes go on while etcd keeps a quorum"
+        return len(everyone)
+
+    def _watch_declared_dead(self) -> None:
+        """``--store-mode etcd``, a thread: a node cut off from the leader but not from etcd
+        is declared dead by the leader (its supervisor and ranks fell silent there), while
+        its own calls to the leader's store hang. It learns it from etcd: once every rank
+        this node holds is recorded dead by someone else (no exit code: the coordinator or
+        a takeover), it stops with one line and exits 1 (its writes are refused anyway)."""
+        from megatron_mecefo.recovery.etcd_control import ControlError
+
+        c = self.store_host.control
+        assert c is not None
+        while True:
+            time.sleep(self.cfg.heartbeat_interval_s)
+            if self.stopping is not None:
+                return
+            # Every rank this supervisor holds, exited ones too: cut off from the leader, a
+            # rank fails its collectives and exits while the main loop hangs in a store call.
+            running = [(s, ch.inc) for s, ch in list(self.children.items())]
+            if not running:
+                continue
+            try:
+                # Serializable: every node looks each interval; a moment's lag costs nothing.
+                found = c.conn.range(c.key("kv/dead/"), prefix=True, serializable=True).kvs
+            except ControlError:
+                continue  # etcd unreachable: the keepalive or the campaign says so
+            declared = {}
+            for kv in found:
+                slot, inc = kv.key.decode().rsplit("/", 2)[-2:]
+                info = _json_or_none(kv.value)
+                if info is not None and info.get("exit_code") is None:
+                    declared[(int(slot), int(inc))] = info
+            if all(key in declared for key in running):
+                reason = declared[running[0]].get("reason", "no reason given")
+                self._declared_dead(sorted(s for s, _ in running), str(reason))
+                return
+
+    def _declared_dead(self, slots: List[int], reason: str) -> None:
+        """Stop this node: its ranks were declared dead by the leader. Through the same
+        once-only path as a lost lease (:meth:`_control_lost`: one line, exit 1)."""
+        control = self.store_host.control
+        if control is not None and control.term is not None and not control.lost.is_set():
+            try:
+                control.resign()  # this node led: the next leader need not wait for the TTL
+            except Exception:  # noqa: BLE001 (the lease then expires by itself)
+                pass
+        self.store_host._control_lost(
+            f"this node was declared dead: ranks {', '.join(map(str, slots))} were declared "
+            f"dead by the leader ({reason}), which this node could not reach while etcd could"
         )
-        self.log(f"{line}; {len(everyone)} processes of this node killed, exiting ({after})")
-        os._exit(1)  # the main thread may be in a store call to a lost store: no unwinding
 
     def _job_ended(self, line: str) -> None:
         """``--store-mode etcd``, from a background thread: this node won a term after the job
@@ -170,6 +217,10 @@ class Supervisor:
             self.cfg.store, self.node, self.cfg.poll_interval_s, self.args.nnodes,
             self.cfg.vote_group_size, self.args.store_host,
         )  # fmt: skip
+        if self.store_host.control is not None:
+            threading.Thread(
+                target=self._watch_declared_dead, name="mecefo-declared-dead", daemon=True
+            ).start()
 
     # ------------------------------------------------------------------ processes
     def spawn(self, slot: int, inc: int) -> None:
@@ -536,6 +587,29 @@ class Supervisor:
         return 0
 
 
+def control_lost_line(line: str, killed: int) -> str:
+    """The last line of a node whose etcd leadership or connection is lost: what it knows.
+    A node that no etcd member answered cannot tell a lost quorum from its own lost links, so
+    it never says the quorum is lost; NOSPACE stops every node until its space is freed."""
+    if "etcd NOSPACE" in line:
+        after = "the job stops: etcd refuses every write until its space is freed"
+    elif "this node lost etcd" in line:
+        after = "this node lost etcd; the other nodes go on if they still reach an etcd quorum"
+    else:
+        after = "the other nodes go on if they still reach an etcd quorum"
+    return f"{line}; {killed} processes of this node killed, exiting ({after})"
+
+
+def _json_or_none(text: bytes) -> Optional[dict]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -556,6 +630,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SupervisorError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return err.exit_code
+    except RuntimeError as err:
+        from megatron_mecefo.recovery.etcd_transport import ControlError
+
+        if not isinstance(err, ControlError):
+            raise
+        # e.g. etcd's NOSPACE on a death this node reports: one line, as any other end.
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if supervisor.error_dir:
             shutil.rmtree(supervisor.error_dir, ignore_errors=True)

@@ -247,6 +247,7 @@ def validate(args: argparse.Namespace) -> RecoveryConfig:
     if args.node_rank == 0 and args.store_port:
         _check_port_free(args.store_host, args.store_port)
     args.etcd_endpoints = _etcd_endpoints(args)
+    _check_store_host_reachable(args)
     if args.store_mode == "etcd":
         _check_etcd_client()
     elif args.store is not None and args.store.strip().startswith("etcd://"):
@@ -368,6 +369,29 @@ def _check_etcd_client() -> None:
             f"--store-mode etcd needs the etcd client etcd-sdk-python, which does not import "
             f"here ({type(err).__name__}: {first}); {ETCD_CLIENT_FIX}"
         ) from None
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (127.x, localhost, ::1)."""
+    host = host.strip().strip("[]").lower()
+    return host in ("localhost", "::1") or host.startswith("127.") or host.endswith(".localhost")
+
+
+def _check_store_host_reachable(args: argparse.Namespace) -> None:
+    """``--store-mode etcd`` on several nodes: any node may lead and serve the store, so its
+    ``--store-host`` must be an address the other nodes reach. A loopback one (the default)
+    sends every follower to its own machine, where nothing listens: each then finds the
+    leader's store refusing connections. Allowed only where etcd is on loopback too (every
+    node on one machine, as in a test)."""
+    if args.store_mode != "etcd" or args.nnodes <= 1 or not _loopback(args.store_host):
+        return
+    if all(_loopback(e.rpartition(":")[0]) for e in args.etcd_endpoints):
+        return
+    raise RecoveryConfigError(
+        f"--store-host {args.store_host}: a loopback address in a {args.nnodes}-node "
+        "--store-mode etcd job; the other nodes cannot reach a store served there should this "
+        "node lead: pass this node's hostname or an address the other nodes reach"
+    )
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -36,7 +36,8 @@ from megatron_mecefo.recovery.membership import MembershipStore
 
 
 class HotStoreControl:
-    """What ``EtcdStore`` uses of ``EtcdControl``: the value of ``hot_store``."""
+    """What ``EtcdStore`` uses of ``EtcdControl``: the value of ``hot_store`` and the term
+    that published it (each address its own term here)."""
 
     def __init__(self, address: str) -> None:
         self.address = address
@@ -47,6 +48,9 @@ class HotStoreControl:
 
     def _get(self, key: bytes) -> Tuple[Any, int]:
         return SimpleNamespace(value=self.address.encode()), 1
+
+    def published_store(self, name: str) -> Tuple[str, int]:
+        return self.address, (int(self.address.rsplit(":", 1)[1]) if self.address else 0)
 
 
 def _server() -> Tuple[Any, str]:

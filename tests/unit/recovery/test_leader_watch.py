@@ -22,19 +22,25 @@ from megatron_mecefo.recovery.store_host import StoreHost
 
 
 class FakeControl:
-    """What the watch uses of ``EtcdControl``: ``hot_store``'s value, and ``end_term_of``."""
+    """What the watch uses of ``EtcdControl``: ``hot_store``'s value, the leader's lease and
+    how long it has not been renewed (a dead leader's: never again), and ``end_term_of``."""
 
     def __init__(self, address: str) -> None:
         self.address = address
         self.term: Optional[Term] = None
         self.ended: List[Tuple[str, float]] = []
         self.conn = SimpleNamespace(get=self._get)
+        self.leader_key = b"leader"
+        self.silent_s = 5
 
     def key(self, name: str) -> bytes:
         return name.encode()
 
     def _get(self, key: bytes) -> Tuple[Any, int]:
-        return SimpleNamespace(value=self.address.encode()), 1
+        return SimpleNamespace(value=self.address.encode(), lease=7), 1
+
+    def lease_silent_s(self, lease: int) -> Optional[int]:
+        return self.silent_s
 
     def end_term_of(self, name: str, value: str, note: str) -> Optional[Term]:
         self.ended.append((value, time.monotonic()))
