@@ -18,6 +18,9 @@ from conftest import REPO, child_env
 from etcd_cluster import EtcdCluster, running_cluster
 from harness import SMALL_MODEL, Job, check_every_sample_once, train_records
 
+from megatron_mecefo.recovery.etcd_control import lease_ttl_s
+from megatron_mecefo.recovery.store_host import LEADERLESS_GRACE_S
+
 SUP = "megatron_mecefo.recovery.supervisor: error:"
 
 
@@ -91,8 +94,10 @@ def test_second_job_with_a_live_jobs_id_is_refused(tmp_path: Path, etcd: EtcdClu
     the prefix's leader lease (one TTL and a grace) and is then refused with one line naming
     the prefix and the fix; it deleted nothing, and the running job finishes with every
     sample once."""
-    iters, gbs = 60, 8
     hb = 2.0
+    # The live job outlasts the second node 0's wait for its lease (one TTL and a grace) by
+    # about 15 s of its 0.1 s steps.
+    iters, gbs = int((lease_ttl_s(hb) + LEADERLESS_GRACE_S + 15) / 0.1), 8
     timeouts = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", f"{hb:g}",
                 "--collective-timeout", "25", "--init-timeout", "50"]  # fmt: skip
     job = Job(tmp_path / "live", 2, _layout(iters, gbs), nnodes=1,
@@ -147,12 +152,16 @@ def test_a_client_never_follows_another_runs_store(etcd: EtcdCluster) -> None:
     control = EtcdControl(etcd.endpoints, prefix, 2.0)
     ours, theirs = serve("127.0.0.1", 0), serve("127.0.0.1", 0)
     try:
+        # Each run's leader term first: a client follows a store only the standing term wrote.
+        control.conn.put(control.leader_key, "ours")
         control.conn.put(control.key(RUN_KEY), "ours")
         control.conn.put(control.key(HOT_STORE), f"127.0.0.1:{ours.port}")
         guarded = EtcdStore(etcd_address(etcd.endpoints, prefix, 2.0, run="ours"), 5.0)
         plain = EtcdStore(etcd_address(etcd.endpoints, prefix, 2.0), 5.0)
         assert guarded.check(["done"]) is False and plain.check(["done"]) is False
         theirs.set("done", "1")
+        control.conn.delete(control.leader_key)  # a new term: a new create revision
+        control.conn.put(control.leader_key, "theirs")
         control.conn.put(control.key(RUN_KEY), "theirs")
         control.conn.put(control.key(HOT_STORE), f"127.0.0.1:{theirs.port}")
         # The hot_store watch shuts this process's sockets to our store: the next calls fail.
