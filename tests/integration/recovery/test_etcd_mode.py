@@ -274,8 +274,8 @@ def test_leader_lost_twice_with_a_rejoin(tmp_path: Path, etcd: EtcdCluster) -> N
     on, and a new node joins in its place and is healed as well (started as a hot spare
     before that loss, ``--standby 1``: a cold start after it takes about 100 iterations here,
     longer than the job has left). Every sample once, every replica identical at the end (DP3
-    again)."""
-    iters, gbs = 150, 12
+    again). 250 iterations: at 150, a load of 5-20 let the job end before the second rejoin."""
+    iters, gbs = 250, 12
     job = Job(tmp_path, 1, _layout(iters, gbs), nnodes=3, supervisor_args=_etcd_args(etcd),
               MECEFO_TEST_STEP_SLEEP="0.1")  # fmt: skip
     healed = "healed; parameters and optimizer state identical"
