@@ -170,3 +170,20 @@ def running_cluster(directory: Path, client_host: str = "127.0.0.1") -> Iterator
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(name="etcd")
+def etcd_fixture(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """``etcd``: a private 3-member cluster for one test (a test module imports this)."""
+    yield from running_cluster(tmp_path / "etcd")
+
+
+def mecefo_layout(iters: int, gbs: int, *extra: str) -> List[str]:
+    """The example trainer's small model with MeCeFO on ``MECEFO_TEST_DATA`` (set by the
+    test module's fixture from ``text_data``)."""
+    from harness import SMALL_MODEL
+
+    return SMALL_MODEL + [
+        "--global-batch-size", str(gbs), "--train-iters", str(iters), "--mecefo",
+        "--data-path", os.environ["MECEFO_TEST_DATA"], *extra,
+    ]  # fmt: skip

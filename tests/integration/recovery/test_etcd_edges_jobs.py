@@ -18,14 +18,9 @@ from pathlib import Path
 from typing import Iterator, List
 
 import pytest
-from etcd_cluster import EtcdCluster, running_cluster
-from harness import SMALL_MODEL, Job, check_every_sample_once, train_records
+from etcd_cluster import EtcdCluster, etcd_fixture, mecefo_layout, running_cluster  # noqa: F401
+from harness import Job, check_every_sample_once, train_records
 from netns import Netns, network
-
-
-@pytest.fixture()
-def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from running_cluster(tmp_path / "etcd")
 
 
 @pytest.fixture(autouse=True)
@@ -34,10 +29,7 @@ def _data(text_data: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _layout(iters: int, gbs: int) -> List[str]:
-    return SMALL_MODEL + [
-        "--global-batch-size", str(gbs), "--train-iters", str(iters), "--mecefo",
-        "--data-path", os.environ["MECEFO_TEST_DATA"],
-    ]  # fmt: skip
+    return mecefo_layout(iters, gbs)
 
 
 def _supervisor_lines(job: Job, node: int) -> List[str]:

@@ -5,28 +5,22 @@ ranks of the example trainer on a real 3-member etcd; every process ended by PID
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, List
+from typing import List
 
 import pytest
 from conftest import REPO, child_env
-from etcd_cluster import EtcdCluster, running_cluster
-from harness import SMALL_MODEL, Job, check_every_sample_once, train_records
+from etcd_cluster import EtcdCluster, etcd_fixture, mecefo_layout  # noqa: F401 (a fixture)
+from harness import Job, check_every_sample_once, train_records
 
 from megatron_mecefo.recovery.etcd_control import lease_ttl_s
 from megatron_mecefo.recovery.store_host import LEADERLESS_GRACE_S
 
 SUP = "megatron_mecefo.recovery.supervisor: error:"
-
-
-@pytest.fixture()
-def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from running_cluster(tmp_path / "etcd")
 
 
 @pytest.fixture(autouse=True)
@@ -38,10 +32,7 @@ def _no_job_id(text_data: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _layout(iters: int, gbs: int) -> List[str]:
-    return SMALL_MODEL + [
-        "--global-batch-size", str(gbs), "--train-iters", str(iters), "--mecefo",
-        "--data-path", os.environ["MECEFO_TEST_DATA"],
-    ]  # fmt: skip
+    return mecefo_layout(iters, gbs)
 
 
 def _etcd_args(etcd: EtcdCluster, *extra: str) -> List[str]:

@@ -10,12 +10,11 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Iterator, List
+from typing import List
 
 import pytest
-from etcd_cluster import EtcdCluster, running_cluster
+from etcd_cluster import EtcdCluster, etcd_fixture, mecefo_layout  # noqa: F401 (a fixture)
 from harness import (
-    SMALL_MODEL,
     Job,
     check_every_sample_once,
     max_param_diff,
@@ -28,22 +27,13 @@ from megatron_mecefo.recovery.etcd_control import lease_ttl_s
 PARAM_ATOL = 2e-5  # as test_real_failures: fp32 reassociation over the survivors' all-reduce
 
 
-@pytest.fixture()
-def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from running_cluster(tmp_path / "etcd")
-
-
 @pytest.fixture(autouse=True)
 def _data(text_data: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MECEFO_TEST_DATA", text_data)
 
 
 def _layout(iters: int, gbs: int) -> List[str]:
-    return SMALL_MODEL + [
-        "--global-batch-size", str(gbs), "--train-iters", str(iters), "--mecefo",
-        "--data-path", os.environ["MECEFO_TEST_DATA"],
-        "--check-weight-hash-across-dp-replicas-interval", "1",
-    ]  # fmt: skip
+    return mecefo_layout(iters, gbs, "--check-weight-hash-across-dp-replicas-interval", "1")
 
 
 def _etcd_args(etcd: EtcdCluster, *extra: str) -> List[str]:
