@@ -20,11 +20,17 @@ export PYTHONUNBUFFERED := 1
 # 2.13.0 already keeps it (a change to setup.py reinstalls the package only). Then the
 # package, constrained to that torch.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# --index-url TORCH_INDEX when it answers; on a machine that cannot reach it (an offline mirror,
+# wheels in a find-links folder) pip's own configuration, said in one line, rather than a retry
+# per package against an unreachable host.
+TORCH_INDEX_ARG = [ -n "$(TORCH_INDEX)" ] && { $(PY) -c "import urllib.request as u; \
+	u.urlopen('$(TORCH_INDEX)/', timeout=10)" 2> /dev/null && echo --index-url $(TORCH_INDEX) \
+	|| echo "make venv: $(TORCH_INDEX) does not answer: torch from pip's configured index" >&2; }
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" \
-	    2> /dev/null || $(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	    2> /dev/null || $(PIP) install -q torch==2.13.0 $$($(TORCH_INDEX_ARG))
 	$(PIP) install -q -c constraints.txt -e .[test]
 	touch $@
 
