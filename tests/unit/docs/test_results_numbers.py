@@ -33,16 +33,22 @@ def _row(prefix: str, page: str = PAGE) -> str:
 
 
 def test_goodput_table_is_the_json_per_system() -> None:
-    """Each system's emulated ETTR in samples, mean ± 95% interval, and its own failure-free
-    samples per second, as in the JSON; no run above 1 + its system's interval."""
+    """Each system's samples per second under kills over the common reference (the headline)
+    and its ETTR against its own failure-free run, mean ± 95% interval, its failure-free
+    samples per second and its kills in the window, as in the JSON; torchft's failure-free runs
+    at all four replicas; no run above 1 + its system's interval."""
     res = _load("goodput.json")
     assert res["emulated"]
+    assert res["checks"]["torchft_failure_free_short"] == []
     for rows in res["table"].values():
         for system, prefix in SYSTEMS.items():
             got = rows[system]
             row = _row(prefix)
-            assert f"{got['ettr_mean']:.2f} ± {got['ettr_ci95']:.2f}" in row, (system, row)
-            assert f"| {got['ff_samples_per_s_mean']:.2f} |" in row, (system, row)
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            assert cells[1] == f"{got['common_mean']:.2f} ± {got['common_ci95']:.2f}", row
+            assert cells[2] == f"{got['ettr_mean']:.2f} ± {got['ettr_ci95']:.2f}", row
+            assert cells[3] == f"{got['ff_samples_per_s_mean']:.2f}", row
+            assert cells[6] == ", ".join(str(k) for k in got["kills_in_window"]), row
             assert got["runs_above_1_plus_ci95"] == [], system
 
 
