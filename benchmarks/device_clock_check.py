@@ -62,8 +62,7 @@ def emulated_step(shape: str = SHAPE, microbatches: int = 2) -> float:
     """The clock's failure-free step: ``microbatches`` x (forward + backward) + optimizer."""
     from megatron_mecefo.planner.device_clock import clock_for
 
-    t = clock_for(shape).target
-    return microbatches * (t["forward"] + t["backward"]) + t["optimizer"]
+    return clock_for(shape).step_s(microbatches)
 
 
 def run_ranks(ranks: int, workdir: Path, data: str, iters: int, timeout: float = 400) -> Dict:

@@ -1315,8 +1315,7 @@ def emulated_step(shape: Optional[str], microbatches: int) -> Optional[float]:
         return None
     from megatron_mecefo.planner.device_clock import clock_for
 
-    t = clock_for(shape).target
-    return microbatches * (t["forward"] + t["backward"]) + t["optimizer"]
+    return clock_for(shape).step_s(microbatches)
 
 
 def main() -> None:

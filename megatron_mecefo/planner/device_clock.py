@@ -203,6 +203,11 @@ class DeviceClock:
             "emulated": True,
         }
 
+    def step_s(self, microbatches: int) -> float:
+        """The emulated failure-free step: ``microbatches`` x (forward + backward) + optimizer."""
+        t = self.target
+        return microbatches * (t["forward"] + t["backward"]) + t["optimizer"]
+
     def cost_profile(self, base: CostProfile) -> CostProfile:
         """The costs this clock charges, as the planner's profile: what ``auto`` ranks by under
         the clock (the costs a GPU would have, not the CPU's).
