@@ -101,15 +101,22 @@ def last_checkpoint(args: Any) -> Optional[Tuple[str, str]]:
     if dirs is None:
         dirs = (getattr(args, "save", None), getattr(args, "load", None))
     for directory in dirs:
-        if not directory:
-            continue
-        tracker = os.path.join(directory, "latest_checkpointed_iteration.txt")
-        try:
-            with open(tracker) as f:
-                return directory, f.read().strip()
-        except OSError:
-            continue
+        iteration = tracked_iteration(directory)
+        if iteration is not None:
+            return directory, iteration
     return None
+
+
+def tracked_iteration(directory: Optional[str]) -> Optional[str]:
+    """What Megatron's tracker file (``latest_checkpointed_iteration.txt``) in ``directory``
+    says, or None where there is none."""
+    if not directory:
+        return None
+    try:
+        with open(os.path.join(directory, "latest_checkpointed_iteration.txt")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def checkpoint_line(args: Any) -> str:

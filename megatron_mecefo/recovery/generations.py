@@ -235,7 +235,7 @@ def _has_checkpoint(args: Any) -> bool:
     """Whether ``--save`` or ``--load`` names a checkpoint (a tracker file): the disk fallback
     of a death under the distributed optimizer (the next world checks it and agrees)."""
     return any(
-        d and os.path.isfile(os.path.join(d, "latest_checkpointed_iteration.txt"))
+        failures.tracked_iteration(d) is not None
         for d in (getattr(args, "save", None), getattr(args, "load", None))
     )
 
