@@ -85,6 +85,34 @@ DIST_OPT_REJOIN_MESSAGE = (
 )
 
 
+def rescale_gradients(model: Any, dp: int) -> None:
+    """Make each DDP chunk average its gradients over the job's ``dp`` replicas, not over the
+    members of this world's data-parallel group.
+
+    Megatron scales the reduced gradients by ``1 / (this world's data-parallel size)``: its
+    bucket's ``gradient_scaling_factor``, or an averaging collective. The takeover plan's loss
+    weights assume the job's own size (the survivors absorb the lost replicas' micro-batches),
+    so the factor is reset to ``1 / dp`` (``m / dp`` before an averaging collective over ``m``
+    members). Per-token loss is left alone (the global token count normalises). Decided from
+    the configs, not from the factor: in a world of one data-parallel member the factor is 1.0
+    either way (PP2 x DP2 that lost a replica applied twice the gradient, as a run without
+    gradient clipping showed against the simulated run).
+    """
+    for ddp in model:
+        if getattr(ddp.config, "calculate_per_token_loss", False):
+            continue
+        members = ddp.dp_cp_group.size() if hasattr(ddp, "dp_cp_group") else 1
+        averaged = getattr(ddp.ddp_config, "average_in_collective", False)
+        dense = (members if averaged else 1.0) / dp
+        for buffer in ddp.buffers:
+            for bucket in buffer.buckets:
+                bucket.gradient_scaling_factor = dense
+        for buffer in getattr(ddp, "expert_parallel_buffers", []):
+            for bucket in buffer.buckets:
+                if not averaged:  # (averaged expert buffers: Megatron's edp/dp rule, kept)
+                    bucket.gradient_scaling_factor = 1.0 / dp
+
+
 class RecoverySession:
     """Per-process recovery state (see the module docstring).
 
@@ -352,12 +380,7 @@ class RecoverySession:
 
         gen = self.gen
         assert gen is not None
-        n = self.layout.dp
-        for ddp in trainer.model:
-            for buffer in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
-                for bucket in buffer.buckets:
-                    if bucket.gradient_scaling_factor != 1.0:  # 1.0: per-token loss
-                        bucket.gradient_scaling_factor = 1.0 / n
+        rescale_gradients(trainer.model, self.layout.dp)
         self.times["constructed"] = time.time()
         # Trained state: the carry of the previous world, or a fresh start in the first one.
         # The carry is kept until this world is established: if it fails before (e.g. a

@@ -57,7 +57,11 @@ def _kill_and_compare(
     # SGD with momentum: linear in the gradient, so fp32 rounding stays at rounding size (Adam
     # turns rounding noise on near-zero gradients, e.g. rare tokens' embedding rows, into
     # lr-sized steps: 3.5e-4 after 30 steps for an ulp-level loss difference, measured).
-    args = _layout(tp, pp, dp, iters, gbs) + ["--optimizer", "sgd", "--lr", "0.05"]
+    # No gradient clipping: clipping to a norm that the real and the simulated gradients both
+    # exceed hides any error in their scale (a DP2 job that lost a replica applied twice the
+    # gradient, unseen until a norm fell under the clip).
+    args = _layout(tp, pp, dp, iters, gbs) + ["--optimizer", "sgd", "--lr", "0.05",
+                                              "--clip-grad", "0"]  # fmt: skip
     extra = {"MECEFO_TEST_STEP_SLEEP": "0.2"} if replace else {}
     sup = ["--replace", "after:2", "--standby", "1"] if replace else []
     kill = ["--mecefo-kill", f"{rank}:{iteration}:{phase}"]
@@ -110,6 +114,13 @@ def test_dp4_rank0_dies_after_the_commit_and_its_iteration_is_logged(tmp_path: P
     writes its record and line (every iteration 1..8 logged exactly once)."""
     job = _kill_and_compare(tmp_path, 1, 1, 4, rank=0, iteration=3, phase="optimizer")
     assert "iteration        3/       8" in job.log()
+
+
+def test_dp2_kill_leaves_one_replica_matches_simulated(tmp_path: Path) -> None:
+    """DP2: rank 1 is SIGKILLed in its backward; rank 0 goes on as the only replica, in a world
+    of one data-parallel member, where Megatron's own gradient factor is 1: the gradients must
+    still be averaged over the job's two replicas (as the simulated run does)."""
+    _kill_and_compare(tmp_path, 1, 1, 2, rank=1, iteration=3, phase="backward")
 
 
 @pytest.mark.slow  # the twin of the DP4 kill above; test_tp2_pp2_dp2_each_phase is slow too
