@@ -134,10 +134,32 @@ def abort(
     return _outcome(ms, generation, iteration, total, members, decision_wait_s)
 
 
+class VoteInDoubt(RuntimeError):
+    """This member voted yes but does not know the outcome (the store that decided it was lost
+    mid-vote): it must not apply the step now, and must not forget it either. It keeps the
+    step prepared until the next generation resolves the outcome (:mod:`.prepared`)."""
+
+
+class CommitInDoubt(VoteInDoubt):
+    """This member decided COMMIT but could not make the commit key durable on the store (its
+    ``set`` did not land): it must not apply the step. It is *in doubt*, and keeps the step
+    prepared for the next generation's resolution (:mod:`.prepared`)."""
+
+
 def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
-    """COMMIT, made durable before the caller applies the step (a plain ``set``): the vote is
-    decided on the (hot) store alone, with no etcd request (module docstring)."""
-    ms.store.set(_commit_key(generation, iteration), "")
+    """COMMIT, made durable before the caller applies the step: the vote is decided on the
+    (hot) store alone, with no etcd request (module docstring).
+
+    TCPStore's ``set`` awaits no reply (fire-and-forget), so the ``check`` after it, answered
+    by the same server after the ``set`` on the same connection, is what tells that the key
+    landed where every reader looks. A ``set`` that did not land (the connection or server
+    went away with it in flight) raises :class:`CommitInDoubt` (or the store's own error):
+    the caller is in doubt, not committed.
+    """
+    key = _commit_key(generation, iteration)
+    ms.store.set(key, "")
+    if not ms.store.check([key]):
+        raise CommitInDoubt(f"the commit of {generation}/{iteration} did not land on the store")
     return True
 
 
@@ -207,10 +229,13 @@ def vote_after_failover(
     on the lost store: the member is in doubt and does not apply the step (``False``; the
     regroup the takeover starts settles it, module docstring). One of a later generation has
     only met the stale client: it is cast again on the new store (and again after each later
-    takeover: each one is a leader lost, so the loop ends)."""
+    takeover: each one is a leader lost, so the loop ends). ``outcome["doubt"]`` (when given)
+    is set True when the ``False`` means in doubt, not aborted."""
     while True:
         taken = json.loads(ms.store.get(PRIMARY_KEY))["generation"]
         if generation <= taken:
+            if outcome is not None:
+                outcome["doubt"] = True
             return False
         try:
             return vote(
@@ -274,6 +299,8 @@ class AsyncVoter:
                         self._ms, generation, iteration, slot, members, self.poll_interval_s,
                         outcome, self.decision_wait_s,
                     )  # fmt: skip
+                if outcome.get("doubt"):
+                    raise VoteInDoubt(f"the store of {generation}/{iteration} was taken over")
                 future.set_result((ok, outcome["last"], time.perf_counter() - t0))
                 if ok and progress:
                     self._ms.set_durable("progress", str(iteration))

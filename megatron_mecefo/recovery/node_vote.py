@@ -42,6 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from megatron_mecefo.recovery.commit import (
     DECISION_WAIT_S,
+    VoteInDoubt,
     abort,
     forget,
     vote,
@@ -66,9 +67,10 @@ def _hang_up(conn: Connection) -> None:
     conn.close()
 
 
-class NodeVoteLost(RuntimeError):
-    """The node's vote server went away during a vote: this rank does not know the outcome and
-    must not apply the step (its node is lost; the generation after it redoes the step)."""
+class NodeVoteLost(VoteInDoubt):
+    """The node's vote server went away during a vote, or the node's vote ended in doubt: this
+    rank does not know the outcome and must not apply the step now; it keeps it prepared for
+    the next generation's resolution (:mod:`.prepared`)."""
 
 
 @dataclass
@@ -268,8 +270,11 @@ class NodeVoteServer:
                         self._send(c, ("lost", g, i, None, False))
                     continue
                 self.casts += 1
+                # In doubt (the head or the hot store lost after this node voted yes): "lost",
+                # so that the ranks keep the step prepared (NodeVoteLost), not drop it.
+                kind = "lost" if not ok and self.group.in_doubt(g, i) else "outcome"
                 for c in self._decide(g, i, ok, completed):
-                    self._send(c, ("outcome", g, i, ok, completed))
+                    self._send(c, (kind, g, i, ok, completed))
                 if ok and r.progress:
                     with contextlib.suppress(Exception), self._ms_lock:
                         self._ms.set_durable("progress", str(i))
@@ -290,8 +295,9 @@ class NodeVoteServer:
                     self._send(c, ("lost", g, i, None, False))
                 continue
             self.casts += 1
+            kind = "lost" if outcome.get("doubt") else "outcome"  # cut off by a takeover
             for c in self._decide(g, i, ok, outcome["last"]):
-                self._send(c, ("outcome", g, i, ok, outcome["last"]))
+                self._send(c, (kind, g, i, ok, outcome["last"]))
             if ok and (r.progress or outcome["last"]):  # off the ranks' path, after the replies
                 try:
                     with self._ms_lock:
