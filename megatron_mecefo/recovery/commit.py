@@ -137,7 +137,15 @@ def abort(
 class VoteInDoubt(RuntimeError):
     """This member voted yes but does not know the outcome (the store that decided it was lost
     mid-vote): it must not apply the step now, and must not forget it either. It keeps the
-    step prepared until the next generation resolves the outcome (:mod:`.prepared`)."""
+    step prepared until the next generation resolves the outcome (:mod:`.prepared`).
+
+    ``counted``: the member count of the vote's counter on the hot store (ranks, nodes or
+    groups), when known: the resolver fences the old count with it (:func:`.prepared.resolve`).
+    """
+
+    def __init__(self, message: str = "", counted: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.counted = counted
 
 
 class CommitInDoubt(VoteInDoubt):
@@ -306,6 +314,10 @@ class AsyncVoter:
                     self._ms.set_durable("progress", str(iteration))
                 if ok and outcome["last"]:  # off the training thread, after its result
                     forget(self._ms, generation, iteration - 1)
+            except VoteInDoubt as err:  # the counter counts this generation's ranks
+                err.counted = len(members) if err.counted is None else err.counted
+                if not future.done():
+                    future.set_exception(err)
             except BaseException as err:  # noqa: BLE001 (the training thread re-raises it)
                 if not future.done():  # else: the bookkeeping after the result failed
                     future.set_exception(err)

@@ -48,7 +48,7 @@ from megatron_mecefo.recovery.commit import (
     vote,
     vote_after_failover,
 )
-from megatron_mecefo.recovery.group_vote import GroupStore, GroupVote, two_level
+from megatron_mecefo.recovery.group_vote import GroupStore, GroupVote, groups_of, two_level
 from megatron_mecefo.recovery.membership import MembershipStore
 from megatron_mecefo.recovery.store_forwarding import StoreFailedOver
 
@@ -263,18 +263,23 @@ class NodeVoteServer:
             outcome: Dict[str, bool] = {"last": False}
             if self._two_level(r.nodes):  # the group's head casts; the hot store counts groups
                 assert self.group is not None
+                counted = len(groups_of(r.nodes, self.group.group_size))
                 try:
                     ok, completed = self.group.vote(g, i, r.nodes)
                 except Exception:  # noqa: BLE001 (e.g. this node not in the generation)
                     for c in self._decide(g, i, False, False):
-                        self._send(c, ("lost", g, i, None, False))
+                        self._send(c, ("lost", g, i, counted, False))
                     continue
                 self.casts += 1
-                # In doubt (the head or the hot store lost after this node voted yes): "lost",
-                # so that the ranks keep the step prepared (NodeVoteLost), not drop it.
-                kind = "lost" if not ok and self.group.in_doubt(g, i) else "outcome"
+                # In doubt (the head or the hot store lost after this node voted yes): "lost"
+                # (with the hot counter's member count), so that the ranks keep the step
+                # prepared (NodeVoteLost), not drop it.
+                doubt = not ok and self.group.in_doubt(g, i)
+                message = (
+                    ("lost", g, i, counted, False) if doubt else ("outcome", g, i, ok, completed)
+                )
                 for c in self._decide(g, i, ok, completed):
-                    self._send(c, (kind, g, i, ok, completed))
+                    self._send(c, message)
                 if ok and r.progress:
                     with contextlib.suppress(Exception), self._ms_lock:
                         self._ms.set_durable("progress", str(i))
@@ -292,12 +297,15 @@ class NodeVoteServer:
                     )  # fmt: skip
             except Exception:  # noqa: BLE001 (store lost: the ranks must not apply the step)
                 for c in self._decide(g, i, False, False):
-                    self._send(c, ("lost", g, i, None, False))
+                    self._send(c, ("lost", g, i, len(r.nodes), False))
                 continue
             self.casts += 1
-            kind = "lost" if outcome.get("doubt") else "outcome"  # cut off by a takeover
+            doubt = outcome.get("doubt")  # cut off by a takeover: in doubt
             for c in self._decide(g, i, ok, outcome["last"]):
-                self._send(c, (kind, g, i, ok, outcome["last"]))
+                if doubt:
+                    self._send(c, ("lost", g, i, len(r.nodes), False))
+                else:
+                    self._send(c, ("outcome", g, i, ok, outcome["last"]))
             if ok and (r.progress or outcome["last"]):  # off the ranks' path, after the replies
                 try:
                     with self._ms_lock:
@@ -422,8 +430,10 @@ class NodeVoteClient:
                     future, t0 = waiting.pop(0)
                     if not waiting:
                         del self._pending[(g, i)]
-                if kind == "lost":
-                    future.set_exception(NodeVoteLost(f"the node's store was lost in {g}/{i}"))
+                if kind == "lost":  # ``ok`` is the hot counter's member count here
+                    future.set_exception(
+                        NodeVoteLost(f"the node's vote of {g}/{i} is in doubt", counted=ok)
+                    )
                 else:
                     future.set_result((bool(ok), bool(completed), time.perf_counter() - t0))
         except (EOFError, OSError) as err:

@@ -70,6 +70,16 @@ class PreparedStep:
     def key(self) -> Tuple[int, int]:
         return self.generation, self.iteration
 
+    def fits(self, params: Sequence[Any]) -> bool:
+        """Whether the kept gradients match ``params`` (the same optimizer layout: not, e.g.,
+        after the distributed optimizer re-sharded over a different world)."""
+        if self.extra.get("skipped"):
+            return True
+        return len(params) == len(self.grads) and all(
+            g is None or (g.shape == p.shape and g.dtype == p.dtype)
+            for p, g in zip(params, self.grads, strict=True)
+        )
+
     def apply(self, params: Sequence[Any], step: Callable[[], Any]) -> Any:
         """Put the kept gradients back on ``params`` and run ``step`` (the optimizer's update
         with ready gradients); the copy is released."""
@@ -92,7 +102,7 @@ def resolve(
     ms: Any,
     generation: int,
     iteration: int,
-    counted: int,
+    counted: Optional[int],
     applied: bool,
     decision_wait_s: float = DECISION_WAIT_S,
 ) -> bool:
@@ -101,13 +111,17 @@ def resolve(
 
     Args:
         ms: A :class:`~.membership.MembershipStore` of the new generation's hot store.
-        counted: :attr:`PreparedStep.counted`.
+        counted: :attr:`PreparedStep.counted`; None where no holder knows it (a voter that
+            hung: its count cannot be read, and nobody alive applied the step unless
+            ``applied``).
         applied: :func:`applied_by_someone` over the new world's members.
     """
     if applied:
         outcome = True
-    else:  # fences a vote still in flight; True when the count completed before any abort
+    elif counted:  # fences a vote still in flight; True when the count completed before any abort
         outcome = abort(ms, generation, iteration, counted, decision_wait_s)
+    else:
+        outcome = False
     key = RESOLVED_KEY.format(generation=generation, iteration=iteration)
     standing = ms.store.compare_set(key, "", COMMIT if outcome else ABORT).decode()
     return standing == COMMIT

@@ -248,3 +248,167 @@ def test_the_node_vote_completer_tells_its_ranks_in_doubt_when_its_commit_is_los
             assert not ms.store.check(["commit/0/1"])
         finally:
             server.close()
+
+
+# ---------------------------------------------------------------- the session and step hook
+
+
+class _Optimizer:
+    """Megatron-Core's optimizer shape: ``step`` prepares the (reduced, clipped) gradients,
+    then calls ``step_with_ready_grads`` (which the commit vote wraps)."""
+
+    def __init__(self, inner: torch.optim.Optimizer, grads: Callable[[], List[torch.Tensor]]):
+        self.inner, self.grads = inner, grads
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.inner.param_groups
+
+    def step(self):
+        params = [p for g in self.param_groups for p in g["params"]]
+        for p, g in zip(params, self.grads(), strict=True):
+            p.grad = g.clone()
+        return self.step_with_ready_grads(), 0.0, 0
+
+    def step_with_ready_grads(self) -> bool:
+        self.inner.step()
+        return True
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.inner.state_dict()
+
+
+class _Trainer:
+    """A stage's model (one linear layer) with the attributes the carry exports."""
+
+    def __init__(self, stage: int) -> None:
+        torch.manual_seed(stage)
+        self.stage = stage
+        self.model_chunks = [torch.nn.Linear(4, 4)]
+        inner = torch.optim.AdamW(self.model_chunks[0].parameters(), lr=0.1)
+        self.optimizer = _Optimizer(inner, lambda: self.reduced(self.iteration + 1))
+        self.scheduler = type("S", (), {"state_dict": lambda self: {}})()
+        self.iteration, self.consumed_samples = 0, 0
+        self.history, self.evals, self.saved = [], [], []
+        self.controller = None
+
+    def reduced(self, iteration: int) -> List[torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * iteration + self.stage)
+        return [torch.randn(p.shape, generator=g) for p in self.model_chunks[0].parameters()]
+
+    def train_step(self) -> None:
+        self.optimizer.step()
+        self.iteration += 1
+
+    def extra_state(self) -> Dict[str, Any]:
+        return {}
+
+    def apply_prepared_step(self, step: PreparedStep) -> None:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        step.apply(params, self.optimizer.step_with_ready_grads)
+        self.iteration += 1
+
+
+class _Voter:
+    """A voter whose vote ends in doubt (its node's vote server lost the outcome)."""
+
+    def start(self, generation, iteration, slot, members, report_progress=False) -> Future:
+        future: Future = Future()
+        future.set_exception(NodeVoteLost("in doubt", counted=2))
+        return future
+
+    def abort(self, *a, **k) -> bool:
+        raise AssertionError("a vote in doubt is not aborted by its rank")
+
+
+def _session(store: str, slot: int) -> Any:
+    from types import SimpleNamespace
+
+    from megatron_mecefo.recovery.session import RecoverySession
+
+    class Session(SimpleNamespace):
+        keep_prepared = RecoverySession.keep_prepared
+        _prepared_entry = RecoverySession._prepared_entry
+        _settle_prepared = RecoverySession._settle_prepared
+
+        def log(self, line: str, all_ranks: bool = False) -> None:
+            print(line)
+
+    return Session(
+        slot=slot, rank=slot, ms=MembershipStore.connect(store), decision_wait_s=5.0,
+        prepared=None, valid=True, takeover_pending=False, carry=None, voter=_Voter(),
+        gen=Generation(number=0, replicas=(), members={s: 0 for s in range(4)}),
+        injector=SimpleNamespace(phase=lambda *a: None), vote_s=[],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("stage0_applied", [True, False])
+def test_the_session_settles_a_split_vote_before_the_heal(
+    store: str, monkeypatch: pytest.MonkeyPatch, stage0_applied: bool
+) -> None:
+    """Stage 1's ranks (2, 3) voted yes and their votes ended in doubt: the step hook keeps
+    the reduced gradients and applies nothing. In the new world (rank 2 replaced by a
+    joiner) the session resolves the outcome before the heal, with the evidence of stage 0
+    (it applied iteration 2) or, where stage 0 is in doubt too, from the count (complete on
+    the hot store, its commit key lost): rank 3 applies its kept step, every member ends at
+    iteration 2 with no ShardLost, and stage 1 equals a twin that committed."""
+    import torch.distributed as dist
+
+    from megatron_mecefo.recovery.step_hooks import install_commit_vote
+
+    ms = MembershipStore.connect(store)
+    ms.publish(Generation(number=0, replicas=(), members={s: 0 for s in range(4)}))
+    trainers = [_Trainer(s // 2) for s in range(4)]
+    twins = [_Trainer(s) for s in (0, 1)]
+    for t in trainers + twins:
+        t.train_step()  # iteration 1, committed by all
+    twins[0].train_step(), twins[1].train_step()
+    sessions = [_session(store, s) for s in range(4)]
+    doubt = (2, 3) if stage0_applied else (0, 1, 2, 3)
+    for s in range(4):
+        if s in doubt:
+            install_commit_vote(sessions[s], trainers[s])
+            before = [p.detach().clone() for p in trainers[s].model_chunks[0].parameters()]
+            with pytest.raises(NodeVoteLost):
+                trainers[s].optimizer.step()
+            after = list(trainers[s].model_chunks[0].parameters())
+            assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+            assert sessions[s].prepared.key == (0, 2) and sessions[s].prepared.counted == 2
+        else:
+            trainers[s].train_step()  # committed: iteration 2 applied
+    if not stage0_applied:  # both groups' votes counted on the hot store; the commit lost
+        ms.store.add("votes/0/2", 2)
+
+    # The new world: rank 2 is a joiner (its node died); the all-gather; the settle.
+    ms.publish(Generation(number=1, replicas=(), members={s: 0 for s in range(4)}))
+    sessions[2] = _session(store, 2)
+    sessions[2].valid = False
+    trainers[2] = _Trainer(1)
+    infos = [(s, sessions[s].valid, trainers[s].iteration if s != 2 else -1) for s in range(4)]
+    entries = [sessions[s]._prepared_entry(trainers[s]) for s in range(4)]
+    assert entries[2] is None and entries[3] == (0, 2, 2)
+    boxes: Dict[int, Any] = {}
+
+    def broadcast(box: List[Any], src: int) -> None:
+        if me["rank"] == src:
+            boxes[src] = box[0]
+        else:
+            box[0] = boxes[src]
+
+    me = {"rank": 0}
+    monkeypatch.setattr(dist, "get_rank", lambda: me["rank"])
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
+    resolver = min(r for r, e in enumerate(entries) if e is not None)
+    settled = {}
+    for r in [resolver] + [r for r in range(4) if r != resolver]:
+        me["rank"] = r
+        settled[r] = sessions[r]._settle_prepared(trainers[r], infos, entries)
+    assert all(v == settled[0] for v in settled.values())
+    assert settled[0] == [(0, True, 2), (1, True, 2), (2, False, -1), (3, True, 2)]
+    assert [heal_plan(settled[0], g, 2) for g in STAGE_GROUPS] == [{}, {3: [2]}]
+    assert ms.store.get("resolved/0/2") == b"commit"
+    assert sessions[3].carry["iteration"] == 2 and sessions[3].prepared is None
+    for r in (0, 1, 3):
+        mine = list(trainers[r].model_chunks[0].parameters())
+        twin = list(twins[trainers[r].stage].model_chunks[0].parameters())
+        assert all(torch.equal(a, b) for a, b in zip(mine, twin, strict=True)), r
