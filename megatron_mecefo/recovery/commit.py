@@ -8,9 +8,12 @@ The counter is the arbiter, so no step is applied by some members and not others
 adds :data:`ABORT_WEIGHT` to the same counter. The store orders the additions, and the outcome
 is COMMIT exactly when the last vote comes before the first abort. The member whose vote
 completes the count sees exactly the member count, and the first aborter sees every vote in or
-not. The commit is announced by the key ``commit/<g>/<iteration>``, written with a plain
-``set`` (no reply awaited): the voter that completes the count pays one round trip, and the
-others wait for that key's existence, one round trip more (reading a value would take two).
+not. The commit is announced by the key ``commit/<g>/<iteration>``: the voter that completes the
+count writes it with a ``set`` (TCPStore awaits no reply to it) and a ``check`` of it (one
+round trip), and applies the step only once the check found it: a commit is on the store,
+where every reader looks, before any member applies it (a ``set`` lost in flight leaves the
+writer in doubt, :class:`CommitInDoubt`, not committed). The others wait for that key's
+existence (reading a value would take two round trips).
 A waiter that finds no commit within ``poll_interval_s * 10`` reads the counter (an abort
 shows there) and looks whether a failure generation superseded this one (then it aborts).
 The first abort writes ``decision/<g>/<iteration>`` for a later abort that cannot tell the
@@ -32,13 +35,21 @@ In ``--store-mode etcd`` the vote is decided on the leader's hot store alone: no
 per iteration. A member whose vote was cut off by the hot store's loss (the store moved to a
 new leader: :class:`~.store_forwarding.StoreFailedOver`) is *in doubt*: some members may have
 seen the commit before the loss, others not, and the store that knew is gone. It does not
-apply the step (it claims nothing either: a claim cannot know what the lost store decided).
-The takeover publishes a generation (the old leader's ranks are declared dead), so every
-member regroups, and the heal brings each to the highest committed iteration among the
-world's members (``RecoverySession.on_built``): the step counts when a member that applied
-it survives, and is redone by everyone otherwise. A member that applied it and then died or
-was fenced (hung past its lease) takes its state with it. ``tests/helpers/protocol_check.py``
-(``EtcdDesign``) checks this rule over every interleaving, crash and hang of a small job.
+apply the step (it claims nothing either: a claim cannot know what the lost store decided),
+but it is *prepared*, not lost: it raises :class:`VoteInDoubt` and keeps the step (its
+reduced gradients, :mod:`.prepared`). The same holds for a member cut off from its group's
+head (:mod:`.group_vote`), from its node's vote server (:mod:`.node_vote`), and for the
+completer whose commit did not land. The takeover (or the death) publishes a generation, so
+every member regroups, and before the heal the new world resolves the outcome
+(:func:`.prepared.resolve`): committed if any member applied it or the count was complete
+(the resolver's abort on the old counter tells, and fences a vote still in flight), aborted
+otherwise. Each member in doubt applies its kept step or drops it, so every member ends at
+the same iteration without needing a peer of its own stage (before, a whole pipeline stage
+in doubt while the others committed ended the job with ``ShardLost``: issue 54, C1); the heal
+then brings each member to the highest committed iteration. A member that applied it and then
+died or was fenced (hung past its lease) takes its state with it.
+``tests/helpers/protocol_check.py`` (``EtcdDesign``) checks the older rule (no kept step: the
+heal alone settles it) over every interleaving, crash and hang of a small job.
 """
 
 from __future__ import annotations

@@ -34,8 +34,11 @@ is cut off by a takeover, and when a newer generation supersedes the vote before
 decided (its ranks died before they voted, so it never collects): a member that finds the
 generation superseded writes ``doubt`` into ``go/<g>/<i>`` itself, after a grace of
 ``doubt_grace_s`` (an alive head has decided by then); whoever wrote first stands for
-the whole group. A group in doubt applies nothing; the other groups learn the hot store's
-outcome, which a group in doubt never contradicts (it applied nothing, and is healed).
+the whole group. A group in doubt applies nothing now; the other groups learn the hot store's
+outcome, which a group in doubt never contradicts: its members that voted yes
+(:meth:`GroupVote.in_doubt`) keep the step prepared, and apply or drop it when the next
+generation resolves the outcome (:mod:`.prepared`), so a group that is a whole pipeline stage
+needs no peer of its stage to reach the committed iteration.
 
 Waits are bounded: the group store's client has a timeout (``call_timeout_s``), and a
 member's wait for the outcome is cut into slices that look for a superseding generation.

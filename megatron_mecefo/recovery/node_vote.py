@@ -21,7 +21,9 @@ The node's vote is the AND of its ranks' votes:
 A node that dies before casting never completes the count: the other nodes wait, as they do
 today for a dead rank, until the coordinator publishes the failure generation (``vote`` then
 aborts). One that dies after casting leaves the outcome to the counter. Its ranks' clients
-raise :class:`NodeVoteLost` (the outcome is unknown to them; they must not apply the step).
+raise :class:`NodeVoteLost` (the outcome is unknown to them; they must not apply the step), as
+they do when the node's vote ended in doubt (its group's head or the hot store lost, or its
+commit did not land): they keep the step prepared for the next generation (:mod:`.prepared`).
 
 :class:`NodeVoteClient` is the rank's side, with :class:`.commit.AsyncVoter`'s interface
 (``start`` returns a future of ``(commit, completed_the_count, seconds)``), plus ``abort``
