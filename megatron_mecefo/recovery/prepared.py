@@ -107,7 +107,8 @@ def resolve(
     decision_wait_s: float = DECISION_WAIT_S,
 ) -> bool:
     """The outcome of the in-doubt ``generation/iteration``, the same for every caller (True:
-    committed; module docstring).
+    committed; module docstring). The first outcome recorded stands: a later world, whose
+    evidence may differ (the member that applied it died since), reads it.
 
     Args:
         ms: A :class:`~.membership.MembershipStore` of the new generation's hot store.
@@ -116,13 +117,15 @@ def resolve(
             ``applied``).
         applied: :func:`applied_by_someone` over the new world's members.
     """
+    key = RESOLVED_KEY.format(generation=generation, iteration=iteration)
+    if ms.store.check([key]):  # resolved already (a world that failed after resolving it)
+        return ms.store.get(key).decode() == COMMIT
     if applied:
         outcome = True
     elif counted:  # fences a vote still in flight; True when the count completed before any abort
         outcome = abort(ms, generation, iteration, counted, decision_wait_s)
     else:
         outcome = False
-    key = RESOLVED_KEY.format(generation=generation, iteration=iteration)
     standing = ms.store.compare_set(key, "", COMMIT if outcome else ABORT).decode()
     return standing == COMMIT
 

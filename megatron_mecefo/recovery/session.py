@@ -372,6 +372,8 @@ class RecoverySession:
         # no member would hold trained state, and the job would loop on the heal.
         untrained = self.carry is None and self.ms.get_str("progress") is None
         self.valid = self.carry is not None or (gen.number == 0 and self.inc == 0) or untrained
+        if self.takeover_pending and self.prepared is not None:  # the roll-back redoes it
+            self._drop_prepared("a snapshot roll-back redoes it")
         if self.carry is not None and self.takeover_pending:
             take_over_from_snapshot(self, trainer)
         elif self.carry is not None:
@@ -452,23 +454,33 @@ class RecoverySession:
     def _prepared_entry(self, trainer: Any) -> Optional[tuple]:
         """What this rank tells the world of its kept step: ``(generation, iteration,
         counted)``, or None. A kept step is dropped (the old rule: the heal settles it) where
-        it cannot be applied: a snapshot roll-back, no trained state, a trainer without
-        ``apply_prepared_step``, or a state not at the iteration before it."""
-        step, self.prepared = self.prepared, None
+        it cannot be applied: no trained state, a trainer without ``apply_prepared_step``, a
+        state not at the iteration before it, or an optimizer of another layout (a snapshot
+        roll-back drops it earlier, in :meth:`on_built`)."""
+        step = self.prepared
         if step is None:
             return None
-        usable = (
-            self.valid
-            and not self.takeover_pending
-            and hasattr(trainer, "apply_prepared_step")
-            and trainer.iteration + 1 == step.iteration
-            and step.fits([p for g in trainer.optimizer.param_groups for p in g["params"]])
+        if not self.valid:
+            self._drop_prepared("this rank holds no trained state")
+        elif not hasattr(trainer, "apply_prepared_step"):
+            self._drop_prepared("the trainer has no apply_prepared_step")
+        elif trainer.iteration + 1 != step.iteration:
+            self._drop_prepared(f"the state is at iteration {trainer.iteration}")
+        elif not step.fits([p for g in trainer.optimizer.param_groups for p in g["params"]]):
+            self._drop_prepared("the optimizer's parameters changed shape")
+        else:
+            return (step.generation, step.iteration, step.counted or None)
+        return None
+
+    def _drop_prepared(self, why: str) -> None:
+        """Forget the kept step (the old rule: the heal settles the iteration, if it can)."""
+        assert self.prepared is not None
+        self.log(
+            f"> MeCeFO recovery: rank {self.slot}: the kept step of the in-doubt iteration "
+            f"{self.prepared.iteration} is dropped: {why}",
+            True,
         )
-        if not usable:
-            self.log(f"> MeCeFO recovery: the in-doubt step {step.iteration} is dropped", True)
-            return None
-        self.prepared = step
-        return (step.generation, step.iteration, step.counted or None)
+        self.prepared = None
 
     def _settle_prepared(
         self, trainer: Any, infos: List[tuple], entries: List[Optional[tuple]]
