@@ -412,3 +412,38 @@ def test_the_session_settles_a_split_vote_before_the_heal(
         mine = list(trainers[r].model_chunks[0].parameters())
         twin = list(twins[trainers[r].stage].model_chunks[0].parameters())
         assert all(torch.equal(a, b) for a, b in zip(mine, twin, strict=True)), r
+
+
+def test_the_node_servers_tell_a_split_groups_ranks_in_doubt_with_the_count(store: str) -> None:
+    """Through the node servers (4 nodes of one rank, ``group_size=2``): group 1's head
+    completes the hot count and dies before telling its group. The ranks of group 0 commit;
+    the rank of node 3 raises :class:`NodeVoteLost` carrying the hot counter's member count
+    (2 groups), which the resolver fences the old count with; the resolution is COMMIT."""
+    ms = MembershipStore.connect(store)
+    members = {s: 0 for s in range(4)}
+    ms.publish(Generation(number=0, replicas=(), members=members))
+    with tempfile.TemporaryDirectory(prefix="gv") as d:
+        servers = [
+            NodeVoteServer(f"{d}/n{n}", store, node=n, poll_interval_s=0.005, group_size=G)
+            for n in range(4)
+        ]
+        try:
+            head = servers[2].group
+            decide = head._decide_hot
+
+            def decide_then_die(*a, **k) -> str:
+                decision = decide(*a, **k)
+                head.own.close()  # the head's node dies between its hot vote and its group
+                return decision
+
+            head._decide_hot = decide_then_die  # type: ignore[method-assign]
+            clients = {s: NodeVoteClient(f"{d}/n{s}", lambda s: s) for s in members}
+            futures = {s: c.start(0, 1, s, sorted(members)) for s, c in clients.items()}
+            assert futures[0].result(timeout=30)[0] and futures[1].result(timeout=30)[0]
+            with pytest.raises(NodeVoteLost) as err:
+                futures[3].result(timeout=30)
+            assert err.value.counted == 2
+            assert resolve(ms, 0, 1, err.value.counted, applied=False) is True
+        finally:
+            for s in servers:
+                s.close()
