@@ -454,14 +454,18 @@ class RecoverySession:
     def _prepared_entry(self, trainer: Any) -> Optional[tuple]:
         """What this rank tells the world of its kept step: ``(generation, iteration,
         counted)``, or None. A kept step is dropped (the old rule: the heal settles it) where
-        it cannot be applied: no trained state, a trainer without ``apply_prepared_step``, a
-        state not at the iteration before it, or an optimizer of another layout (a snapshot
-        roll-back drops it earlier, in :meth:`on_built`)."""
+        it cannot be applied: no trained state, the distributed optimizer, a trainer without
+        ``apply_prepared_step``, a state not at the iteration before it, or an optimizer of
+        another layout (a snapshot roll-back drops it earlier, in :meth:`on_built`)."""
         step = self.prepared
         if step is None:
             return None
         if not self.valid:
             self._drop_prepared("this rank holds no trained state")
+        elif getattr(self.args, "use_distributed_optimizer", False):
+            # Its update gathers the parameters over the data-parallel group: the step is
+            # applied by the in-doubt members alone (a death rolls back to a snapshot anyway).
+            self._drop_prepared("the distributed optimizer's update is collective")
         elif not hasattr(trainer, "apply_prepared_step"):
             self._drop_prepared("the trainer has no apply_prepared_step")
         elif trainer.iteration + 1 != step.iteration:

@@ -336,6 +336,7 @@ def _session(store: str, slot: int) -> Any:
 
     return Session(
         slot=slot, rank=slot, ms=MembershipStore.connect(store), decision_wait_s=5.0,
+        args=SimpleNamespace(use_distributed_optimizer=False),
         prepared=None, valid=True, takeover_pending=False, carry=None, voter=_Voter(),
         gen=Generation(number=0, replicas=(), members={s: 0 for s in range(4)}),
         injector=SimpleNamespace(phase=lambda *a: None), vote_s=[],

@@ -33,6 +33,7 @@ def test_megatron_lm_adapter_is_a_recoverable_trainer() -> None:
     integration = types.SimpleNamespace(controller=None)
     trainer = MegatronLMTrainer(session, integration, lambda: None, (), {})
     assert isinstance(trainer, RecoverableTrainer)
+    assert all(callable(getattr(trainer, name)) for name in OPTIONAL_METHODS)
     assert not trainer.built  # nothing to export before setup_model_and_optimizer ran
 
 
