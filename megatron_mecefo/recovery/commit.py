@@ -176,8 +176,14 @@ def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
     the caller is in doubt, not committed.
     """
     key = _commit_key(generation, iteration)
-    ms.store.set(key, "")
-    if not ms.store.check([key]):
+    try:
+        ms.store.set(key, "")
+        landed = ms.store.check([key])
+    except StoreFailedOver:  # etcd mode: the caller's failover path tells doubt from a retry
+        raise
+    except Exception as err:  # noqa: BLE001 (the store lost with the set in flight)
+        raise CommitInDoubt(f"the commit of {generation}/{iteration}: {err}") from err
+    if not landed:
         raise CommitInDoubt(f"the commit of {generation}/{iteration} did not land on the store")
     return True
 
@@ -325,9 +331,14 @@ class AsyncVoter:
                     self._ms.set_durable("progress", str(iteration))
                 if ok and outcome["last"]:  # off the training thread, after its result
                     forget(self._ms, generation, iteration - 1)
-            except VoteInDoubt as err:  # the counter counts this generation's ranks
-                err.counted = len(members) if err.counted is None else err.counted
-                if not future.done():
+            except Exception as err:  # noqa: BLE001 (this rank voted yes: it is prepared)
+                # Whatever cut the vote off (the store lost, the commit not landed), the
+                # outcome is unknown to this rank: in doubt. The counter counts its ranks.
+                if not future.done():  # else: the bookkeeping after the result failed
+                    if not isinstance(err, VoteInDoubt):
+                        doubt = VoteInDoubt(f"the vote of {generation}/{iteration}: {err!r}")
+                        doubt.__cause__, err = err, doubt
+                    err.counted = len(members) if err.counted is None else err.counted
                     future.set_exception(err)
             except BaseException as err:  # noqa: BLE001 (the training thread re-raises it)
                 if not future.done():  # else: the bookkeeping after the result failed

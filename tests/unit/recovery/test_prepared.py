@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List
 import pytest
 import torch
 
-from megatron_mecefo.recovery.commit import CommitInDoubt, vote
+from megatron_mecefo.recovery.commit import AsyncVoter, CommitInDoubt, VoteInDoubt, vote
 from megatron_mecefo.recovery.group_vote import GroupStore, GroupVote
 from megatron_mecefo.recovery.membership import Generation, MembershipStore
 from megatron_mecefo.recovery.node_vote import NodeVoteClient, NodeVoteLost, NodeVoteServer
@@ -226,6 +226,23 @@ def test_the_count_completer_does_not_apply_before_its_commit_is_on_the_store(
     assert not ms.store.check(["commit/0/1"])
     assert vote(MembershipStore.connect(store), 0, 2, 0, range(1), 0.005) is True
     assert ms.store.check(["commit/0/2"])  # a commit is on the store before it returns
+
+
+def test_the_rank_voters_completer_is_in_doubt_with_its_count_when_its_commit_is_lost(
+    store: str,
+) -> None:
+    """Per-rank vote (:class:`AsyncVoter`), two ranks: the one whose vote completes the count
+    loses its commit ``set``; its future raises :class:`VoteInDoubt` with the counter's member
+    count (2), never a commit, and the resolution (the count was complete) is COMMIT."""
+    ms = MembershipStore.connect(store)
+    ms.publish(Generation(number=0, replicas=(), members={0: 0, 1: 0}))
+    ms.store.add("votes/0/1", 1)  # rank 0 voted already
+    voter = AsyncVoter(store, 0.005)
+    voter._ms = _losing_commit(store)
+    with pytest.raises(VoteInDoubt) as err:
+        voter.start(0, 1, 1, [0, 1]).result(timeout=30)
+    assert err.value.counted == 2
+    assert resolve(ms, 0, 1, err.value.counted, applied=False) is True
 
 
 def test_the_node_vote_completer_tells_its_ranks_in_doubt_when_its_commit_is_lost(
