@@ -506,17 +506,17 @@ class RecoverySession:
             if me == resolver:
                 applied = applied_by_someone(infos, key[1])
                 box[0] = resolve(self.ms, *key, counted, applied, self.decision_wait_s)
+                print(
+                    f"> MeCeFO recovery: iteration {key[1]} of generation {key[0]}, in doubt on "
+                    f"{len(holders)} rank(s), was "
+                    + ("committed: they apply their kept step" if box[0] else "aborted"),
+                    flush=True,
+                )
             dist.broadcast_object_list(box, src=resolver)
             outcomes[key] = bool(box[0])
         step, self.prepared = self.prepared, None
         if step is not None:
-            committed = outcomes[step.key]
-            self.log(
-                f"> MeCeFO recovery: rank {self.slot}: the in-doubt iteration {step.iteration} "
-                f"was {'committed: its kept step applied' if committed else 'aborted: dropped'}",
-                True,
-            )
-            if committed:
+            if outcomes[step.key]:
                 trainer.apply_prepared_step(step)
                 # The carry (kept until this world is established) is the applied state now.
                 self.carry = export_state(trainer, step.extra["boundary"])
