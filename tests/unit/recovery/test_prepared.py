@@ -320,10 +320,12 @@ class _Trainer:
     def extra_state(self) -> Dict[str, Any]:
         return {}
 
-    def apply_prepared_step(self, step: PreparedStep) -> None:
+    def _apply(self, step: PreparedStep) -> None:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         step.apply(params, self.optimizer.step_with_ready_grads)
         self.iteration += 1
+
+    apply_prepared_step = _apply
 
 
 class _Voter:
@@ -346,6 +348,7 @@ def _session(store: str, slot: int) -> Any:
     class Session(SimpleNamespace):
         keep_prepared = RecoverySession.keep_prepared
         _prepared_entry = RecoverySession._prepared_entry
+        _drop_prepared = RecoverySession._drop_prepared
         _settle_prepared = RecoverySession._settle_prepared
 
         def log(self, line: str, all_ranks: bool = False) -> None:
@@ -465,3 +468,40 @@ def test_the_node_servers_tell_a_split_groups_ranks_in_doubt_with_the_count(stor
         finally:
             for s in servers:
                 s.close()
+
+
+def test_a_kept_step_that_cannot_be_applied_is_dropped_with_its_reason(
+    store: str, capsys: pytest.CaptureFixture
+) -> None:
+    """The world is told of a kept step only where it can be applied; elsewhere it is dropped
+    with one line (the old rule then: the heal settles the iteration, if a peer holds it)."""
+    trainer = _Trainer(0)
+    trainer.train_step()
+    step = PreparedStep.keep(0, 2, 2, [p for g in trainer.optimizer.param_groups
+                                       for p in g["params"]])  # fmt: skip
+    cases = {
+        "no trained state": dict(valid=False),
+        "collective": dict(args=type("A", (), {"use_distributed_optimizer": True})()),
+        "at iteration 0": dict(iteration=0),
+        "changed shape": dict(shape=True),
+    }
+    for why, change in cases.items():
+        session, t = _session(store, 0), _Trainer(0)
+        t.iteration = change.get("iteration", 1)
+        session.valid = change.get("valid", True)
+        session.args = change.get("args", session.args)
+        if change.get("shape"):
+            t.model_chunks = [torch.nn.Linear(4, 3)]
+            t.optimizer.inner = torch.optim.AdamW(t.model_chunks[0].parameters(), lr=0.1)
+        session.prepared = step
+        assert session._prepared_entry(t) is None and session.prepared is None, why
+        assert why in capsys.readouterr().out
+    session, t = _session(store, 0), _Trainer(0)
+    t.iteration, session.prepared = 1, step
+    assert session._prepared_entry(t) == (0, 2, 2)
+    del _Trainer.apply_prepared_step  # a trainer without the optional method
+    try:
+        session.prepared = step
+        assert session._prepared_entry(_Trainer(0)) is None
+    finally:
+        _Trainer.apply_prepared_step = _Trainer._apply  # type: ignore[attr-defined]
