@@ -207,6 +207,28 @@ class Trainer:
         """Read the training set from ``consumed_samples`` on (a redone iteration)."""
         self.train_iter = self.iterators(self.train_ds, consumed_samples)
 
+    def apply_prepared_step(self, step: Any) -> None:
+        """Finish an iteration whose commit vote was in doubt and was resolved committed
+        (``megatron_mecefo/recovery/prepared.py``): the optimizer's update from the kept
+        gradients, then what :meth:`train_step` advances after it. Its record has no loss
+        (this rank did not keep it)."""
+        from megatron_mecefo.recovery.state.carry import restore_boundary
+
+        ok = False
+        if not step.extra.get("skipped"):
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            ok = bool(step.apply(params, self.optimizer.step_with_ready_grads))
+        if ok:
+            self.scheduler.step(increment=1)
+        self.iteration += 1
+        self.consumed_samples += self.args.global_batch_size
+        restore_boundary(self, step.extra["boundary"])
+        self.rewind_data(self.consumed_samples)
+        self.history.append(
+            {"type": "train", "iteration": self.iteration, "consumed_samples":
+             self.consumed_samples, "loss": None, "skipped": not ok, "in_doubt": True}
+        )  # fmt: skip
+
     def extra_state(self) -> dict[str, Any]:
         return {}  # everything this trainer carries is in the common state
 

@@ -508,6 +508,28 @@ class MegatronLMTrainer:
 
         optimizer.step, scheduler.step = step_and_book, scheduler_step_once
 
+    def apply_prepared_step(self, step: Any) -> None:
+        """Finish an iteration whose commit vote was in doubt and was resolved committed
+        (:mod:`megatron_mecefo.recovery.prepared`; from :meth:`setup`'s ``on_built``, before
+        the loaders are built and the booking is hooked): the update from the kept gradients,
+        booked as :meth:`_book_at_commit` books one, and the RNG states at its end."""
+        from megatron.training import get_args, training
+
+        from megatron_mecefo.recovery.state.carry import restore_boundary
+
+        args = get_args()
+        ok = False
+        if not step.extra.get("skipped"):
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            ok = bool(step.apply(params, self.optimizer.step_with_ready_grads))
+        gbs = int(args.global_batch_size)
+        self.iteration += 1
+        self.consumed_samples += gbs
+        self.flops += _flops(training, args, gbs)
+        if ok:
+            self.scheduler.step(increment=gbs)
+        restore_boundary(self, step.extra["boundary"])
+
     def log_iteration(self) -> None:
         """Before Megatron-LM logs an iteration: its sample count is the booked one."""
         from megatron.training import get_args

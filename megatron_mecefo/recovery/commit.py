@@ -8,9 +8,12 @@ The counter is the arbiter, so no step is applied by some members and not others
 adds :data:`ABORT_WEIGHT` to the same counter. The store orders the additions, and the outcome
 is COMMIT exactly when the last vote comes before the first abort. The member whose vote
 completes the count sees exactly the member count, and the first aborter sees every vote in or
-not. The commit is announced by the key ``commit/<g>/<iteration>``, written with a plain
-``set`` (no reply awaited): the voter that completes the count pays one round trip, and the
-others wait for that key's existence, one round trip more (reading a value would take two).
+not. The commit is announced by the key ``commit/<g>/<iteration>``: the voter that completes the
+count writes it with a ``set`` (TCPStore awaits no reply to it) and a ``check`` of it (one
+round trip), and applies the step only once the check found it: a commit is on the store,
+where every reader looks, before any member applies it (a ``set`` lost in flight leaves the
+writer in doubt, :class:`CommitInDoubt`, not committed). The others wait for that key's
+existence (reading a value would take two round trips).
 A waiter that finds no commit within ``poll_interval_s * 10`` reads the counter (an abort
 shows there) and looks whether a failure generation superseded this one (then it aborts).
 The first abort writes ``decision/<g>/<iteration>`` for a later abort that cannot tell the
@@ -32,13 +35,21 @@ In ``--store-mode etcd`` the vote is decided on the leader's hot store alone: no
 per iteration. A member whose vote was cut off by the hot store's loss (the store moved to a
 new leader: :class:`~.store_forwarding.StoreFailedOver`) is *in doubt*: some members may have
 seen the commit before the loss, others not, and the store that knew is gone. It does not
-apply the step (it claims nothing either: a claim cannot know what the lost store decided).
-The takeover publishes a generation (the old leader's ranks are declared dead), so every
-member regroups, and the heal brings each to the highest committed iteration among the
-world's members (``RecoverySession.on_built``): the step counts when a member that applied
-it survives, and is redone by everyone otherwise. A member that applied it and then died or
-was fenced (hung past its lease) takes its state with it. ``tests/helpers/protocol_check.py``
-(``EtcdDesign``) checks this rule over every interleaving, crash and hang of a small job.
+apply the step (it claims nothing either: a claim cannot know what the lost store decided),
+but it is *prepared*, not lost: it raises :class:`VoteInDoubt` and keeps the step (its
+reduced gradients, :mod:`.prepared`). The same holds for a member cut off from its group's
+head (:mod:`.group_vote`), from its node's vote server (:mod:`.node_vote`), and for the
+completer whose commit did not land. The takeover (or the death) publishes a generation, so
+every member regroups, and before the heal the new world resolves the outcome
+(:func:`.prepared.resolve`): committed if any member applied it or the count was complete
+(the resolver's abort on the old counter tells, and fences a vote still in flight), aborted
+otherwise. Each member in doubt applies its kept step or drops it, so every member ends at
+the same iteration without needing a peer of its own stage (before, a whole pipeline stage
+in doubt while the others committed ended the job with ``ShardLost``: issue 54, C1); the heal
+then brings each member to the highest committed iteration. A member that applied it and then
+died or was fenced (hung past its lease) takes its state with it.
+``tests/helpers/protocol_check.py`` (``EtcdDesign``) checks the older rule (no kept step: the
+heal alone settles it) over every interleaving, crash and hang of a small job.
 """
 
 from __future__ import annotations
@@ -134,10 +145,46 @@ def abort(
     return _outcome(ms, generation, iteration, total, members, decision_wait_s)
 
 
+class VoteInDoubt(RuntimeError):
+    """This member voted yes but does not know the outcome (the store that decided it was lost
+    mid-vote): it must not apply the step now, and must not forget it either. It keeps the
+    step prepared until the next generation resolves the outcome (:mod:`.prepared`).
+
+    ``counted``: the member count of the vote's counter on the hot store (ranks, nodes or
+    groups), when known: the resolver fences the old count with it (:func:`.prepared.resolve`).
+    """
+
+    def __init__(self, message: str = "", counted: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.counted = counted
+
+
+class CommitInDoubt(VoteInDoubt):
+    """This member decided COMMIT but could not make the commit key durable on the store (its
+    ``set`` did not land): it must not apply the step. It is *in doubt*, and keeps the step
+    prepared for the next generation's resolution (:mod:`.prepared`)."""
+
+
 def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
-    """COMMIT, made durable before the caller applies the step (a plain ``set``): the vote is
-    decided on the (hot) store alone, with no etcd request (module docstring)."""
-    ms.store.set(_commit_key(generation, iteration), "")
+    """COMMIT, made durable before the caller applies the step: the vote is decided on the
+    (hot) store alone, with no etcd request (module docstring).
+
+    TCPStore's ``set`` awaits no reply (fire-and-forget), so the ``check`` after it, answered
+    by the same server after the ``set`` on the same connection, is what tells that the key
+    landed where every reader looks. A ``set`` that did not land (the connection or server
+    went away with it in flight) raises :class:`CommitInDoubt` (or the store's own error):
+    the caller is in doubt, not committed.
+    """
+    key = _commit_key(generation, iteration)
+    try:
+        ms.store.set(key, "")
+        landed = ms.store.check([key])
+    except StoreFailedOver:  # etcd mode: the caller's failover path tells doubt from a retry
+        raise
+    except Exception as err:  # noqa: BLE001 (the store lost with the set in flight)
+        raise CommitInDoubt(f"the commit of {generation}/{iteration}: {err}") from err
+    if not landed:
+        raise CommitInDoubt(f"the commit of {generation}/{iteration} did not land on the store")
     return True
 
 
@@ -207,10 +254,13 @@ def vote_after_failover(
     on the lost store: the member is in doubt and does not apply the step (``False``; the
     regroup the takeover starts settles it, module docstring). One of a later generation has
     only met the stale client: it is cast again on the new store (and again after each later
-    takeover: each one is a leader lost, so the loop ends)."""
+    takeover: each one is a leader lost, so the loop ends). ``outcome["doubt"]`` (when given)
+    is set True when the ``False`` means in doubt, not aborted."""
     while True:
         taken = json.loads(ms.store.get(PRIMARY_KEY))["generation"]
         if generation <= taken:
+            if outcome is not None:
+                outcome["doubt"] = True
             return False
         try:
             return vote(
@@ -274,11 +324,22 @@ class AsyncVoter:
                         self._ms, generation, iteration, slot, members, self.poll_interval_s,
                         outcome, self.decision_wait_s,
                     )  # fmt: skip
+                if outcome.get("doubt"):
+                    raise VoteInDoubt(f"the store of {generation}/{iteration} was taken over")
                 future.set_result((ok, outcome["last"], time.perf_counter() - t0))
                 if ok and progress:
                     self._ms.set_durable("progress", str(iteration))
                 if ok and outcome["last"]:  # off the training thread, after its result
                     forget(self._ms, generation, iteration - 1)
+            except Exception as err:  # noqa: BLE001 (this rank voted yes: it is prepared)
+                # Whatever cut the vote off (the store lost, the commit not landed), the
+                # outcome is unknown to this rank: in doubt. The counter counts its ranks.
+                if not future.done():  # else: the bookkeeping after the result failed
+                    if not isinstance(err, VoteInDoubt):
+                        doubt = VoteInDoubt(f"the vote of {generation}/{iteration}: {err!r}")
+                        doubt.__cause__, err = err, doubt
+                    err.counted = len(members) if err.counted is None else err.counted
+                    future.set_exception(err)
             except BaseException as err:  # noqa: BLE001 (the training thread re-raises it)
                 if not future.done():  # else: the bookkeeping after the result failed
                     future.set_exception(err)

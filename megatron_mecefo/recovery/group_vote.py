@@ -34,8 +34,11 @@ is cut off by a takeover, and when a newer generation supersedes the vote before
 decided (its ranks died before they voted, so it never collects): a member that finds the
 generation superseded writes ``doubt`` into ``go/<g>/<i>`` itself, after a grace of
 ``doubt_grace_s`` (an alive head has decided by then); whoever wrote first stands for
-the whole group. A group in doubt applies nothing; the other groups learn the hot store's
-outcome, which a group in doubt never contradicts (it applied nothing, and is healed).
+the whole group. A group in doubt applies nothing now; the other groups learn the hot store's
+outcome, which a group in doubt never contradicts: its members that voted yes
+(:meth:`GroupVote.in_doubt`) keep the step prepared, and apply or drop it when the next
+generation resolves the outcome (:mod:`.prepared`), so a group that is a whole pipeline stage
+needs no peer of its stage to reach the committed iteration.
 
 Waits are bounded: the group store's client has a timeout (``call_timeout_s``), and a
 member's wait for the outcome is cut into slices that look for a superseding generation.
@@ -161,6 +164,7 @@ class GroupVote:
         self._idle: List[object] = []  # the collectors' clients of this node's own store
         self._collecting: Dict[Tuple[int, int], threading.Thread] = {}
         self._last: Dict[Tuple[int, int], bool] = {}
+        self._doubts: Dict[Tuple[int, int], None] = {}  # the last few votes left in doubt
         self.collected = 0
         """Group votes this node cast on the hot store as a head."""
         if store is not None:
@@ -224,15 +228,32 @@ class GroupVote:
             # head: exactly one of them, by the counter's order.
             if (amount == 1 and count == n) or (amount > 1 and count - amount < n):
                 client.set(wake, "")
-            ok = self._await(client, g, i)
+            standing = self._await(client, g, i)
         except Exception:  # noqa: BLE001 (the head's store is lost or hung: in doubt)
             self._drop(head)
-            return False, False
+            standing = DOUBT
+        if standing == DOUBT and amount == 1:  # voted yes, outcome unknown: prepared
+            self._doubted(g, i)
+        ok = standing == COMMIT
         return ok, self._last.pop((g, i), False) if head == self.node else False
 
-    def _await(self, client, g: int, i: int) -> bool:
-        """The group's outcome from the head's store; ``doubt`` written by this member once
-        the vote is superseded and the head has not decided within ``doubt_grace_s``."""
+    def _doubted(self, g: int, i: int) -> None:
+        with self._lock:
+            self._doubts[(g, i)] = None
+            for key in list(self._doubts)[:-8]:  # a few, not one per vote
+                del self._doubts[key]
+
+    def in_doubt(self, g: int, i: int) -> bool:
+        """Whether this node's vote for ``g/i`` (a yes) ended in doubt: ``vote`` returned no
+        commit, yet the step may have been committed by other groups. The node's ranks keep
+        the step prepared for the next generation's resolution (:mod:`.prepared`)."""
+        with self._lock:
+            return (g, i) in self._doubts
+
+    def _await(self, client, g: int, i: int) -> str:
+        """The group's outcome from the head's store (``commit``, ``abort`` or ``doubt``);
+        ``doubt`` written by this member once the vote is superseded and the head has not
+        decided within ``doubt_grace_s``."""
         from torch.distributed import DistNetworkError, DistStoreError
 
         _, _, out = _keys(g, i)
@@ -245,7 +266,7 @@ class GroupVote:
         while True:
             try:
                 client.wait([out], wait)
-                return client.get(out).decode() == COMMIT
+                return client.get(out).decode()
             except DistStoreError as err:
                 if isinstance(err, DistNetworkError):
                     raise
@@ -254,7 +275,7 @@ class GroupVote:
                     if _superseded(self.hot, g, i):
                         superseded_at = time.monotonic()
             elif time.monotonic() - superseded_at > self.doubt_grace_s:
-                return client.compare_set(out, "", DOUBT).decode() == COMMIT
+                return client.compare_set(out, "", DOUBT).decode()
 
     # ------------------------------------------------------------------ head side
     def _own_client(self):
@@ -326,6 +347,8 @@ class GroupVote:
                         ms, g, i, self.node, range(ngroups), self.poll_interval_s, outcome,
                         self.decision_wait_s,
                     )  # fmt: skip
+                    if outcome.get("doubt"):  # cut off by a takeover: the group is in doubt
+                        return DOUBT
             else:
                 ok = abort(ms, g, i, ngroups, self.decision_wait_s)
         except Exception:  # noqa: BLE001 (the hot store lost mid-vote: the group is in doubt)

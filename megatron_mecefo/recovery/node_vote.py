@@ -21,7 +21,9 @@ The node's vote is the AND of its ranks' votes:
 A node that dies before casting never completes the count: the other nodes wait, as they do
 today for a dead rank, until the coordinator publishes the failure generation (``vote`` then
 aborts). One that dies after casting leaves the outcome to the counter. Its ranks' clients
-raise :class:`NodeVoteLost` (the outcome is unknown to them; they must not apply the step).
+raise :class:`NodeVoteLost` (the outcome is unknown to them; they must not apply the step), as
+they do when the node's vote ended in doubt (its group's head or the hot store lost, or its
+commit did not land): they keep the step prepared for the next generation (:mod:`.prepared`).
 
 :class:`NodeVoteClient` is the rank's side, with :class:`.commit.AsyncVoter`'s interface
 (``start`` returns a future of ``(commit, completed_the_count, seconds)``), plus ``abort``
@@ -42,12 +44,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from megatron_mecefo.recovery.commit import (
     DECISION_WAIT_S,
+    VoteInDoubt,
     abort,
     forget,
     vote,
     vote_after_failover,
 )
-from megatron_mecefo.recovery.group_vote import GroupStore, GroupVote, two_level
+from megatron_mecefo.recovery.group_vote import GroupStore, GroupVote, groups_of, two_level
 from megatron_mecefo.recovery.membership import MembershipStore
 from megatron_mecefo.recovery.store_forwarding import StoreFailedOver
 
@@ -66,9 +69,10 @@ def _hang_up(conn: Connection) -> None:
     conn.close()
 
 
-class NodeVoteLost(RuntimeError):
-    """The node's vote server went away during a vote: this rank does not know the outcome and
-    must not apply the step (its node is lost; the generation after it redoes the step)."""
+class NodeVoteLost(VoteInDoubt):
+    """The node's vote server went away during a vote, or the node's vote ended in doubt: this
+    rank does not know the outcome and must not apply the step now; it keeps it prepared for
+    the next generation's resolution (:mod:`.prepared`)."""
 
 
 @dataclass
@@ -261,15 +265,23 @@ class NodeVoteServer:
             outcome: Dict[str, bool] = {"last": False}
             if self._two_level(r.nodes):  # the group's head casts; the hot store counts groups
                 assert self.group is not None
+                counted = len(groups_of(r.nodes, self.group.group_size))
                 try:
                     ok, completed = self.group.vote(g, i, r.nodes)
                 except Exception:  # noqa: BLE001 (e.g. this node not in the generation)
                     for c in self._decide(g, i, False, False):
-                        self._send(c, ("lost", g, i, None, False))
+                        self._send(c, ("lost", g, i, counted, False))
                     continue
                 self.casts += 1
+                # In doubt (the head or the hot store lost after this node voted yes): "lost"
+                # (with the hot counter's member count), so that the ranks keep the step
+                # prepared (NodeVoteLost), not drop it.
+                doubt = not ok and self.group.in_doubt(g, i)
+                message = (
+                    ("lost", g, i, counted, False) if doubt else ("outcome", g, i, ok, completed)
+                )
                 for c in self._decide(g, i, ok, completed):
-                    self._send(c, ("outcome", g, i, ok, completed))
+                    self._send(c, message)
                 if ok and r.progress:
                     with contextlib.suppress(Exception), self._ms_lock:
                         self._ms.set_durable("progress", str(i))
@@ -287,11 +299,15 @@ class NodeVoteServer:
                     )  # fmt: skip
             except Exception:  # noqa: BLE001 (store lost: the ranks must not apply the step)
                 for c in self._decide(g, i, False, False):
-                    self._send(c, ("lost", g, i, None, False))
+                    self._send(c, ("lost", g, i, len(r.nodes), False))
                 continue
             self.casts += 1
+            doubt = outcome.get("doubt")  # cut off by a takeover: in doubt
             for c in self._decide(g, i, ok, outcome["last"]):
-                self._send(c, ("outcome", g, i, ok, outcome["last"]))
+                if doubt:
+                    self._send(c, ("lost", g, i, len(r.nodes), False))
+                else:
+                    self._send(c, ("outcome", g, i, ok, outcome["last"]))
             if ok and (r.progress or outcome["last"]):  # off the ranks' path, after the replies
                 try:
                     with self._ms_lock:
@@ -416,8 +432,10 @@ class NodeVoteClient:
                     future, t0 = waiting.pop(0)
                     if not waiting:
                         del self._pending[(g, i)]
-                if kind == "lost":
-                    future.set_exception(NodeVoteLost(f"the node's store was lost in {g}/{i}"))
+                if kind == "lost":  # ``ok`` is the hot counter's member count here
+                    future.set_exception(
+                        NodeVoteLost(f"the node's vote of {g}/{i} is in doubt", counted=ok)
+                    )
                 else:
                     future.set_result((bool(ok), bool(completed), time.perf_counter() - t0))
         except (EOFError, OSError) as err:

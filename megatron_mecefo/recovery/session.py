@@ -40,6 +40,7 @@ from megatron_mecefo.recovery.fault_injection import KillInjector, parse_kills
 from megatron_mecefo.recovery.heartbeat import Heartbeat
 from megatron_mecefo.recovery.membership import Generation, JobLayout, MembershipStore
 from megatron_mecefo.recovery.membership_schedule import MembershipSchedule
+from megatron_mecefo.recovery.prepared import PreparedStep, applied_by_someone, resolve, settle
 from megatron_mecefo.recovery.restore import take_over_from_snapshot
 from megatron_mecefo.recovery.state import heal as healing
 from megatron_mecefo.recovery.state.carry import boundary_snapshot, export_state, import_state
@@ -200,6 +201,9 @@ class RecoverySession:
         snapshot with parity and rebuilds the lost shards
         (:func:`.restore.take_over_from_snapshot`)."""
         self.takeover_info: Optional[Dict[str, Any]] = None
+        self.prepared: Optional[PreparedStep] = None
+        """The step of an iteration whose commit vote ended in doubt (:meth:`keep_prepared`),
+        kept until a new world resolves its outcome (:meth:`_settle_prepared`)."""
         self.trim_after: Optional[int] = None
         """The iteration after which freed memory is given back once more (a new world's
         second step; :meth:`committed`)."""
@@ -259,6 +263,7 @@ class RecoverySession:
                 after = number
                 self.valid = False  # a spare's state goes stale; it is healed on rejoin
                 self.carry = None
+                self.prepared = None
                 if self.cfg.orphan == "exit" and self.inc == 0 and number > 0:
                     print(
                         f"> MeCeFO recovery: rank {self.slot} left generation {number}: its "
@@ -390,6 +395,8 @@ class RecoverySession:
         # no member would hold trained state, and the job would loop on the heal.
         untrained = self.carry is None and self.ms.get_str("progress") is None
         self.valid = self.carry is not None or (gen.number == 0 and self.inc == 0) or untrained
+        if self.takeover_pending and self.prepared is not None:  # the roll-back redoes it
+            self._drop_prepared("a snapshot roll-back redoes it")
         if self.carry is not None and self.takeover_pending:
             take_over_from_snapshot(self, trainer)
         elif self.carry is not None:
@@ -406,8 +413,13 @@ class RecoverySession:
         dp_group = ps.get_data_parallel_group()
         dp_ranks = dist.get_process_group_ranks(dp_group)
         every: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (mine, self.schedule.real if self.schedule else [], dp_ranks))
+        kept = self._prepared_entry(trainer)
+        dist.all_gather_object(
+            every, (mine, self.schedule.real if self.schedule else [], dp_ranks, kept)
+        )
         infos = [e[0] for e in every]
+        if any(e[3] is not None for e in every):  # a split vote: settled before the heal
+            infos = self._settle_prepared(trainer, infos, [e[3] for e in every])
         try:
             target = healing.heal_target(infos)
         except healing.NoTrainedState as err:
@@ -446,6 +458,92 @@ class RecoverySession:
         # A recovery's buffers and the first (degraded or healed) steps' working set are
         # freed by then; glibc keeps them resident unless trimmed (state/memory.py).
         self.trim_after = trainer.iteration + 2 if gen.number > 0 else None
+
+    def keep_prepared(
+        self, trainer: Any, iteration: int, counted: Optional[int], skipped: bool
+    ) -> None:
+        """The commit vote of ``iteration`` ended in doubt (the step hook, before it raises):
+        keep the step prepared, i.e. the optimizer's reduced, clipped gradients (one extra copy
+        of the main gradients, held only while in doubt) and the iteration's end state (RNG,
+        counters), for the next world's resolution (:mod:`.prepared`). ``skipped``: the
+        optimizer found inf/nan and updates nothing."""
+        params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+        assert self.gen is not None
+        self.prepared = PreparedStep.keep(
+            self.gen.number, iteration, counted or 0, [] if skipped else params,
+            skipped=skipped, boundary=boundary_snapshot(trainer),
+        )  # fmt: skip
+
+    def _prepared_entry(self, trainer: Any) -> Optional[tuple]:
+        """What this rank tells the world of its kept step: ``(generation, iteration,
+        counted)``, or None. A kept step is dropped (the old rule: the heal settles it) where
+        it cannot be applied: no trained state, the distributed optimizer, a trainer without
+        ``apply_prepared_step``, a state not at the iteration before it, or an optimizer of
+        another layout (a snapshot roll-back drops it earlier, in :meth:`on_built`)."""
+        step = self.prepared
+        if step is None:
+            return None
+        if not self.valid:
+            self._drop_prepared("this rank holds no trained state")
+        elif getattr(self.args, "use_distributed_optimizer", False):
+            # Its update gathers the parameters over the data-parallel group: the step is
+            # applied by the in-doubt members alone (a death rolls back to a snapshot anyway).
+            self._drop_prepared("the distributed optimizer's update is collective")
+        elif not hasattr(trainer, "apply_prepared_step"):
+            self._drop_prepared("the trainer has no apply_prepared_step")
+        elif trainer.iteration + 1 != step.iteration:
+            self._drop_prepared(f"the state is at iteration {trainer.iteration}")
+        elif not step.fits([p for g in trainer.optimizer.param_groups for p in g["params"]]):
+            self._drop_prepared("the optimizer's parameters changed shape")
+        else:
+            return (step.generation, step.iteration, step.counted or None)
+        return None
+
+    def _drop_prepared(self, why: str) -> None:
+        """Forget the kept step (the old rule: the heal settles the iteration, if it can)."""
+        assert self.prepared is not None
+        self.log(
+            f"> MeCeFO recovery: rank {self.slot}: the kept step of the in-doubt iteration "
+            f"{self.prepared.iteration} is dropped: {why}",
+            True,
+        )
+        self.prepared = None
+
+    def _settle_prepared(
+        self, trainer: Any, infos: List[tuple], entries: List[Optional[tuple]]
+    ) -> List[tuple]:
+        """Resolve each in-doubt iteration (committed if a member applied it or its count was
+        complete: :func:`.prepared.resolve`, by its lowest-ranked holder, recorded in the store
+        and broadcast), apply or drop this rank's kept step, and return the members' infos
+        after it: every member of a stage ends at the same iteration, with no same-stage peer
+        needed (issue 54, C1)."""
+        import torch.distributed as dist
+
+        me = dist.get_rank()
+        outcomes: Dict[tuple, bool] = {}
+        for key in sorted({e[:2] for e in entries if e is not None}):
+            holders = [r for r, e in enumerate(entries) if e is not None and e[:2] == key]
+            counted = next((entries[r][2] for r in holders if entries[r][2]), None)
+            resolver = holders[0]
+            box: List[Any] = [None]
+            if me == resolver:
+                applied = applied_by_someone(infos, key[1])
+                box[0] = resolve(self.ms, *key, counted, applied, self.decision_wait_s)
+                print(
+                    f"> MeCeFO recovery: iteration {key[1]} of generation {key[0]}, in doubt on "
+                    f"{len(holders)} rank(s), was "
+                    + ("committed: they apply their kept step" if box[0] else "aborted"),
+                    flush=True,
+                )
+            dist.broadcast_object_list(box, src=resolver)
+            outcomes[key] = bool(box[0])
+        step, self.prepared = self.prepared, None
+        if step is not None:
+            if outcomes[step.key]:
+                trainer.apply_prepared_step(step)
+                # The carry (kept until this world is established) is the applied state now.
+                self.carry = export_state(trainer, step.extra["boundary"])
+        return settle(infos, [e[:2] if e is not None else None for e in entries], outcomes)
 
     def _start_watchdog(self, gen: Generation, aborter: Any) -> None:
         """Watch for a failure generation after ``gen`` until :meth:`leave`. It sleeps in a

@@ -8,7 +8,10 @@ vote.
 * :func:`install_commit_vote` makes the optimizer's update wait for the commit vote
   (:mod:`.commit`): every member votes once its gradient sync finished, and the update runs
   only if every member did, so no step is half-applied; an aborted vote raises
-  :class:`~.commit.StepAborted` and the iteration is redone in the next world.
+  :class:`~.commit.StepAborted` and the iteration is redone in the next world. A vote in doubt
+  (:class:`~.commit.VoteInDoubt`) applies nothing either, but the rank keeps the step prepared
+  (its reduced, clipped gradients: ``RecoverySession.keep_prepared``) for the next
+  generation's resolution (:mod:`.prepared`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import contextlib
 import time
 from typing import Any, Callable, Dict
 
-from megatron_mecefo.recovery.commit import StepAborted, abort
+from megatron_mecefo.recovery.commit import StepAborted, VoteInDoubt, abort
 from megatron_mecefo.recovery.trainer import PhaseHook
 
 
@@ -44,10 +47,14 @@ def install_commit_vote(session: Any, trainer: Any) -> None:
     optimizer_step, ready_step = optimizer.step, optimizer.step_with_ready_grads
     pending: Dict[str, Any] = {}
 
-    def await_decision() -> None:
+    def await_decision(skipped: bool = False) -> None:
         future, iteration = pending.pop("vote")
         t_wait = time.perf_counter()
-        commit, completed, protocol_s = future.result()
+        try:
+            commit, completed, protocol_s = future.result()
+        except VoteInDoubt as err:  # voted yes, outcome unknown: kept for the next generation
+            session.keep_prepared(trainer, iteration, getattr(err, "counted", None), skipped)
+            raise
         waited = time.perf_counter() - t_wait
         session.vote_s.append(waited)
         if completed:
@@ -67,7 +74,7 @@ def install_commit_vote(session: Any, trainer: Any) -> None:
         try:
             result = optimizer_step(*a, **k)
             if "vote" in pending:  # no update (inf/nan in the grads): agree all the same
-                await_decision()
+                await_decision(skipped=True)
             return result
         except BaseException:
             if pending.pop("vote", None) is not None and not future.done():

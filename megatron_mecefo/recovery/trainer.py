@@ -16,6 +16,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
+OPTIONAL_METHODS = ("apply_prepared_step",)
+"""Methods a trainer may have, outside :class:`RecoverableTrainer`; the session checks for them.
+
+``apply_prepared_step(step)``: finish the iteration whose commit vote ended in doubt and was
+resolved committed (:mod:`.prepared`): ``step.apply(main params, optimizer's
+step_with_ready_grads)``, then what the trainer advances after an update (the iteration, the
+data position, the LR schedule, ``step.extra["boundary"]``'s RNG states). A trainer without it
+drops a step in doubt (its stage is then healed from a peer, if one holds the iteration)."""
+
 PhaseHook = Callable[[str, int], None]
 """``phase(name, iteration)``: called at ``forward``, ``backward`` and ``grad-sync``."""
 

@@ -91,11 +91,23 @@ def export_state(trainer: Any, boundary: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
+def restore_boundary(trainer: Any, b: Dict[str, Any]) -> None:
+    """Put back the RNG states and controller counters of a :func:`boundary_snapshot`."""
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(b["rng"]["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(
+        {k: v.clone() for k, v in b["rng"]["tracker"].items()}
+    )
+    ctrl = getattr(trainer, "controller", None)
+    if ctrl is not None and "controller" in b:
+        for k, v in b["controller"].items():
+            setattr(ctrl, k, v)
+
+
 def import_state(trainer: Any, state: Dict[str, Any]) -> int:
     """Load ``state`` into a trainer built in the new world and rewind its data iterator;
     returns the bytes of the carried weights that stayed allocated (:func:`load_consuming`)."""
-    from megatron.core import tensor_parallel
-
     kept = 0
     for chunk, sd in zip(trainer.model_chunks, state["model"], strict=True):
         kept += load_consuming(chunk, sd)
@@ -111,15 +123,7 @@ def import_state(trainer: Any, state: Dict[str, Any]) -> int:
     trainer.history = list(state["history"])
     trainer.evals = list(state["evals"])
     trainer.saved = list(state["saved"])
-    b = state["boundary"]
-    torch.set_rng_state(b["rng"]["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(
-        {k: v.clone() for k, v in b["rng"]["tracker"].items()}
-    )
-    ctrl = getattr(trainer, "controller", None)
-    if ctrl is not None and "controller" in b:
-        for k, v in b["controller"].items():
-            setattr(ctrl, k, v)
+    restore_boundary(trainer, state["boundary"])
     modules = {
         f"{i}.{name}": m
         for i, chunk in enumerate(trainer.model_chunks)

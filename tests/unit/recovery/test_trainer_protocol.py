@@ -10,7 +10,7 @@ import types
 
 from conftest import REPO
 
-from megatron_mecefo.recovery.trainer import RecoverableTrainer
+from megatron_mecefo.recovery.trainer import OPTIONAL_METHODS, RecoverableTrainer
 
 PROTOCOL_METHODS = sorted(
     name
@@ -33,6 +33,7 @@ def test_megatron_lm_adapter_is_a_recoverable_trainer() -> None:
     integration = types.SimpleNamespace(controller=None)
     trainer = MegatronLMTrainer(session, integration, lambda: None, (), {})
     assert isinstance(trainer, RecoverableTrainer)
+    assert all(callable(getattr(trainer, name)) for name in OPTIONAL_METHODS)
     assert not trainer.built  # nothing to export before setup_model_and_optimizer ran
 
 
@@ -41,7 +42,7 @@ def test_example_trainer_has_every_protocol_method(monkeypatch) -> None:  # type
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
     import pretrain_gpt
 
-    for name in PROTOCOL_METHODS:
+    for name in PROTOCOL_METHODS + list(OPTIONAL_METHODS):
         assert callable(getattr(pretrain_gpt.Trainer, name)), name
 
 
@@ -51,5 +52,6 @@ def test_session_uses_only_the_protocol() -> None:
     for path in (REPO / "megatron_mecefo" / "recovery").glob("*.py"):
         used |= set(re.findall(r"(?<![.\w`])trainer\.(\w+)", path.read_text()))
     allowed = set(PROTOCOL_METHODS) | set(RecoverableTrainer.__annotations__) | {"saved_layouts"}
+    allowed |= set(OPTIONAL_METHODS)
     assert not {u for u in used if u.startswith("_")}, used
     assert used <= allowed, sorted(used - allowed)
