@@ -295,7 +295,14 @@ class GroupVote:
                     continue
                 call.shut = True
                 self.shut_heads.append(call.head)
-                shutdown_store_sockets(address)
+                shut = shutdown_store_sockets(address)
+                why = "its vote superseded" if superseded else f"past {self.call_timeout_s:g} s"
+                print(
+                    f"[supervisor node {self.node}] group vote {call.g}/{call.i}: the store of "
+                    f"head {call.head} ({address}) has not answered for "
+                    f"{now - call.answered:.1f} s, {why}: {shut} sockets shut (hung; in doubt)",
+                    flush=True,
+                )
 
     def close(self) -> None:
         """Stop the guard (the node's vote server closes)."""
