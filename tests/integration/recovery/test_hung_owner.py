@@ -72,14 +72,15 @@ def _stop_and_check(job: Job, node: int, rank_of_node: List[int]) -> None:
     bound = HEARTBEAT_TIMEOUT_S + MARGIN_S
     declared = _wait_for(job, r"generation \d+ \(death, now\)", t_stop, bound)
     trained = _trains_on(job, t_stop, bound + 10.0)
-    print(f"supervisor {node} SIGSTOPped: regroup after {declared:.2f} s, trains on {trained:.2f} s")
+    print(
+        f"supervisor {node} SIGSTOPped: regroup after {declared:.2f} s, trains on {trained:.2f} s"
+    )
     log = job.log()
     assert "its supervisor has not beaten" in log and "(hung)" in log, log[-5000:]
     lost = re.search(r"generation \d+ \(death, now\).*lost \[([\d, ]*)\]", log)
     assert lost is not None and [int(s) for s in lost.group(1).split(",")] == rank_of_node, log
 
 
-@pytest.mark.slow
 def test_follower_supervisor_sigstopped_in_node_vote_mode(tmp_path: Path, text_data: str) -> None:
     """Two nodes of one rank (DP2), node vote on. Node 1's supervisor SIGSTOPped: its rank's
     vote waits on it. Before, nothing was declared (the rank beats) and the job hung for
