@@ -211,7 +211,9 @@ class Coordinator:
         supervisor); if nobody confirms the death within another timeout, the coordinator
         declares it dead itself. When its supervisor has not beaten for the timeout either
         (its node died or hangs: nobody will confirm), it is declared dead at once: a
-        follower node's loss costs one heartbeat timeout, not two."""
+        follower node's loss costs one heartbeat timeout, not two. Ranks that still beat under a
+        supervisor silent for the timeout (it hangs: their votes wait on it for ever) are
+        declared dead too, unless the job is stopping: the node is lost (issue 54, H1)."""
         keys = sorted(self.ready - self.dead)
         supervisors = sorted({self._supervisor_of[k] for k in keys if k in self._supervisor_of})
         counts = self.ms.heartbeats(keys, supervisors)

@@ -276,14 +276,21 @@ class GroupVote:
             for call in stalled:
                 if call.shut or call.head == self.node:  # its own store serves in this process
                     continue
-                if call.superseded is None and now - call.looked >= 0.5:
+                # The shared hot client may be in a call that hangs (the hot store's own watch
+                # cuts that): the guard looks again later rather than wait behind it.
+                if (
+                    call.superseded is None
+                    and now - call.looked >= 0.5
+                    and self._hot_lock.acquire(timeout=0.5)
+                ):
                     call.looked = now
                     try:
-                        with self._hot_lock:
-                            if _superseded(self.hot, call.g, call.i):
-                                call.superseded = now
-                    except Exception:  # noqa: BLE001 (the hot store's own watch handles it)
+                        if _superseded(self.hot, call.g, call.i):
+                            call.superseded = now
+                    except Exception:  # noqa: BLE001 (as above)
                         pass
+                    finally:
+                        self._hot_lock.release()
                 superseded = call.superseded is not None and now - call.superseded > (
                     self.doubt_grace_s
                 )
