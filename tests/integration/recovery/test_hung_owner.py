@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from etcd_cluster import EtcdCluster, etcd_fixture  # noqa: F401 (a fixture)
 from harness import SMALL_MODEL, TIMEOUTS, Job
 
 HEARTBEAT_TIMEOUT_S = float(TIMEOUTS[TIMEOUTS.index("--heartbeat-timeout") + 1])
@@ -81,12 +82,20 @@ def _stop_and_check(job: Job, node: int, rank_of_node: List[int]) -> None:
     assert lost is not None and [int(s) for s in lost.group(1).split(",")] == rank_of_node, log
 
 
-def test_follower_supervisor_sigstopped_in_node_vote_mode(tmp_path: Path, text_data: str) -> None:
-    """Two nodes of one rank (DP2), node vote on. Node 1's supervisor SIGSTOPped: its rank's
-    vote waits on it. Before, nothing was declared (the rank beats) and the job hung for
-    good. Now node 1 is declared lost at the heartbeat timeout, node 0 trains on, and node
-    1's rank stops waiting (in doubt) and leaves the generation."""
-    job = Job(tmp_path, 1, _layout(2, 400, 8, text_data), nnodes=2,
+@pytest.mark.parametrize("mode", ["single", pytest.param("etcd", marks=pytest.mark.slow)])
+def test_follower_supervisor_sigstopped_in_node_vote_mode(
+    tmp_path: Path, text_data: str, mode: str, request: pytest.FixtureRequest
+) -> None:
+    """Two nodes of one rank (DP2), node vote on (``--store-mode etcd``: its default). Node
+    1's supervisor SIGSTOPped: its rank's vote waits on it. Before, nothing was declared (the
+    rank beats) and the job hung for good. Now node 1 is declared lost at the heartbeat
+    timeout, node 0 trains on, and node 1's rank stops waiting (in doubt) and leaves the
+    generation."""
+    sup: List[str] = []
+    if mode == "etcd":
+        etcd: EtcdCluster = request.getfixturevalue("etcd")
+        sup = ["--store-mode", "etcd", "--etcd", ",".join(etcd.endpoints)]
+    job = Job(tmp_path, 1, _layout(2, 400, 8, text_data), nnodes=2, supervisor_args=sup,
               MECEFO_NODE_VOTE="1", MECEFO_TEST_STEP_SLEEP="0.05")  # fmt: skip
     try:
         job.start()
