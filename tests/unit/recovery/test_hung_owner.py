@@ -231,3 +231,22 @@ def test_a_rank_vote_wait_ends_in_doubt_under_a_sigstopped_supervisor(
         with pytest.raises(NodeVoteLost):
             client.abort(0, 1, 0, [0, 1], timeout_s=1.0)
         assert time.monotonic() - t0 < 1.0 + MARGIN_S
+
+
+def test_a_vote_with_no_outcome_and_no_failure_ends_at_the_backstop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A voter that never answers while no failure generation comes (a hang nobody found):
+    the rank's wait ends in doubt at the backstop (its error report then has the coordinator
+    regroup), not never; an outcome that comes in time is returned as it is."""
+    from megatron_mecefo.recovery import step_hooks
+
+    monkeypatch.setattr(step_hooks, "VOTE_BACKSTOP_S", 0.5)
+    session = SimpleNamespace(watchdog=SimpleNamespace(fired=None), decision_wait_s=0.0)
+    t0 = time.monotonic()
+    with pytest.raises(VoteInDoubt, match="no vote outcome in"):
+        await_vote(Future(), session, 7, slice_s=0.05)
+    assert 0.5 <= time.monotonic() - t0 < 0.5 + MARGIN_S
+    done: Future = Future()
+    done.set_result((True, False, 0.01))
+    assert await_vote(done, session, 8) == (True, False, 0.01)
