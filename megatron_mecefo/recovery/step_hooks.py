@@ -38,12 +38,17 @@ class VoteInDoubt(RuntimeError):
 def await_vote(future: Any, session: Any, iteration: int, slice_s: float = 0.25) -> Any:
     """``future.result()`` with a deadline: :class:`VoteInDoubt` once the world's watchdog has
     seen a failure generation (the coordinator declared a hung node lost) and
-    :data:`DOUBT_GRACE_S` passed, or past the backstop (``max(VOTE_BACKSTOP_S, 4 x the
-    decision wait)``) with none: its error report then has the coordinator regroup."""
+    :data:`DOUBT_GRACE_S` passed (more under a long poll interval), or past the backstop
+    (``max(VOTE_BACKSTOP_S, 4 x the decision wait)``) with none: its error report then has the
+    coordinator regroup."""
     from concurrent.futures import TimeoutError as FutureTimeout
 
     t0 = time.monotonic()
     backstop = max(VOTE_BACKSTOP_S, 4 * float(getattr(session, "decision_wait_s", 0.0)))
+    # A live voter looks for a superseding generation every 5 waits of 10 poll intervals
+    # (commit.vote): its abort comes within that, and is better than a doubt.
+    poll_s = float(getattr(getattr(session, "cfg", None), "poll_interval_s", 0.0))
+    grace = max(DOUBT_GRACE_S, 50 * poll_s + 1.0)
     superseded_at = None
     while True:
         try:
@@ -54,7 +59,7 @@ def await_vote(future: Any, session: Any, iteration: int, slice_s: float = 0.25)
         watchdog = getattr(session, "watchdog", None)
         if superseded_at is None and watchdog is not None and watchdog.fired is not None:
             superseded_at = now
-        if superseded_at is not None and now - superseded_at > DOUBT_GRACE_S:
+        if superseded_at is not None and now - superseded_at > grace:
             raise VoteInDoubt(
                 f"iteration {iteration}: no vote outcome {now - t0:.1f} s after the vote and "
                 f"{now - superseded_at:.1f} s after a failure generation superseded it (the "
