@@ -183,7 +183,8 @@ class GroupVote:
         self.collected = 0
         """Group votes this node cast on the hot store as a head."""
         self._addresses: Dict[int, str] = {}  # head -> its store's address, once looked up
-        self._calls: List[_Call] = []
+        self._calls: List[_Call] = []  # calls to other heads' stores (the guard watches)
+        self._guard_cv = threading.Condition(self._lock)  # the guard sleeps while none
         self._closed = threading.Event()
         self.shut_heads: List[int] = []
         """Heads whose store's sockets the guard shut (hung)."""
@@ -244,13 +245,16 @@ class GroupVote:
         if head == self.node:
             self._collect(g, i, n, ngroups)
         votes, wake, _ = _keys(g, i)
-        call = _Call(head, g, i)
-        with self._lock:
-            self._calls.append(call)
+        call = _Call(head, g, i) if head != self.node else None  # its own store serves here
+        if call is not None:
+            with self._guard_cv:
+                self._calls.append(call)
+                self._guard_cv.notify()
         try:
             client = self._head_client(head, g)
             count = int(client.add(votes, amount))
-            call.answered = time.monotonic()
+            if call is not None:
+                call.answered = time.monotonic()
             # The vote that completes the count, or the abort that comes before it, wakes the
             # head: exactly one of them, by the counter's order.
             if (amount == 1 and count == n) or (amount > 1 and count - amount < n):
@@ -260,8 +264,9 @@ class GroupVote:
             self._drop(head)
             return False, False
         finally:
-            with self._lock:
-                self._calls.remove(call)
+            if call is not None:
+                with self._lock:
+                    self._calls.remove(call)
         return ok, self._last.pop((g, i), False) if head == self.node else False
 
     def _guard(self) -> None:
@@ -269,12 +274,17 @@ class GroupVote:
         a client timeout or not, so the member's thread cannot look for itself."""
         from megatron_mecefo.recovery.store_etcd import shutdown_store_sockets
 
-        while not self._closed.wait(0.25):
+        while True:
+            with self._guard_cv:
+                while not self._calls and not self._closed.is_set():
+                    self._guard_cv.wait()
+            if self._closed.wait(0.25):
+                return
             now = time.monotonic()
             with self._lock:
                 stalled = [c for c in self._calls if now - c.answered > self.member_wait_s + 1.0]
             for call in stalled:
-                if call.shut or call.head == self.node:  # its own store serves in this process
+                if call.shut:
                     continue
                 # The shared hot client may be in a call that hangs (the hot store's own watch
                 # cuts that): the guard looks again later rather than wait behind it.
@@ -313,7 +323,9 @@ class GroupVote:
 
     def close(self) -> None:
         """Stop the guard (the node's vote server closes)."""
-        self._closed.set()
+        with self._guard_cv:
+            self._closed.set()
+            self._guard_cv.notify_all()
 
     def _await(self, client, g: int, i: int, call: Optional[_Call] = None) -> bool:
         """The group's outcome from the head's store; ``doubt`` written by this member once
