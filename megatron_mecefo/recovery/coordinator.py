@@ -211,7 +211,9 @@ class Coordinator:
         supervisor); if nobody confirms the death within another timeout, the coordinator
         declares it dead itself. When its supervisor has not beaten for the timeout either
         (its node died or hangs: nobody will confirm), it is declared dead at once: a
-        follower node's loss costs one heartbeat timeout, not two."""
+        follower node's loss costs one heartbeat timeout, not two. Ranks that still beat under a
+        supervisor silent for the timeout (it hangs: their votes wait on it for ever) are
+        declared dead too, unless the job is stopping: the node is lost (issue 54, H1)."""
         keys = sorted(self.ready - self.dead)
         supervisors = sorted({self._supervisor_of[k] for k in keys if k in self._supervisor_of})
         counts = self.ms.heartbeats(keys, supervisors)
@@ -222,6 +224,7 @@ class Coordinator:
         }
         declare: List[Tuple[int, int]] = []
         unanswered: List[Tuple[int, int]] = []
+        hung: List[Tuple[Tuple[int, int], float]] = []
         near = self.cfg.heartbeat_timeout_s - 2 * self.cfg.heartbeat_interval_s
         for key, count in zip(keys, counts[: len(keys)], strict=True):
             slot, inc = key
@@ -231,9 +234,12 @@ class Coordinator:
                 # silence is a check or two short of it: it stopped with its node, its last
                 # beat merely seen a check later. It goes with the node's other ranks, in
                 # one failure generation, rather than in a second one a check later.
-                if gone.get(self._supervisor_of.get(key, "")) is not None:
+                supervisor_silent = gone.get(self._supervisor_of.get(key, ""))
+                if supervisor_silent is not None:
                     if now - self._hb[key][1] >= near:
                         unanswered.append(key)
+                    else:
+                        hung.append((key, supervisor_silent))
                 continue
             supervisor_silent = gone.get(self._supervisor_of.get(key, ""))
             if key not in self._kill_requested:
@@ -255,15 +261,32 @@ class Coordinator:
                 declare.append(key)
             else:
                 unanswered.append(key)
+        if hung and self.ms.get_str("stopping") is None:
+            # Beating ranks whose supervisor is silent for the timeout: the supervisor hangs
+            # (SIGSTOP, a frozen process). Their votes go through it (the node vote, its group
+            # store), so they wait on it for ever, and nobody can kill or confirm them: the
+            # node is lost (issue 54, H1). A supervisor that wakes kills them (the request).
+            for (slot, inc), silent in hung:
+                if (slot, inc) not in self._kill_requested:
+                    self._kill_requested[(slot, inc)] = now
+                    self.ms.set_json(
+                        f"kill/{slot}/{inc}", {"reason": "supervisor hung", "silent_s": silent}
+                    )
+                self.log(
+                    f"[coordinator] rank {slot} (incarnation {inc}): its supervisor has not "
+                    f"beaten for {silent:.1f} s (hung): its node is lost, dead"
+                )
+                declare.append((slot, inc))
+            self.ms.notify()
         if declare:
             # A node that died took its supervisor: its ranks fell silent together, but their
             # timeouts lapse a check apart. Every rank silent for the timeout whose kill request
             # is unanswered goes with them, so a node's death is one failure generation.
             declare += unanswered
+        hung_keys = {key for key, _ in hung}
         for slot, inc in declare:
-            self.ms.report_dead(
-                slot, inc, {"exit_code": None, "reason": "heartbeat, no supervisor", "t": 0}
-            )
+            reason = "supervisor hung" if (slot, inc) in hung_keys else "heartbeat, no supervisor"
+            self.ms.report_dead(slot, inc, {"exit_code": None, "reason": reason, "t": 0})
             self.dead.add((slot, inc))
             self.ready.discard((slot, inc))
 

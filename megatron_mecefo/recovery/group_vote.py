@@ -42,6 +42,12 @@ needs no peer of its stage to reach the committed iteration.
 
 Waits are bounded: the group store's client has a timeout (``call_timeout_s``), and a
 member's wait for the outcome is cut into slices that look for a superseding generation.
+A call to a *hung* head (SIGSTOPped: its sockets stay open and its store never answers, a
+client timeout or not) never returns by itself, so a guard thread (:meth:`GroupVote._guard`)
+shuts this process's sockets to the head's store when a call to it has had no answer for
+``member_wait_s`` and a second and either the vote was superseded ``doubt_grace_s`` ago (the
+coordinator declared the hung head's node lost: issue 54, H1) or ``call_timeout_s`` passed:
+the call fails, and the member is in doubt, as when the head dies.
 """
 
 from __future__ import annotations
@@ -90,6 +96,19 @@ def two_level(nodes: Sequence[int], group_size: int) -> bool:
 
 def _keys(g: int, i: int) -> Tuple[str, str, str]:
     return f"gv/{g}/{i}", f"gw/{g}/{i}", f"go/{g}/{i}"
+
+
+class _Call:
+    """A member's exchange with its head's store for ``g/i`` (watched by the guard)."""
+
+    __slots__ = ("head", "g", "i", "answered", "looked", "superseded", "shut")
+
+    def __init__(self, head: int, g: int, i: int) -> None:
+        self.head, self.g, self.i = head, g, i
+        self.answered = time.monotonic()  # the last answer of the head's store (or the start)
+        self.looked = 0.0  # the guard's last look for a superseding generation
+        self.superseded: Optional[float] = None
+        self.shut = False
 
 
 def _client(address: str, timeout_s: float):
@@ -167,6 +186,13 @@ class GroupVote:
         self._doubts: Dict[Tuple[int, int], None] = {}  # the last few votes left in doubt
         self.collected = 0
         """Group votes this node cast on the hot store as a head."""
+        self._addresses: Dict[int, str] = {}  # head -> its store's address, once looked up
+        self._calls: List[_Call] = []  # calls to other heads' stores (the guard watches)
+        self._guard_cv = threading.Condition(self._lock)  # the guard sleeps while none
+        self._closed = threading.Event()
+        self.shut_heads: List[int] = []
+        """Heads whose store's sockets the guard shut (hung)."""
+        threading.Thread(target=self._guard, name="group-vote-guard", daemon=True).start()
         if store is not None:
             self._idle.append(_client(store.address, call_timeout_s))
             hot.store.set(STORE_KEY.format(node=node), store.address)
@@ -184,6 +210,8 @@ class GroupVote:
         else:
             with self._hot_lock:
                 address = self.hot.store.get(STORE_KEY.format(node=head)).decode()
+        with self._lock:
+            self._addresses[head] = address  # before the connect, which a hung head stalls
         if cached is not None and cached[0] == address:
             client = cached[1]
         else:
@@ -221,17 +249,28 @@ class GroupVote:
         if head == self.node:
             self._collect(g, i, n, ngroups)
         votes, wake, _ = _keys(g, i)
+        call = _Call(head, g, i) if head != self.node else None  # its own store serves here
+        if call is not None:
+            with self._guard_cv:
+                self._calls.append(call)
+                self._guard_cv.notify()
         try:
             client = self._head_client(head, g)
             count = int(client.add(votes, amount))
+            if call is not None:
+                call.answered = time.monotonic()
             # The vote that completes the count, or the abort that comes before it, wakes the
             # head: exactly one of them, by the counter's order.
             if (amount == 1 and count == n) or (amount > 1 and count - amount < n):
                 client.set(wake, "")
-            standing = self._await(client, g, i)
+            standing = self._await(client, g, i, call)
         except Exception:  # noqa: BLE001 (the head's store is lost or hung: in doubt)
             self._drop(head)
             standing = DOUBT
+        finally:
+            if call is not None:
+                with self._lock:
+                    self._calls.remove(call)
         if standing == DOUBT and amount == 1:  # voted yes, outcome unknown: prepared
             self._doubted(g, i)
         ok = standing == COMMIT
@@ -250,7 +289,65 @@ class GroupVote:
         with self._lock:
             return (g, i) in self._doubts
 
-    def _await(self, client, g: int, i: int) -> str:
+    def _guard(self) -> None:
+        """Shut the sockets to a hung head's store (module docstring): its calls never return,
+        a client timeout or not, so the member's thread cannot look for itself."""
+        from megatron_mecefo.recovery.store_etcd import shutdown_store_sockets
+
+        while True:
+            with self._guard_cv:
+                while not self._calls and not self._closed.is_set():
+                    self._guard_cv.wait()
+            if self._closed.wait(0.25):
+                return
+            now = time.monotonic()
+            with self._lock:
+                stalled = [c for c in self._calls if now - c.answered > self.member_wait_s + 1.0]
+            for call in stalled:
+                if call.shut:
+                    continue
+                # The shared hot client may be in a call that hangs (the hot store's own watch
+                # cuts that): the guard looks again later rather than wait behind it.
+                if (
+                    call.superseded is None
+                    and now - call.looked >= 0.5
+                    and self._hot_lock.acquire(timeout=0.5)
+                ):
+                    call.looked = now
+                    try:
+                        if _superseded(self.hot, call.g, call.i):
+                            call.superseded = now
+                    except Exception:  # noqa: BLE001 (as above)
+                        pass
+                    finally:
+                        self._hot_lock.release()
+                superseded = call.superseded is not None and now - call.superseded > (
+                    self.doubt_grace_s
+                )
+                if not superseded and now - call.answered <= self.call_timeout_s:
+                    continue
+                with self._lock:
+                    address = self._addresses.get(call.head)
+                if address is None:
+                    continue
+                call.shut = True
+                self.shut_heads.append(call.head)
+                shut = shutdown_store_sockets(address)
+                why = "its vote superseded" if superseded else f"past {self.call_timeout_s:g} s"
+                print(
+                    f"[supervisor node {self.node}] group vote {call.g}/{call.i}: the store of "
+                    f"head {call.head} ({address}) has not answered for "
+                    f"{now - call.answered:.1f} s, {why}: {shut} sockets shut (hung; in doubt)",
+                    flush=True,
+                )
+
+    def close(self) -> None:
+        """Stop the guard (the node's vote server closes)."""
+        with self._guard_cv:
+            self._closed.set()
+            self._guard_cv.notify_all()
+
+    def _await(self, client, g: int, i: int, call: Optional[_Call] = None) -> str:
         """The group's outcome from the head's store (``commit``, ``abort`` or ``doubt``);
         ``doubt`` written by this member once the vote is superseded and the head has not
         decided within ``doubt_grace_s``."""
@@ -270,6 +367,8 @@ class GroupVote:
             except DistStoreError as err:
                 if isinstance(err, DistNetworkError):
                     raise
+            if call is not None:
+                call.answered = time.monotonic()
             if superseded_at is None:
                 with self._hot_lock:
                     if _superseded(self.hot, g, i):

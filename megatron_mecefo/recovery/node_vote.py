@@ -38,6 +38,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -341,8 +342,10 @@ class NodeVoteServer:
         self._listener.close()
         for c in conns:
             _hang_up(c)
-        if self.group is not None and self.group.own is not None:
-            self.group.own.close()
+        if self.group is not None:
+            self.group.close()
+            if self.group.own is not None:
+                self.group.own.close()
 
 
 class NodeVoteClient:
@@ -415,10 +418,22 @@ class NodeVoteClient:
         (``completed_the_count``: the node's vote completed the count)."""
         return self._request("vote", generation, iteration, slot, members, report_progress)
 
-    def abort(self, generation: int, iteration: int, slot: int, members: Sequence[int]) -> bool:
+    def abort(
+        self,
+        generation: int,
+        iteration: int,
+        slot: int,
+        members: Sequence[int],
+        timeout_s: Optional[float] = None,
+    ) -> bool:
         """Abort (the step hook's error path); returns the outcome that stands (True: commit,
-        when this rank's vote had been counted and every node's was in)."""
-        ok, _, _ = self._request("abort", generation, iteration, slot, members, False).result()
+        when this rank's vote had been counted and every node's was in). Raises
+        :class:`NodeVoteLost` when no answer comes within ``timeout_s`` (a hung supervisor)."""
+        future = self._request("abort", generation, iteration, slot, members, False)
+        try:
+            ok, _, _ = future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise NodeVoteLost(f"no answer from the node's vote server in {timeout_s} s") from None
         return ok
 
     def _read(self) -> None:

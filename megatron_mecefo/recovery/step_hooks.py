@@ -23,6 +23,51 @@ from typing import Any, Callable, Dict
 from megatron_mecefo.recovery.commit import StepAborted, VoteInDoubt, abort
 from megatron_mecefo.recovery.trainer import PhaseHook
 
+DOUBT_GRACE_S = 2.0
+"""How long a rank still waits for its vote's outcome once a failure generation superseded its
+world (the voter, alive, aborts the vote within a fraction of a second then)."""
+
+VOTE_BACKSTOP_S = 60.0
+"""The least a vote may wait with no superseding generation before the rank gives up (the
+members vote right after the same gradient sync: no live peer is that late)."""
+
+
+def await_vote(future: Any, session: Any, iteration: int, slice_s: float = 0.25) -> Any:
+    """``future.result()`` with a deadline: :class:`VoteInDoubt` once the world's watchdog has
+    seen a failure generation (the coordinator declared a hung node lost) and
+    :data:`DOUBT_GRACE_S` passed (more under a long poll interval), or past the backstop
+    (``max(VOTE_BACKSTOP_S, 4 x the decision wait)``) with none: its error report then has the
+    coordinator regroup."""
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    t0 = time.monotonic()
+    backstop = max(VOTE_BACKSTOP_S, 4 * float(getattr(session, "decision_wait_s", 0.0)))
+    # A live voter looks for a superseding generation every 5 waits of 10 poll intervals
+    # (commit.vote): its abort comes within that, and is better than a doubt.
+    poll_s = float(getattr(getattr(session, "cfg", None), "poll_interval_s", 0.0))
+    grace = max(DOUBT_GRACE_S, 50 * poll_s + 1.0)
+    superseded_at = None
+    while True:
+        try:
+            return future.result(timeout=slice_s)
+        except FutureTimeout:
+            pass
+        now = time.monotonic()
+        watchdog = getattr(session, "watchdog", None)
+        if superseded_at is None and watchdog is not None and watchdog.fired is not None:
+            superseded_at = now
+        if superseded_at is not None and now - superseded_at > grace:
+            raise VoteInDoubt(
+                f"iteration {iteration}: no vote outcome {now - t0:.1f} s after the vote and "
+                f"{now - superseded_at:.1f} s after a failure generation superseded it (the "
+                "voter hangs): in doubt, the step is not applied"
+            )
+        if now - t0 > backstop:
+            raise VoteInDoubt(
+                f"iteration {iteration}: no vote outcome in {now - t0:.1f} s (the voter hangs): "
+                "in doubt, the step is not applied"
+            )
+
 
 def phase_forward_step(forward_step_func: Callable, phase: PhaseHook, iteration: int) -> Callable:
     """``forward_step_func`` firing ``forward`` (each micro-batch; a kill fires once) and
@@ -51,7 +96,7 @@ def install_commit_vote(session: Any, trainer: Any) -> None:
         future, iteration = pending.pop("vote")
         t_wait = time.perf_counter()
         try:
-            commit, completed, protocol_s = future.result()
+            commit, completed, protocol_s = await_vote(future, session, iteration)
         except VoteInDoubt as err:  # voted yes, outcome unknown: kept for the next generation
             session.keep_prepared(trainer, iteration, getattr(err, "counted", None), skipped)
             raise
@@ -81,7 +126,10 @@ def install_commit_vote(session: Any, trainer: Any) -> None:
                 # wakes the peers (a node vote aborts through the node: its counter counts nodes)
                 if hasattr(session.voter, "abort"):
                     with contextlib.suppress(Exception):  # the node is gone: nothing to wake
-                        session.voter.abort(gen.number, iteration, session.slot, gen.members)
+                        session.voter.abort(
+                            gen.number, iteration, session.slot, gen.members,
+                            timeout_s=max(DOUBT_GRACE_S, session.decision_wait_s),
+                        )  # fmt: skip
                 else:
                     abort(session.ms, gen.number, iteration, len(gen.members),
                           session.decision_wait_s)  # fmt: skip
