@@ -11,7 +11,7 @@ NPROC ?= 8
 export OMP_NUM_THREADS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-slow test-errors test-slurm test-goodput etcd bench bench-convergence bench-goodput bench-long lint clean
+.PHONY: venv data demo demo-simulated demo-snapshot demo-abft test test-unit test-integration test-all test-slow test-errors test-slurm test-goodput test-control-campaign etcd bench bench-convergence bench-goodput bench-long lint clean
 
 # torch 2.13.0 first and pinned, from TORCH_INDEX: PyTorch's CPU index by default, because a
 # plain `pip install torch==2.13.0` on Linux pulls the CUDA build from PyPI (its CUDA libraries
@@ -132,6 +132,15 @@ test-all: venv
 # Over an hour on 2 cores, so not in .ci/run (45 minutes); make test-all runs these and the rest.
 test-slow: venv
 	$(PY) -m pytest -q -m slow --timeout=1800 --durations=15 --ignore=tests/integration/benchmarks tests
+
+# The randomized control-plane campaign on real processes (docs/real-failures.md): four
+# supervisors (PP2 x DP2, vote groups of 2) in network namespaces, a 3-member etcd, one seeded
+# fault per run (SIGKILL, SIGSTOP, a cut link; held or released; any node, group heads and the
+# leader included); MECEFO_CAMPAIGN_RUNS runs (default 24, about 30 minutes on 2 cores; needs
+# root for ip netns, and make etcd). Writes results/control_campaign.json; make test runs two.
+test-control-campaign: venv etcd
+	$(PY) -m pytest -q -s -m slow --timeout=7200 \
+	    tests/integration/recovery/test_control_campaign.py::test_campaign
 
 # The Slurm scripts (examples/slurm/) under a real slurmctld + slurmd on this host (README
 # "Running on a cluster"): installs slurm-wlm, munge and shellcheck with apt when missing

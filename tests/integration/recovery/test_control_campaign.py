@@ -1,0 +1,99 @@
+"""The randomized campaign on real processes (tests/helpers/control_campaign.py).
+
+``make test`` runs the short campaign (two runs of the seeded plan: a group head frozen, the
+leader SIGKILLed); ``make
+test-control-campaign`` the whole one (``MECEFO_CAMPAIGN_RUNS``, default 24), which writes
+``results/control_campaign.json`` and prints the table that ``docs/real-failures.md`` shows.
+Needs root, ``ip netns`` and an ``etcd`` binary; skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+from conftest import REPO
+from control_campaign import KINDS, plan, run_one
+from etcd_cluster import etcd_missing_reason
+from netns import netns_missing_reason
+
+SEED = 54
+SHORT = (10, 15)
+"""The runs of the plan in ``make test``: a SIGSTOP of node 2 (group 1's head) for good, and a
+SIGKILL of node 0 (the etcd leader, group 0's head)."""
+
+
+@pytest.fixture(autouse=True)
+def _needs() -> None:
+    why = netns_missing_reason() or etcd_missing_reason()
+    if why:
+        pytest.skip(why)
+
+
+def _campaign(tmp_path: Path, text_data: str, runs: List[int]) -> List[Dict[str, Any]]:
+    faults = plan(SEED, max(runs) + 1)
+    results = []
+    for i in runs:
+        fault = faults[i]
+        t0 = time.monotonic()
+        record = run_one(tmp_path / f"run{i}", fault, text_data, tag=f"{os.getpid() % 10000}c{i}")
+        record["run"], record["wall_s"] = i, round(time.monotonic() - t0, 1)
+        print(json.dumps(record, sort_keys=True))
+        results.append(record)
+    return results
+
+
+def _table(results: List[Dict[str, Any]]) -> str:
+    rows = ["| fault | runs | violations | kill → end of run, s (median) |", "|---|---|---|---|"]
+    for kind in KINDS:
+        of = [r for r in results if r["fault"]["kind"] == kind]
+        ends = sorted(r["end_s"] for r in of if "end_s" in r)
+        median = f"{ends[len(ends) // 2]:.1f}" if ends else "–"
+        bad = sum(bool(r["violations"]) for r in of)
+        rows.append(f"| {kind} | {len(of)} | {bad} | {median} |")
+    return "\n".join(rows)
+
+
+def test_short_campaign(tmp_path: Path, text_data: str) -> None:
+    """The first runs of the seeded plan: every invariant holds in each."""
+    results = _campaign(tmp_path, text_data, list(SHORT))
+    bad = [(r["fault"], r["violations"]) for r in results if r["violations"]]
+    assert not bad, bad
+
+
+@pytest.mark.slow
+def test_campaign(tmp_path: Path, text_data: str) -> None:
+    """The whole campaign: ``MECEFO_CAMPAIGN_RUNS`` runs; the table to results/."""
+    runs = int(os.environ.get("MECEFO_CAMPAIGN_RUNS", "24"))
+    t0 = time.monotonic()
+    results = _campaign(tmp_path, text_data, list(range(runs)))
+    kinds = Counter(r["fault"]["kind"] for r in results)
+    nodes = Counter(r["fault"]["node"] for r in results)
+    violations = [{"run": r["run"], "fault": r["fault"], "violations": r["violations"]}
+                  for r in results if r["violations"]]  # fmt: skip
+    report = {
+        "config": {
+            "seed": SEED, "runs": runs, "nodes": 4, "ranks_per_node": 1, "layout": "PP2 x DP2",
+            "vote_group_size": 2, "etcd_members": 3, "heartbeat_timeout_s": 4.0,
+            "machine": f"{os.cpu_count()} cores, {platform.python_version()}",
+        },
+        "faults_by_kind": dict(sorted(kinds.items())),
+        "faults_by_node": {str(k): v for k, v in sorted(nodes.items())},
+        "violations": violations,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "runs": results,
+    }  # fmt: skip
+    out = REPO / "results" / "control_campaign.json"
+    out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    print(_table(results))
+    print(
+        f"control campaign: {runs} runs (faults {dict(sorted(kinds.items()))}), "
+        f"{len(violations)} with violations, {report['wall_s']:.0f} s -> {out}"
+    )
+    assert not violations, violations
