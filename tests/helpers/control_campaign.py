@@ -94,7 +94,8 @@ def plan(seed: int, runs: int) -> List[Fault]:
 
 
 def trainer_args(data_path: str) -> List[str]:
-    """PP2 x DP2 over four one-rank nodes; SGD keeps fp32 rounding at rounding size; no clipping, which would hide an error in the gradient's scale."""
+    """PP2 x DP2 over four one-rank nodes; SGD keeps fp32 rounding at rounding size, and no
+    clipping, which would hide an error in the gradient's scale."""
     return SMALL_MODEL + [
         "--pipeline-model-parallel-size", "2", "--global-batch-size", str(GBS),
         "--train-iters", str(ITERS), "--mecefo", "--data-path", data_path,
