@@ -647,11 +647,18 @@ class LivenessListener:
 
 
 def hold_liveness(
-    ms: MembershipStore, supervisor: str, retry_s: float, stop: threading.Event
+    ms: MembershipStore,
+    supervisor: str,
+    retry_s: float,
+    stop: threading.Event,
+    store_address: Optional[Callable[[], str]] = None,
 ) -> None:
     """A supervisor's side of :class:`LivenessListener` (a thread until ``stop``): connect to
     the address the store publishes, send ``supervisor``, and hold the connection; when it
-    ends (the coordinator stopped, a new leader), look the address up again and reconnect."""
+    ends (the coordinator stopped, a new leader), look the address up again and reconnect.
+    ``store_address``: the hot store's address as a client that follows the leader sees it
+    (etcd mode; no request): when it moves, a new leader's listener is looked up, also when
+    the old one hangs and its connection stays open."""
     while not stop.is_set():
         try:
             address = ms.get_str(LIVENESS_KEY)
@@ -659,9 +666,15 @@ def hold_liveness(
                 host, port = address.rsplit(":", 1)
                 with socket.create_connection((host, int(port)), timeout=5.0) as conn:
                     conn.sendall(f"{supervisor}\n".encode())
-                    conn.settimeout(None)
-                    while conn.recv(64):
-                        pass
+                    conn.settimeout(retry_s)
+                    store = store_address() if store_address is not None else ""
+                    while not stop.is_set():
+                        try:
+                            if not conn.recv(64):
+                                break  # the listener closed
+                        except socket.timeout:
+                            if store_address is not None and store_address() != store:
+                                break  # a new leader: its listener
         except Exception:  # noqa: BLE001 (no store or listener now: look again later)
             pass
         stop.wait(retry_s)

@@ -229,7 +229,8 @@ class Supervisor:
         liveness_ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
         threading.Thread(
             target=hold_liveness,
-            args=(liveness_ms, self.id, self.cfg.heartbeat_interval_s, self._liveness_stop),
+            args=(liveness_ms, self.id, self.cfg.heartbeat_interval_s, self._liveness_stop,
+                  self.beat.ms.address if self.beat.ms is not None else None),  # fmt: skip
             name="mecefo-liveness",
             daemon=True,
         ).start()

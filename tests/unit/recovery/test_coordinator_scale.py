@@ -19,10 +19,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, List, Tuple
 
 from megatron_mecefo.recovery.config import RecoveryConfig
 from megatron_mecefo.recovery.coordinator import Coordinator
+from megatron_mecefo.recovery.heartbeat import Heartbeat
 from megatron_mecefo.recovery.membership import MembershipStore
 
 NODES, PER_NODE = 64, 8
@@ -99,7 +101,8 @@ def test_a_heartbeat_pass_and_an_event_cost_the_same_at_any_number_of_ranks(stor
             steady = _passes(counting.calls)[3:-1]  # complete passes after the start
         # Each: the event count, "done", the node keys (one multi_get for 64 nodes), the
         # "stopping" key, and the generation's error count (one key, not one per member).
-        expected = [("add", "events"), ("check", "done"), ("multi_get", f"hb/node/{_supervisor(0)}"),
+        nodes = f"hb/node/{_supervisor(0)}"
+        expected = [("add", "events"), ("check", "done"), ("multi_get", nodes),
                     ("check", "stopping"), ("check", "err/0")]  # fmt: skip
         for one in steady:
             assert one == expected, f"{len(one)} requests in a heartbeat pass: {one[:12]}"
@@ -113,7 +116,7 @@ def test_a_heartbeat_pass_and_an_event_cost_the_same_at_any_number_of_ranks(stor
         _wait(lambda: len(_passes(counting.calls)) >= 2, "no pass after the event")
         with counting.lock:
             event_pass = _passes(counting.calls)[0]
-        heartbeat_part = [("check", "done"), ("multi_get", f"hb/node/{_supervisor(0)}")]
+        heartbeat_part = [("check", "done"), ("multi_get", nodes)]
         rest = [c for c in event_pass if c not in heartbeat_part]  # if the check fell due too
         # The event's key (check, multi_get), rank 5's inc (check, get), its dead keys of
         # incarnations 0 and 1 (check each), its new ready key (check, get); then the decision.
@@ -169,3 +172,39 @@ def test_a_killed_supervisor_is_declared_dead_at_once(store: str) -> None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
         coord.stop()
+
+
+def test_ranks_beat_through_their_supervisors_node_key(store: str, tmp_path: Path) -> None:
+    """Real heartbeat threads: ranks beat into their supervisor's folder (no store request),
+    the supervisor's beat writes one key for the node. A rank that stops beating is asked
+    killed after the timeout; its sibling and its supervisor, still beating, are not."""
+    folder = str(tmp_path)
+    supervisor = "1@here:1"
+    ms = MembershipStore.connect(store)
+    ranks = {slot: Heartbeat(store, slot, 0, 0.05, folder=folder).start() for slot in (2, 3)}
+    node = Heartbeat.of_supervisor(store, supervisor, 0.05, folder).start()
+    try:
+        for slot in ranks:
+            ms.mark_ready(slot, 0, {"supervisor": supervisor})
+
+        def node_key() -> dict:
+            return json.loads(ms.get_str(f"hb/node/{supervisor}") or '{"ranks": {}}')
+
+        _wait(lambda: min(node_key()["ranks"].get(f"{s}/0", 0) for s in ranks) >= 2,
+              "the node key does not carry its ranks' beats")  # fmt: skip
+        assert not ms.store.check(["hb/2/0"]) and not ms.store.check(["hb/3/0"])
+        cfg = RecoveryConfig(store=store, heartbeat_interval_s=0.5, heartbeat_timeout_s=6.0)
+        coord = Coordinator(MembershipStore.connect(store), 8, cfg, log=lambda _: 0)
+        coord._rescan()
+        t0 = time.monotonic()
+        coord._check_heartbeats(t0)
+        ranks[2].stop(join=True)  # rank 2 hangs; rank 3 and the supervisor beat on
+        seen = node_key()
+        _wait(lambda: node_key()["beat"] > seen["beat"] + 2, "the supervisor stopped beating")
+        coord._check_heartbeats(t0 + 7.0)
+        assert ms.get_str("kill/2/0") is not None, "a rank silent for the timeout not killed"
+        assert ms.get_str("kill/3/0") is None, "a beating rank asked killed"
+        assert ms.dead_info(2, 0) is None, "declared dead while its supervisor beats"
+    finally:
+        for beat in [*ranks.values(), node]:
+            beat.stop(join=True)
