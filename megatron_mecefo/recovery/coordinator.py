@@ -106,6 +106,7 @@ class Coordinator:
         self._closed: Set[str] = set()
         """Supervisors whose connection to the :class:`LivenessListener` closed."""
         self._closed_lock = threading.Lock()
+        self._closed_seen = (0, 0, 0)
         self.listener: Optional[LivenessListener] = None
 
     # ------------------------------------------------------------------ life cycle
@@ -199,10 +200,16 @@ class Coordinator:
                     last_hb = now
                     if self.ms.get_str("done") is not None:
                         return
+                    known_dead = len(self.dead)
                     self._check_heartbeats(now)
-                    changed = True
+                    # A check that found nothing changes no decision (before, every check
+                    # re-decided: O(ranks) of CPU each second). A time-bound decision (an
+                    # error's timeout, a rejoin's progress) is pending and polled.
+                    changed = changed or len(self.dead) != known_dead
+                known_dead = len(self.dead)
+                self._check_closed()
+                changed = changed or len(self.dead) != known_dead
                 if changed or self._pending:
-                    self._check_closed()
                     self._decide()
                 if self.gen is not None and self.gen.abort:
                     return
@@ -305,8 +312,10 @@ class Coordinator:
         with it: they die with their parent) are dead: declared at once."""
         with self._closed_lock:
             closed = set(self._closed)
-        if not closed:
-            return
+        seen = (len(closed), len(self.ready), len(self.dead))
+        if not closed or self._closed_seen == seen:
+            return  # nothing new: no supervisor closed, no rank became ready since
+        self._closed_seen = seen
         lost = [k for k in sorted(self.ready - self.dead) if self._supervisor_of.get(k) in closed]
         if not lost or self.ms.get_str("done") is not None:
             return  # at the job's end every supervisor exits: no death
@@ -321,6 +330,7 @@ class Coordinator:
             )
             self.dead.add(key)
             self.ready.discard(key)
+        self._closed_seen = (len(closed), len(self.ready), len(self.dead))
 
     def _silence(self, seen: Dict, key: object, count: int, now: float) -> Optional[float]:
         """Seconds ``key``'s heartbeat ``count`` has not moved, once that reaches the timeout
@@ -354,7 +364,13 @@ class Coordinator:
         declare: List[Tuple[int, int]] = []
         unanswered: List[Tuple[int, int]] = []
         near = self.cfg.heartbeat_timeout_s - 2 * self.cfg.heartbeat_interval_s
+        hb, since = self._hb, self._hb_since
         for key, count in zip(keys, counts, strict=True):
+            if not gone:  # the common case, inline (16,384 ranks a second): a count that moved
+                last = hb.get(key)
+                if last is None or last[0] != count or last[1] < since:
+                    hb[key] = (count, now if now > since else since)
+                    continue
             slot, inc = key
             silent = self._silence(self._hb, key, count, now)
             if silent is None:
@@ -414,18 +430,17 @@ class Coordinator:
         if nodes:
             values = store.multi_get([f"hb/node/{sup}" for sup in nodes])
             node_beats = {sup: json.loads(v) for sup, v in zip(nodes, values, strict=True)}
-        direct = [k for k in keys if self._supervisor_of.get(k) not in node_beats]
+        of = self._supervisor_of
+        direct = [k for k in keys if of.get(k) not in node_beats] if node_beats else keys
         direct_sups = [sup for sup in supervisors if sup not in node_beats]
         found = self.ms.heartbeats(direct, direct_sups)
         by_key = dict(zip(direct, found[: len(direct)], strict=True))
         by_sup = dict(zip(direct_sups, found[len(direct) :], strict=True))
-        counts = []
-        for key in keys:
-            if key in by_key:
-                counts.append(by_key[key])
-            else:
-                beat = node_beats[self._supervisor_of[key]]
-                counts.append(int(beat["ranks"].get(f"{key[0]}/{key[1]}", 0)))
+        ranks = {sup: beat["ranks"] for sup, beat in node_beats.items()}
+        counts = [
+            by_key[key] if key in by_key else ranks[of[key]].get(f"{key[0]}/{key[1]}", 0)
+            for key in keys
+        ]
         for sup, beat in node_beats.items():
             by_sup[sup] = int(beat["beat"])
         return counts, [by_sup[sup] for sup in supervisors]
