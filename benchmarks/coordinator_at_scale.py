@@ -11,7 +11,7 @@ threads (a client each):
   coordinator.py``, loaded from a temporary file beside today's membership module, whose
   per-rank heartbeat reads are unchanged); every rank ``add``s its counter ``hb/<slot>/<inc>``
   and every supervisor its ``hb/supervisor/<id>``;
-* ``after``: today's coordinator; every node's supervisor ``set``s one key ``hb/node/<id>``
+* ``after``: this commit's coordinator; every node's supervisor ``set``s one key ``hb/node/<id>``
   (its count and its ranks'), and holds one connection to the coordinator's liveness
   listener (``--nodes`` idle sockets in its ``select``).
 
@@ -20,8 +20,10 @@ Both run in one invocation, one after the other, each on a fresh store. After th
 ``--seconds`` is measured: hot-store requests per second (the coordinator's, counted; the
 heartbeat writers', counted by the writer process), the coordinator's CPU per second (its
 threads' CPU clocks: the loop, and the liveness listener), and the store server's CPU per
-second (``/proc``). Then one event (a replacement rank ``ready``) and the requests of the
-coordinator's pass that reads it.
+second (``/proc``); and how many heartbeat checks the coordinator made per second (one is due
+each ``--interval``: a check that takes longer than that is throughput-bound, and its requests
+per second are then what the store answers, not what the check asks). Then one event (a
+replacement rank ``ready``) and the requests of the coordinator's pass that reads it.
 
 Adds the ``coordinator`` section to ``--output`` (``results/commit_at_scale.json`` by
 default; what is there is kept) and prints one summary line.
@@ -140,9 +142,12 @@ class CountingStore:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self.counter[0] += 1
+            first = args[0] if args else ""
+            key = str(first[0] if isinstance(first, list) else first)
+            if key == "done":  # each heartbeat check looks at it first
+                self.counter[2] += 1
             if self.counter[1]:  # recording: (request, its first key)
-                first = args[0] if args else ""
-                self.calls.append((name, str(first[0] if isinstance(first, list) else first)))
+                self.calls.append((name, key))
             return attr(*args, **kwargs)
 
         return call
@@ -183,7 +188,7 @@ def _run(mode: str, a: argparse.Namespace) -> Dict[str, Any]:
     host.start()
     writer = None
     stop_writer = ctx.Event()
-    counter = [0, 0]  # requests; whether to record them in calls
+    counter = [0, 0, 0]  # requests; whether to record them in calls; heartbeat checks
     calls: List[Tuple[str, str]] = []
     real_connect = MembershipStore.connect
     coord = None
@@ -229,10 +234,10 @@ def _run(mode: str, a: argparse.Namespace) -> Dict[str, Any]:
         startup_s = time.monotonic() - t_start
         time.sleep(2 * a.interval)
         threads = [coord.thread] + ([coord.listener.thread] if mode == "after" else [])
-        r0, w0 = counter[0], sum(counts[:])
+        r0, w0, p0 = counter[0], sum(counts[:]), counter[2]
         c0, s0, t0 = _thread_cpu_s(threads), _cpu_s(host.pid), time.monotonic()
         time.sleep(a.seconds)
-        r1, w1 = counter[0], sum(counts[:])
+        r1, w1, p1 = counter[0], sum(counts[:]), counter[2]
         c1, s1, t1 = _thread_cpu_s(threads), _cpu_s(host.pid), time.monotonic()
         window = t1 - t0
         # One event: a replacement of rank 5 is ready. Its pass: the requests from the
@@ -269,6 +274,8 @@ def _run(mode: str, a: argparse.Namespace) -> Dict[str, Any]:
             "startup_s": round(startup_s, 2),
             "window_s": round(window, 2),
             "coordinator_requests_per_s": round((r1 - r0) / window, 1),
+            "heartbeat_checks_per_s": round((p1 - p0) / window, 2),
+            "coordinator_requests_per_check": round((r1 - r0) / max(1, p1 - p0), 1),
             "heartbeat_requests_per_s": round((w1 - w0) / window, 1),
             "hot_store_requests_per_s": round((r1 - r0 + w1 - w0) / window, 1),
             "coordinator_cpu_s_per_s": round((c1 - c0) / window, 4),
@@ -310,7 +317,10 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f}, {os.cpu_count()} cores): hot-store requests/s "
         f"{b['hot_store_requests_per_s']:.0f} -> {f['hot_store_requests_per_s']:.0f} (the "
         f"coordinator's {b['coordinator_requests_per_s']:.0f} -> "
-        f"{f['coordinator_requests_per_s']:.0f}), coordinator CPU s/s "
+        f"{f['coordinator_requests_per_s']:.0f}; heartbeat checks/s, one due: "
+        f"{b['heartbeat_checks_per_s']:.2f} -> {f['heartbeat_checks_per_s']:.2f}; requests per "
+        f"check {b['coordinator_requests_per_check']:.0f} -> "
+        f"{f['coordinator_requests_per_check']:.0f}), coordinator CPU s/s "
         f"{b['coordinator_cpu_s_per_s']:.3f} -> {f['coordinator_cpu_s_per_s']:.3f}, store "
         f"server CPU s/s {b['store_server_cpu_s_per_s']:.3f} -> "
         f"{f['store_server_cpu_s_per_s']:.3f}, requests per event {b['event_requests']} -> "
