@@ -346,7 +346,7 @@ def main() -> None:
     out = Path(a.output)
     data = json.loads(out.read_text()) if out.exists() else {}
     data["coordinator"] = section
-    out.write_text(json.dumps(data, indent=2) + "\n")
+    out.write_text(json.dumps(data, indent=1))  # as commit_at_scale.py writes it
     print(summary)
 
 
