@@ -116,7 +116,10 @@ class Coordinator:
         the store holds."""
         if resume:
             self.gen = self.ms.generation(self.ms.generation_number())
+            events = self.ms.events()  # counted first: a later event is read by its key
             self._rescan()
+            self._events_seen = events
+            self._pending = True  # decide on what the rescan found (a death to publish)
         else:
             first = Generation(
                 number=0,

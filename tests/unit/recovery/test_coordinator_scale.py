@@ -208,3 +208,22 @@ def test_ranks_beat_through_their_supervisors_node_key(store: str, tmp_path: Pat
     finally:
         for beat in [*ranks.values(), node]:
             beat.stop(join=True)
+
+
+def test_an_event_whose_key_never_lands_is_covered_by_a_full_rescan(store: str) -> None:
+    """A writer killed between counting its event and writing its key (``notify``) leaves a
+    hole: the coordinator waits for the key a moment, then rereads every slot, so the death
+    written before the count is still found."""
+    ms = _emulate_job(store)
+    cfg = RecoveryConfig(store=store, heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0)
+    coord = Coordinator(MembershipStore.connect(store), NODES * PER_NODE, cfg, log=lambda _: 0)
+    coord.start()
+    try:
+        _wait(lambda: (7, 0) in coord.ready, "the ranks were not seen")
+        ms.set_json("dead/7/0", {"exit_code": -9})
+        ms.store.add("events", 1)  # counted; its key event/<n> is never written
+        _wait(lambda: (7, 0) in coord.dead, "a death behind a lost event key was missed")
+        _wait(lambda: ms.generation_number() >= 1, "no failure generation")
+        assert ms.generation(ms.generation_number()).lost == (7,)
+    finally:
+        coord.stop()
