@@ -43,6 +43,9 @@ rescan rather than reading each event's key."""
 
 LIVENESS_KEY = "liveness"
 """The hot store's key: ``HOST:PORT`` of the coordinator's :class:`LivenessListener`."""
+LIVENESS_BYE = b"bye\n"
+"""What a supervisor sends before it closes its liveness connection on purpose (it moves to
+a new leader's listener): that close is no death."""
 
 
 class Coordinator:
@@ -635,13 +638,16 @@ class LivenessListener:
                     continue
                 except OSError:
                     data = b""  # reset: the peer's process ended
-                if data and conn not in ids:
-                    lines[conn] += data
-                    line, newline, _ = lines[conn].partition(b"\n")
-                    if newline:
-                        ids[conn] = line.decode(errors="replace")
-                    continue
                 if data:
+                    lines[conn] += data
+                    line, newline, rest = lines[conn].partition(b"\n")
+                    if newline and conn not in ids:
+                        ids[conn] = line.decode(errors="replace")
+                        lines[conn] = rest
+                    if conn in ids:
+                        if LIVENESS_BYE in lines[conn]:
+                            ids[conn] = ""  # it leaves on purpose: its close is no death
+                        lines[conn] = lines[conn][-len(LIVENESS_BYE) :]
                     continue
                 self._selector.unregister(conn)
                 conn.close()
@@ -675,8 +681,10 @@ def hold_liveness(
     the address the store publishes, send ``supervisor``, and hold the connection; when it
     ends (the coordinator stopped, a new leader), look the address up again and reconnect.
     ``store_address``: the hot store's address as a client that follows the leader sees it
-    (etcd mode; no request): when it moves, a new leader's listener is looked up, also when
-    the old one hangs and its connection stays open."""
+    (etcd mode; no request): when it moves and the store publishes another listener (a new
+    leader's, also when the old one hangs and its connection stays open), this one says
+    :data:`LIVENESS_BYE` and moves there. A connection it closes without saying so is this
+    process's end, so nothing here closes one otherwise."""
     while not stop.is_set():
         try:
             address = ms.get_str(LIVENESS_KEY)
@@ -685,14 +693,38 @@ def hold_liveness(
                 with socket.create_connection((host, int(port)), timeout=5.0) as conn:
                     conn.sendall(f"{supervisor}\n".encode())
                     conn.settimeout(retry_s)
-                    store = store_address() if store_address is not None else ""
-                    while not stop.is_set():
-                        try:
-                            if not conn.recv(64):
-                                break  # the listener closed
-                        except socket.timeout:
-                            if store_address is not None and store_address() != store:
-                                break  # a new leader: its listener
+                    _hold(conn, ms, address, retry_s, stop, store_address)
         except Exception:  # noqa: BLE001 (no store or listener now: look again later)
             pass
         stop.wait(retry_s)
+
+
+def _hold(conn: socket.socket, ms: MembershipStore, address: str, retry_s: float,
+          stop: threading.Event, store_address: Optional[Callable[[], str]]) -> None:  # fmt: skip
+    """Hold ``conn`` (to the listener at ``address``) until the listener closes it, or until
+    the store publishes another listener (then say :data:`LIVENESS_BYE`)."""
+
+    def where() -> str:
+        try:
+            return store_address() if store_address is not None else ""
+        except Exception:  # noqa: BLE001
+            return ""
+
+    store = where()
+    while not stop.is_set():
+        try:
+            if not conn.recv(64):
+                return  # the listener closed
+        except socket.timeout:
+            if store_address is None or where() == store:
+                continue
+            store = where()
+            try:
+                published = ms.get_str(LIVENESS_KEY)
+            except Exception:  # noqa: BLE001 (the new store not reached yet: look again)
+                continue
+            if published and published != address:
+                conn.sendall(LIVENESS_BYE)
+                return
+        except OSError:
+            return  # reset by the listener's end

@@ -133,7 +133,8 @@ def test_a_heartbeat_pass_and_an_event_cost_the_same_at_any_number_of_ranks(stor
 def test_a_killed_supervisor_is_declared_dead_at_once(store: str) -> None:
     """Node 3's supervisor (a process holding its liveness connection) is SIGKILLed: its
     ranks are declared dead and a failure generation is published well inside the 30 s
-    heartbeat timeout. A SIGSTOPped one keeps its connection: nothing is declared."""
+    heartbeat timeout. A SIGSTOPped one keeps its connection, and one that said it moves to
+    another listener closes its own: nothing is declared for either."""
     ms = _emulate_job(store)
     cfg = RecoveryConfig(store=store, heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0)
     coord = Coordinator(MembershipStore.connect(store), NODES * PER_NODE, cfg, log=lambda _: 0)
@@ -145,18 +146,23 @@ def test_a_killed_supervisor_is_declared_dead_at_once(store: str) -> None:
         f"s = socket.create_connection(({host!r}, {port}))\n"
         "s.sendall((sys.argv[1] + '\\n').encode())\n"
         "print('held', flush=True)\n"
+        "if sys.argv[2:] == ['bye']:\n"
+        "    s.sendall(b'bye\\n')\n"
+        "    sys.stdin.read()\n"
+        "    sys.exit(0)\n"
         "time.sleep(600)\n"
     )
     procs = {
-        node: subprocess.Popen([sys.executable, "-c", hold, _supervisor(node)],
-                               stdout=subprocess.PIPE)  # fmt: skip
-        for node in (3, 4)
+        node: subprocess.Popen([sys.executable, "-c", hold, _supervisor(node), *extra],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        for node, extra in ((3, []), (4, []), (5, ["bye"]))
     }
     try:
         for proc in procs.values():
             assert proc.stdout is not None and proc.stdout.readline() == b"held\n"
         time.sleep(0.3)  # accepted and named
         os.kill(procs[4].pid, signal.SIGSTOP)  # hung: its socket stays open
+        procs[5].communicate(timeout=30)  # said bye (it moves to a new leader), then exits
         killed = time.monotonic()
         os.kill(procs[3].pid, signal.SIGKILL)
         _wait(lambda: ms.generation_number() >= 1, "no failure generation", timeout=15.0)
@@ -167,9 +173,11 @@ def test_a_killed_supervisor_is_declared_dead_at_once(store: str) -> None:
         info = ms.dead_info(3 * PER_NODE, 0)
         assert info is not None and info["reason"] == "supervisor connection closed"
         assert ms.dead_info(4 * PER_NODE, 0) is None, "a hung supervisor's node declared dead"
+        assert ms.dead_info(5 * PER_NODE, 0) is None, "a supervisor that said bye declared dead"
     finally:
         for proc in procs.values():
-            os.kill(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
         coord.stop()
 
