@@ -10,11 +10,21 @@ report, and the processes that are ready to (re)join, and publishes a new
 * a replica is complete again (its spares and replacements are ready): a *planned*
   generation, effective at an iteration boundary ``join_margin_iterations`` ahead;
 * no replica is complete: an *abort* generation with the message to print.
+
+Its work grows with the nodes, not the ranks: a node's supervisor writes one heartbeat key for
+itself and its ranks (``hb/node/<id>``, :mod:`.heartbeat`), read in one ``multi_get`` per
+check; an event rereads only the slots it names (``event/<n>``); the collective errors of a
+generation are one counter (``err/<g>``). Each supervisor also holds a connection to the
+coordinator's :class:`LivenessListener`: when it closes (the supervisor's process ended: the
+kernel closes its sockets), the node's ranks are declared dead at once, not after the
+heartbeat timeout (which still covers a hung node, whose sockets stay open).
 """
 
 from __future__ import annotations
 
 import json
+import selectors
+import socket
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
@@ -26,6 +36,16 @@ from megatron_mecefo.recovery.membership import (
     JobLayout,
     MembershipStore,
 )
+
+EVENTS_READ_MAX = 4096
+"""More new events than this at once (a takeover's jump of the count, a start): one full
+rescan rather than reading each event's key."""
+
+LIVENESS_KEY = "liveness"
+"""The hot store's key: ``HOST:PORT`` of the coordinator's :class:`LivenessListener`."""
+LIVENESS_BYE = b"bye\n"
+"""What a supervisor sends before it closes its liveness connection on purpose (it moves to
+a new leader's listener): that close is no death."""
 
 
 class Coordinator:
@@ -80,6 +100,17 @@ class Coordinator:
         """Re-decide on every poll (an error waiting for its timeout, a rejoin for progress)."""
         self._stop = threading.Event()
         self.thread: Optional[threading.Thread] = None
+        self._events_seen = -1
+        """The last event whose key was read (:meth:`_scan_events`)."""
+        self._hole: Optional[Tuple[int, float]] = None
+        """An event counted but whose key was not there yet: (number, when first missed)."""
+        self._aggregated: Set[str] = set()
+        """Supervisors whose node key (``hb/node/<id>``) exists: their ranks beat through it."""
+        self._closed: Set[str] = set()
+        """Supervisors whose connection to the :class:`LivenessListener` closed."""
+        self._closed_lock = threading.Lock()
+        self._closed_seen = (0, 0, 0)
+        self.listener: Optional[LivenessListener] = None
 
     # ------------------------------------------------------------------ life cycle
     def start(self, resume: bool = False) -> None:
@@ -88,7 +119,10 @@ class Coordinator:
         the store holds."""
         if resume:
             self.gen = self.ms.generation(self.ms.generation_number())
+            events = self.ms.events()  # counted first: a later event is read by its key
             self._rescan()
+            self._events_seen = events
+            self._pending = True  # decide on what the rescan found (a death to publish)
         else:
             first = Generation(
                 number=0,
@@ -98,6 +132,7 @@ class Coordinator:
             )
             self.ms.publish(first)
             self.gen = first
+        self._listen()
         self.thread = threading.Thread(target=self._run, name="mecefo-coordinator", daemon=True)
         self.thread.start()
 
@@ -113,6 +148,30 @@ class Coordinator:
         self._stop.set()
         if self.thread is not None:
             self.thread.join(timeout=5)
+        if self.listener is not None:
+            self.listener.close()
+
+    def _listen(self) -> None:
+        """Serve the :class:`LivenessListener` on the store's host and publish its address
+        (none when the store's address is not ``HOST:PORT``)."""
+        address = self.ms.address()
+        host = address.rsplit(":", 1)[0] if ":" in address else ""
+        if not host:
+            return
+        notifier = MembershipStore.connect(address, 10.0)
+        self.listener = LivenessListener(host, lambda sup: self.supervisor_closed(sup, notifier))
+        self.ms.store.set(LIVENESS_KEY, self.listener.address)
+
+    def supervisor_closed(self, supervisor: str, notifier: Optional[MembershipStore]) -> None:
+        """``supervisor``'s connection closed (its process ended): its ranks are declared dead
+        at the next pass, which the event wakes (from the listener's thread)."""
+        with self._closed_lock:
+            self._closed.add(supervisor)
+        if notifier is not None:
+            try:
+                notifier.notify(f"closed/{supervisor}")
+            except Exception:  # noqa: BLE001 (the heartbeat check finds it within a second)
+                pass
 
     def _run(self) -> None:
         # Idle when nothing happens: between heartbeat checks it waits in the store for the
@@ -120,17 +179,22 @@ class Coordinator:
         # neither polls nor takes the store's server thread from the ranks. Only while a
         # decision is pending (an error waiting for its timeout, a rejoin for progress) does it
         # poll every ``poll_interval_s``.
+        try:
+            self._loop()
+        finally:
+            if self.listener is not None:
+                self.listener.close()
+
+    def _loop(self) -> None:
         waiter = MembershipStore.connect(self.cfg.store) if self.cfg.store else None
-        last_events = -1
         last_hb = 0.0
         while not self._stop.is_set():
             try:
                 events = self.ms.events()
                 now = time.monotonic()
-                changed = events != last_events
+                changed = events != self._events_seen
                 if changed:
-                    last_events = events
-                    self._rescan()
+                    self._scan_events(events)
                 if now - last_hb >= self.cfg.heartbeat_interval_s:
                     stalled = max(
                         self.cfg.heartbeat_timeout_s / 2, 3 * self.cfg.heartbeat_interval_s
@@ -142,8 +206,15 @@ class Coordinator:
                     last_hb = now
                     if self.ms.get_str("done") is not None:
                         return
+                    known_dead = len(self.dead)
                     self._check_heartbeats(now)
-                    changed = True
+                    # A check that found nothing changes no decision (before, every check
+                    # re-decided: O(ranks) of CPU each second). A time-bound decision (an
+                    # error's timeout, a rejoin's progress) is pending and polled.
+                    changed = changed or len(self.dead) != known_dead
+                known_dead = len(self.dead)
+                self._check_closed()
+                changed = changed or len(self.dead) != known_dead
                 if changed or self._pending:
                     self._decide()
                 if self.gen is not None and self.gen.abort:
@@ -152,7 +223,7 @@ class Coordinator:
                     time.sleep(self.cfg.poll_interval_s)
                 else:
                     until_hb = last_hb + self.cfg.heartbeat_interval_s - time.monotonic()
-                    waiter.wait_event_after(last_events, until_hb)
+                    waiter.wait_event_after(self._events_seen, until_hb)
             except Exception as err:  # noqa: BLE001 (whatever it is, it is said, never silent)
                 # No generation is made while this thread is down, so nobody would recover
                 # from a later death: the owner restarts it or hands the leadership over.
@@ -172,24 +243,100 @@ class Coordinator:
         return self._layout
 
     def _rescan(self) -> None:
+        """Reread every slot (O(ranks): at a start, a takeover, or an event whose key is lost)."""
         for slot in range(self.world_size):
-            text = self.ms.get_str(f"inc/{slot}")
-            if text is not None:
-                self.inc[slot] = int(text)
-            for inc in range(self.inc[slot] + 1):
-                key = (slot, inc)
-                if key in self.dead:
-                    continue
-                if self.ms.get_str(f"dead/{slot}/{inc}") is not None:
-                    self.dead.add(key)
-                    self.ready.discard(key)
-                elif key not in self.ready:
-                    text = self.ms.get_str(f"ready/{slot}/{inc}")
-                    if text:
-                        self.ready.add(key)
-                        supervisor = _supervisor_named(text)
-                        if supervisor is not None:
-                            self._supervisor_of[key] = supervisor
+            self._rescan_slot(slot)
+
+    def _rescan_slot(self, slot: int) -> None:
+        text = self.ms.get_str(f"inc/{slot}")
+        if text is not None:
+            self.inc[slot] = int(text)
+        for inc in range(self.inc[slot] + 1):
+            key = (slot, inc)
+            if key in self.dead:
+                continue
+            if self.ms.get_str(f"dead/{slot}/{inc}") is not None:
+                self.dead.add(key)
+                self.ready.discard(key)
+            elif key not in self.ready:
+                text = self.ms.get_str(f"ready/{slot}/{inc}")
+                if text:
+                    self.ready.add(key)
+                    supervisor = _supervisor_named(text)
+                    if supervisor is not None:
+                        self._supervisor_of[key] = supervisor
+
+    def _scan_events(self, events: int) -> None:
+        """Reread the slots that the events after :attr:`_events_seen` up to ``events`` name
+        (a death, a ready process): O(events), not O(ranks). An event counted whose key is not
+        there yet (its writer between the count and the key) is awaited; if it is still
+        missing at a later look (its writer died in between), or on a jump of the count (a
+        takeover, a start), every slot is reread."""
+        last = self._events_seen
+        if last < 0 or events < last or events - last > EVENTS_READ_MAX:
+            self._rescan()
+            self._events_seen, self._hole = events, None
+            return
+        names = [f"event/{n}" for n in range(last + 1, events + 1)]
+        store = self.ms.store
+        if store.check(names):
+            values = [v.decode() for v in store.multi_get(names)]
+        else:  # a key not there yet: the events before it, then wait for it
+            values = []
+            for name in names:
+                value = self.ms.get_str(name)
+                if value is None:
+                    break
+                values.append(value)
+        self._rescan_named(values)
+        self._events_seen = last + len(values)
+        if self._events_seen == events:
+            self._hole = None
+            return
+        hole = self._events_seen + 1
+        now = time.monotonic()
+        if self._hole is None or self._hole[0] != hole:
+            self._hole = (hole, now)
+            self._pending = True  # look again (the key is awaited in the store)
+        elif now - self._hole[1] >= max(self.cfg.poll_interval_s, 0.5):
+            self._rescan()  # its writer died between the count and the key
+            self._events_seen, self._hole = events, None
+        else:
+            self._pending = True
+
+    def _rescan_named(self, keys: List[str]) -> None:
+        slots = set()
+        for key in keys:
+            kind, _, rest = key.partition("/")
+            if kind in ("dead", "ready") and rest.partition("/")[0].isdigit():
+                slots.add(int(rest.partition("/")[0]))
+        for slot in sorted(slots):
+            self._rescan_slot(slot)
+
+    def _check_closed(self) -> None:
+        """The ranks of a supervisor whose connection closed (its process ended, and its ranks
+        with it: they die with their parent) are dead: declared at once."""
+        with self._closed_lock:
+            closed = set(self._closed)
+        seen = (len(closed), len(self.ready), len(self.dead))
+        if not closed or self._closed_seen == seen:
+            return  # nothing new: no supervisor closed, no rank became ready since
+        self._closed_seen = seen
+        lost = [k for k in sorted(self.ready - self.dead) if self._supervisor_of.get(k) in closed]
+        if not lost or self.ms.get_str("done") is not None:
+            return  # at the job's end every supervisor exits: no death
+        for key in lost:
+            slot, inc = key
+            self.log(
+                f"[coordinator] rank {slot} (incarnation {inc}): its supervisor's connection "
+                f"closed (its process ended, node lost): dead"
+            )
+            self.ms.report_dead(
+                slot, inc, {"exit_code": None, "reason": "supervisor connection closed", "t": 0}
+            )
+            self.dead.add(key)
+            self.ready.discard(key)
+        self._closed_seen = (len(closed), len(self.ready), len(self.dead))
 
     def _silence(self, seen: Dict, key: object, count: int, now: float) -> Optional[float]:
         """Seconds ``key``'s heartbeat ``count`` has not moved, once that reaches the timeout
@@ -216,17 +363,23 @@ class Coordinator:
         declared dead too, unless the job is stopping: the node is lost (issue 54, H1)."""
         keys = sorted(self.ready - self.dead)
         supervisors = sorted({self._supervisor_of[k] for k in keys if k in self._supervisor_of})
-        counts = self.ms.heartbeats(keys, supervisors)
+        counts, supervisor_counts = self._beats(keys, supervisors)
         gone = {
             sup: silent
-            for sup, count in zip(supervisors, counts[len(keys) :], strict=True)
+            for sup, count in zip(supervisors, supervisor_counts, strict=True)
             if (silent := self._silence(self._supervisor_hb, sup, count, now)) is not None
         }
         declare: List[Tuple[int, int]] = []
         unanswered: List[Tuple[int, int]] = []
         hung: List[Tuple[Tuple[int, int], float]] = []
         near = self.cfg.heartbeat_timeout_s - 2 * self.cfg.heartbeat_interval_s
-        for key, count in zip(keys, counts[: len(keys)], strict=True):
+        hb, since = self._hb, self._hb_since
+        for key, count in zip(keys, counts, strict=True):
+            if not gone:  # the common case, inline (16,384 ranks a second): a count that moved
+                last = hb.get(key)
+                if last is None or last[0] != count or last[1] < since:
+                    hb[key] = (count, now if now > since else since)
+                    continue
             slot, inc = key
             silent = self._silence(self._hb, key, count, now)
             if silent is None:
@@ -290,6 +443,37 @@ class Coordinator:
             self.dead.add((slot, inc))
             self.ready.discard((slot, inc))
 
+    def _beats(
+        self, keys: List[Tuple[int, int]], supervisors: List[str]
+    ) -> Tuple[List[int], List[int]]:
+        """The heartbeat counts of ``keys`` and of ``supervisors``: one ``multi_get`` of the
+        node keys (``hb/node/<id>``) for the ranks of supervisors that write one, and the
+        per-rank counters (``hb/<slot>/<inc>``) of the others (ranks without a supervisor, or
+        whose supervisor wrote no node key yet)."""
+        store = self.ms.store
+        for sup in supervisors:
+            if sup not in self._aggregated and store.check([f"hb/node/{sup}"]):
+                self._aggregated.add(sup)
+        nodes = [sup for sup in supervisors if sup in self._aggregated]
+        node_beats: Dict[str, dict] = {}
+        if nodes:
+            values = store.multi_get([f"hb/node/{sup}" for sup in nodes])
+            node_beats = {sup: json.loads(v) for sup, v in zip(nodes, values, strict=True)}
+        of = self._supervisor_of
+        direct = [k for k in keys if of.get(k) not in node_beats] if node_beats else keys
+        direct_sups = [sup for sup in supervisors if sup not in node_beats]
+        found = self.ms.heartbeats(direct, direct_sups)
+        by_key = dict(zip(direct, found[: len(direct)], strict=True))
+        by_sup = dict(zip(direct_sups, found[len(direct) :], strict=True))
+        ranks = {sup: beat["ranks"] for sup, beat in node_beats.items()}
+        counts = [
+            by_key[key] if key in by_key else ranks[of[key]].get(f"{key[0]}/{key[1]}", 0)
+            for key in keys
+        ]
+        for sup, beat in node_beats.items():
+            by_sup[sup] = int(beat["beat"])
+        return counts, [by_sup[sup] for sup in supervisors]
+
     def alive_slots(self) -> List[int]:
         """Slots whose current process can train: not known dead, and either ready or a
         member of the current generation (a replacement still starting up is not)."""
@@ -323,7 +507,7 @@ class Coordinator:
             return
         if lost:
             time.sleep(0.05)  # let simultaneous deaths land in one generation
-            self._rescan()
+            self._scan_events(self.ms.events())
             alive = self._failure_world(self.alive_slots())
             lost = [s for s, i in gen.members.items() if (s, i) in self.dead]
             self._publish_change(layout, alive, lost, planned=False, reason="death")
@@ -373,10 +557,9 @@ class Coordinator:
             first = self._errors_seen[gen.number]
             wait = self.cfg.heartbeat_timeout_s + 2 * self.cfg.heartbeat_interval_s
             return time.monotonic() - first > wait
-        for slot in gen.members:
-            if self.ms.get_str(f"err/{gen.number}/{slot}") is not None:
-                self._errors_seen[gen.number] = time.monotonic()
-                break
+        # One key (the count of err/<g>/<slot>, report_error), not one per member.
+        if self.ms.store.check([f"err/{gen.number}"]):
+            self._errors_seen[gen.number] = time.monotonic()
         return False
 
     def _publish_change(
@@ -433,3 +616,138 @@ def _supervisor_named(ready: str) -> Optional[str]:
         return None
     supervisor = info.get("supervisor") if isinstance(info, dict) else None
     return supervisor if isinstance(supervisor, str) and supervisor else None
+
+
+class LivenessListener:
+    """A socket server thread on the coordinator's node that each supervisor holds one
+    connection to (it sends its id, a line, and then nothing). The connection closes only when
+    the supervisor's process ends (the kernel closes its sockets, SIGKILL included):
+    ``on_closed(id)`` is called then, from this thread. A hung (SIGSTOPped) supervisor keeps
+    it open; the heartbeat timeout covers that. One thread, one ``select`` for every node."""
+
+    def __init__(self, host: str, on_closed: Callable[[str], None]) -> None:
+        self.on_closed = on_closed
+        self.server = socket.create_server((host, 0), backlog=1024)
+        self.server.setblocking(False)
+        self.address = f"{host}:{self.server.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.server, selectors.EVENT_READ, None)
+        self.thread = threading.Thread(target=self._run, name="mecefo-liveness", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        lines: Dict[socket.socket, bytes] = {}
+        ids: Dict[socket.socket, str] = {}
+        while not self._stop.is_set():
+            try:
+                ready = self._selector.select(timeout=0.2)
+            except (OSError, ValueError):
+                return  # closed
+            for key, _ in ready:
+                if key.data is None:
+                    try:
+                        conn, _ = self.server.accept()
+                    except OSError:
+                        continue
+                    conn.setblocking(False)
+                    self._selector.register(conn, selectors.EVENT_READ, "peer")
+                    lines[conn] = b""
+                    continue
+                conn = key.fileobj  # type: ignore[assignment]
+                try:
+                    data = conn.recv(4096)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""  # reset: the peer's process ended
+                if data:
+                    lines[conn] += data
+                    line, newline, rest = lines[conn].partition(b"\n")
+                    if newline and conn not in ids:
+                        ids[conn] = line.decode(errors="replace")
+                        lines[conn] = rest
+                    if conn in ids:
+                        if LIVENESS_BYE in lines[conn]:
+                            ids[conn] = ""  # it leaves on purpose: its close is no death
+                        lines[conn] = lines[conn][-len(LIVENESS_BYE) :]
+                    continue
+                self._selector.unregister(conn)
+                conn.close()
+                lines.pop(conn, None)
+                supervisor = ids.pop(conn, None)
+                if supervisor and not self._stop.is_set():
+                    self.on_closed(supervisor)
+        for conn in list(lines):
+            conn.close()
+
+    def close(self) -> None:
+        """Stop listening and close every connection (the supervisors then reconnect to the
+        address a later coordinator publishes)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=2)
+        self.server.close()
+        self._selector.close()
+
+
+def hold_liveness(
+    ms: MembershipStore,
+    supervisor: str,
+    retry_s: float,
+    stop: threading.Event,
+    store_address: Optional[Callable[[], str]] = None,
+) -> None:
+    """A supervisor's side of :class:`LivenessListener` (a thread until ``stop``): connect to
+    the address the store publishes, send ``supervisor``, and hold the connection; when it
+    ends (the coordinator stopped, a new leader), look the address up again and reconnect.
+    ``store_address``: the hot store's address as a client that follows the leader sees it
+    (etcd mode; no request): when it moves and the store publishes another listener (a new
+    leader's, also when the old one hangs and its connection stays open), this one says
+    :data:`LIVENESS_BYE` and moves there. A connection it closes without saying so is this
+    process's end, so nothing here closes one otherwise."""
+    while not stop.is_set():
+        try:
+            address = ms.get_str(LIVENESS_KEY)
+            if address:
+                host, port = address.rsplit(":", 1)
+                with socket.create_connection((host, int(port)), timeout=5.0) as conn:
+                    conn.sendall(f"{supervisor}\n".encode())
+                    conn.settimeout(retry_s)
+                    _hold(conn, ms, address, retry_s, stop, store_address)
+        except Exception:  # noqa: BLE001 (no store or listener now: look again later)
+            pass
+        stop.wait(retry_s)
+
+
+def _hold(conn: socket.socket, ms: MembershipStore, address: str, retry_s: float,
+          stop: threading.Event, store_address: Optional[Callable[[], str]]) -> None:  # fmt: skip
+    """Hold ``conn`` (to the listener at ``address``) until the listener closes it, or until
+    the store publishes another listener (then say :data:`LIVENESS_BYE`)."""
+
+    def where() -> str:
+        try:
+            return store_address() if store_address is not None else ""
+        except Exception:  # noqa: BLE001
+            return ""
+
+    store = where()
+    while not stop.is_set():
+        try:
+            if not conn.recv(64):
+                return  # the listener closed
+        except socket.timeout:
+            if store_address is None or where() == store:
+                continue
+            store = where()
+            try:
+                published = ms.get_str(LIVENESS_KEY)
+            except Exception:  # noqa: BLE001 (the new store not reached yet: look again)
+                continue
+            if published and published != address:
+                conn.sendall(LIVENESS_BYE)
+                return
+        except OSError:
+            return  # reset by the listener's end

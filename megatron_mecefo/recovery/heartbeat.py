@@ -8,18 +8,62 @@ Each supervisor beats too (:meth:`Heartbeat.of_supervisor`), and its ranks name 
 ``ready`` key (:data:`SUPERVISOR_ENV`): a rank silent for the timeout whose supervisor is silent
 too (its node died or hangs) has nobody to kill it and confirm the death, so the coordinator
 declares it dead at once instead of waiting a second timeout for that confirmation.
+
+Under a supervisor the ranks beat locally (:data:`BEAT_DIR_ENV`: a counter in a file of the
+node), and the supervisor's beat writes one key per node, ``hb/node/<id>``, with its own count
+and its ranks' (:meth:`Heartbeat.of_supervisor`): the hot store then takes one write per node
+and interval, not one per rank, and the coordinator reads one key per node.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, Dict, Optional
 
 from megatron_mecefo.recovery.membership import MembershipStore
 
 SUPERVISOR_ENV = "MECEFO_SUPERVISOR_ID"
 """A rank's environment: the id of the supervisor that started it (its beats' key)."""
+
+BEAT_DIR_ENV = "MECEFO_BEAT_DIR"
+"""A rank's environment: the folder of its supervisor where it beats (``<slot>.<inc>``, a
+counter), which the supervisor reads and writes to the store with its own beat."""
+
+_WIDTH = 20  # a counter's digits: every write the same length, in place
+
+
+def read_local_beats(folder: str) -> Dict[str, int]:
+    """The counts of the ranks that beat in ``folder``: ``"<slot>/<inc>"`` -> count."""
+    counts: Dict[str, int] = {}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return counts
+    for name in names:
+        slot, dot, inc = name.partition(".")
+        if not dot or not (slot.isdigit() and inc.isdigit()):
+            continue
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                counts[f"{slot}/{inc}"] = int(f.read(_WIDTH) or b"0")
+        except (OSError, ValueError):
+            continue  # gone (a reaped rank) or being created: the next beat reads it
+    return counts
+
+
+class _LocalBeat:
+    """A rank's beats in its supervisor's folder: a counter rewritten in place."""
+
+    def __init__(self, folder: str, slot: int, inc: int) -> None:
+        self.count = 0
+        self.fd = os.open(os.path.join(folder, f"{slot}.{inc}"), os.O_RDWR | os.O_CREAT, 0o600)
+
+    def __call__(self) -> int:
+        self.count += 1
+        os.pwrite(self.fd, b"%0*d" % (_WIDTH, self.count), 0)
+        return self.count
 
 
 class Heartbeat:
@@ -32,10 +76,19 @@ class Heartbeat:
         interval_s: Seconds between beats.
     """
 
-    def __init__(self, address: str, slot: int, inc: int, interval_s: float) -> None:
-        self.ms = MembershipStore.connect(address)
+    def __init__(
+        self, address: str, slot: int, inc: int, interval_s: float, folder: Optional[str] = None
+    ) -> None:
+        """``folder``: beat there, for the supervisor to collect (default: the folder
+        :data:`BEAT_DIR_ENV` names; none: beat to the store at ``address``)."""
+        folder = os.environ.get(BEAT_DIR_ENV) if folder is None else folder
         self.slot, self.inc, self.interval_s = slot, inc, interval_s
-        self._beat: Callable[[], int] = lambda: self.ms.heartbeat(slot, inc)
+        self.ms: Optional[MembershipStore] = None
+        if folder and slot >= 0:
+            self._beat: Callable[[], int] = _LocalBeat(folder, slot, inc)
+        else:
+            self.ms = ms = MembershipStore.connect(address)
+            self._beat = lambda: ms.heartbeat(slot, inc)
         self._stop = threading.Event()
         self.cpu_s = 0.0
         """CPU seconds this thread has used (the supervisor's overhead accounting)."""
@@ -44,10 +97,26 @@ class Heartbeat:
         self.thread = threading.Thread(target=self._run, name="mecefo-heartbeat", daemon=True)
 
     @classmethod
-    def of_supervisor(cls, address: str, supervisor: str, interval_s: float) -> Heartbeat:
-        """The beats of the supervisor ``supervisor`` (``hb/supervisor/<id>``)."""
-        beat = cls(address, -1, 0, interval_s)
-        beat._beat = lambda: beat.ms.supervisor_heartbeat(supervisor)
+    def of_supervisor(
+        cls, address: str, supervisor: str, interval_s: float, folder: str = ""
+    ) -> Heartbeat:
+        """The beats of the supervisor ``supervisor``: with ``folder`` (where its ranks beat),
+        one key for the node, ``hb/node/<id>`` (its count and its ranks'); without,
+        ``hb/supervisor/<id>``."""
+        beat = cls(address, -1, 0, interval_s, folder="")
+        ms = beat.ms
+        assert ms is not None
+        if not folder:
+            beat._beat = lambda: ms.supervisor_heartbeat(supervisor)
+            return beat
+        count = [0]
+
+        def node_beat() -> int:
+            count[0] += 1
+            ms.node_heartbeat(supervisor, count[0], read_local_beats(folder))
+            return count[0]
+
+        beat._beat = node_beat
         return beat
 
     def start(self) -> Heartbeat:

@@ -7,9 +7,14 @@ holds, under fixed keys:
 * ``gen``: the current generation number ``g``; ``gen/<g>``: its :class:`Generation` (JSON),
   written once by the coordinator, the single writer of membership;
 * ``dead/<slot>/<inc>``: a death, written by the supervisor that reaped the process;
-* ``hb/<slot>/<inc>``: a heartbeat counter (``hb/supervisor/<id>``: a supervisor's);
+* ``hb/node/<id>``: the beats of a node, written by its supervisor each heartbeat interval
+  (JSON: its own beat count and its ranks', which beat to it locally: :mod:`.heartbeat`);
+  ``hb/<slot>/<inc>``: the counter of a rank that beats to the store itself (no supervisor);
   ``ready/<slot>/<inc>``: a process is up;
-* ``err/<g>/<slot>``: a rank left generation ``g`` after a collective error;
+* ``err/<g>/<slot>``: a rank left generation ``g`` after a collective error; ``err/<g>``
+  counts them (the coordinator looks at one key, not one per member);
+* ``events``: the event count; ``event/<n>``: the key event ``n`` wrote ("" for none), so
+  that the coordinator rereads only the slots that changed;
 * ``vote/<g>/<iteration>/<slot>``: the commit vote; ``progress``: the last committed iteration.
 
 A *slot* is a global rank of the original job (its TP, PP and data-parallel coordinates never
@@ -237,17 +242,22 @@ class MembershipStore:
     # -------------------------------------------------------------- processes
     def report_dead(self, slot: int, inc: int, info: Dict[str, Any]) -> None:
         self.set_json(f"dead/{slot}/{inc}", info)
-        self.notify()
+        self.notify(f"dead/{slot}/{inc}")
 
     def dead_info(self, slot: int, inc: int) -> Optional[Dict[str, Any]]:
         return self.get_json(f"dead/{slot}/{inc}")
 
     def mark_ready(self, slot: int, inc: int, info: Dict[str, Any]) -> None:
         self.set_json(f"ready/{slot}/{inc}", info)
-        self.notify()
+        self.notify(f"ready/{slot}/{inc}")
 
     def heartbeat(self, slot: int, inc: int) -> int:
         return int(self.store.add(f"hb/{slot}/{inc}", 1))
+
+    def node_heartbeat(self, supervisor: str, beat: int, ranks: Dict[str, int]) -> None:
+        """A node's beats, written by its supervisor ``supervisor``: its own count ``beat`` and
+        its ranks' (``"<slot>/<inc>"`` -> count), one key per node (``hb/node/<id>``)."""
+        self.store.set(f"hb/node/{supervisor}", json.dumps({"beat": beat, "ranks": ranks}))
 
     def supervisor_heartbeat(self, supervisor: str) -> int:
         """A beat of the supervisor ``supervisor`` (:data:`.heartbeat.SUPERVISOR_ENV`)."""
@@ -270,16 +280,18 @@ class MembershipStore:
 
     def report_error(self, gen: int, slot: int, message: str) -> None:
         self.set_json(f"err/{gen}/{slot}", {"t": time.time(), "error": message[:500]})
-        self.notify()
+        self.store.add(f"err/{gen}", 1)
+        self.notify(f"err/{gen}/{slot}")
 
     def events(self) -> int:
         """How many events (a death, a ready process, an error, a kill request) so far."""
         return int(self.store.add("events", 0))
 
-    def notify(self) -> None:
-        """Count an event, then publish its key ``event/<count>``, which wakes a coordinator
-        waiting in :meth:`wait_event_after` (no polling while nothing happens)."""
-        self.store.set(f"event/{int(self.store.add('events', 1))}", "")
+    def notify(self, key: str = "") -> None:
+        """Count an event, then publish its key ``event/<count>`` (its value: ``key``, what the
+        event wrote), which wakes a coordinator waiting in :meth:`wait_event_after` (no polling
+        while nothing happens)."""
+        self.store.set(f"event/{int(self.store.add('events', 1))}", key)
 
     def wait_event_after(self, number: int, timeout_s: float) -> None:
         """Block until event ``number + 1`` is published or ``timeout_s`` passes (a writer

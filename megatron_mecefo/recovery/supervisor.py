@@ -47,8 +47,9 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 from megatron_mecefo.errors import ERROR_FILE_ENV, UserError
 from megatron_mecefo.recovery import node_vote_host
 from megatron_mecefo.recovery.config import ENV, RecoveryConfig
+from megatron_mecefo.recovery.coordinator import hold_liveness
 from megatron_mecefo.recovery.cost_account import STEADY_FROM_ITERATION, SupervisorCost
-from megatron_mecefo.recovery.heartbeat import SUPERVISOR_ENV, Heartbeat
+from megatron_mecefo.recovery.heartbeat import BEAT_DIR_ENV, SUPERVISOR_ENV, Heartbeat
 from megatron_mecefo.recovery.processes import (
     Child,
     ExitWatch,
@@ -125,6 +126,10 @@ class Supervisor:
         self.id = f"{self.node}@{socket.gethostname()}:{os.getpid()}"
         """Names this supervisor's heartbeat, which its ranks name in their ``ready`` key."""
         self.beat: Optional[Heartbeat] = None
+        self.beat_dir = ""
+        """Where this node's ranks beat (:data:`BEAT_DIR_ENV`); this supervisor's beat writes
+        their counts and its own to one store key (``hb/node/<id>``)."""
+        self._liveness_stop = threading.Event()
 
     def log(self, line: str) -> None:
         print(f"[supervisor node {self.node}] {line}", flush=True)
@@ -209,9 +214,25 @@ class Supervisor:
         """Host or join the membership store, or lead it on etcd (:mod:`.store_host`)."""
         self.ms = self.store_host.open()
         # This node's liveness: a rank silent for the heartbeat timeout whose supervisor is
-        # silent too (the node died or hangs) is declared dead at once (coordinator.py).
+        # silent too (the node died or hangs) is declared dead at once (coordinator.py). The
+        # ranks beat into beat_dir; this beat writes theirs and its own in one key.
+        self.beat_dir = os.path.join(self.error_dir or tempfile.mkdtemp(), "beats")
+        os.makedirs(self.beat_dir, exist_ok=True)
         self.beat = Heartbeat.of_supervisor(
-            self.cfg.store, self.id, self.cfg.heartbeat_interval_s
+            self.cfg.store, self.id, self.cfg.heartbeat_interval_s, self.beat_dir
+        ).start()
+        # A connection to the coordinator's liveness listener, held while this process lives:
+        # when it is killed, the kernel closes it and the coordinator declares this node's
+        # ranks dead at once (a hang keeps it open: the heartbeat timeout covers that).
+        from megatron_mecefo.recovery.membership import MembershipStore
+
+        liveness_ms = MembershipStore.connect(self.cfg.store, self.cfg.init_timeout_s)
+        threading.Thread(
+            target=hold_liveness,
+            args=(liveness_ms, self.id, self.cfg.heartbeat_interval_s, self._liveness_stop,
+                  self.beat.ms.address if self.beat.ms is not None else None),  # fmt: skip
+            name="mecefo-liveness",
+            daemon=True,
         ).start()
         self.node_vote = node_vote_host.host(
             self.cfg.store, self.node, self.cfg.poll_interval_s, self.args.nnodes,
@@ -278,6 +299,8 @@ class Supervisor:
         env[ENV] = self.cfg.to_env()
         env[ERROR_FILE_ENV] = self.error_dir
         env[SUPERVISOR_ENV] = self.id
+        if self.beat_dir:
+            env[BEAT_DIR_ENV] = self.beat_dir
         env.update(node_vote_host.rank_env(getattr(self, "node_vote", None), len(self.slots)))
         if standby is not None:
             env["MECEFO_RECOVERY_STANDBY"] = f"{self.node}/{standby}"

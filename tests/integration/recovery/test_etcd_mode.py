@@ -148,7 +148,10 @@ def test_follower_node_lost_leader_trains_on(
     assert "takes over" not in log, log[-5000:]
     assert declared_s < 1.5 * timeout, f"death declared {declared_s:.2f} s after {sig.name}"
     assert redone_s < timeout + 6.0, f"iteration redone {redone_s:.2f} s after {sig.name}"
-    assert "its supervisor has not beaten" in log, log[-5000:]
+    # A killed node's supervisor closes its connection to the leader's liveness listener: its
+    # ranks are declared dead at once; a hung one keeps it open: the heartbeat timeout.
+    found_by = "its supervisor's connection" if sig == signal.SIGKILL else "has not beaten"
+    assert found_by in log, log[-5000:]
     check_every_sample_once(train_records(job.metrics), iters, gbs, 4)
     (failure,) = [r for r in job.records_of("recovery") if r["ranks_lost"]]
     assert sorted(failure["ranks_lost"]) == [2, 3] and sorted(failure["replicas"]) == [0, 1]
