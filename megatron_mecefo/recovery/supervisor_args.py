@@ -361,8 +361,10 @@ def _check_etcd_client() -> None:
     grpcio and protobuf under it); imported here, before any process starts, so that a
     missing or broken one is one line naming the fix, not a traceback later."""
     try:
-        import grpc  # noqa: F401
-        from pyetcd import etcdrpc  # noqa: F401
+        # Through etcd_transport, which turns grpc's fork support off before grpc first loads:
+        # grpc reads the setting once, and a supervisor that imported it here first forked its
+        # ranks with grpc's fork handlers on (a rank died of SIGABRT at start-up, at random).
+        import megatron_mecefo.recovery.etcd_transport  # noqa: F401
     except Exception as err:  # noqa: BLE001 (ImportError, protobuf's VersionError and kin)
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
         raise SupervisorError(

@@ -51,3 +51,30 @@ def test_the_default_store_host_is_refused_in_one_line(capsys: pytest.CaptureFix
 )
 def test_other_store_hosts_are_accepted(flags: list) -> None:
     validate(_parse(flags))
+
+
+def test_grpc_loads_with_its_fork_support_off() -> None:
+    """The start-up check of the etcd client (``--store-mode etcd``) must not be the first to
+    load grpc: grpc reads ``GRPC_ENABLE_FORK_SUPPORT`` once, as it loads, and a supervisor
+    whose grpc loaded with it unset forked its ranks with grpc's fork handlers on (a rank died
+    of SIGABRT at start-up, at random: "skipping fork() handlers", "epoll_wait error")."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import os, sys\n"
+        "class Seen:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'grpc':\n"
+        "            print('at-import', os.environ.get('GRPC_ENABLE_FORK_SUPPORT'))\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Seen())\n"
+        "os.environ.pop('GRPC_ENABLE_FORK_SUPPORT', None)\n"
+        "from megatron_mecefo.recovery import supervisor_args\n"
+        "assert 'grpc' not in sys.modules\n"
+        "supervisor_args._check_etcd_client()\n"
+        "assert 'grpc' in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["at-import", "false"], out.stdout
