@@ -27,7 +27,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from megatron_mecefo.recovery.config import RecoveryConfig
 from megatron_mecefo.recovery.membership import (
@@ -69,9 +69,16 @@ class Coordinator:
         log=print,
         join_at_boundary_only: bool = False,
         on_failure: Optional[Callable[[BaseException], None]] = None,
+        leader_contact: Optional[Any] = None,
     ) -> None:
         self.ms = store
         self.on_failure = on_failure
+        self.leader_contact = leader_contact
+        """etcd mode: the leader's :class:`~.etcd_control.EtcdControl`. Silences are trusted
+        only while it renews its lease: a leader whose own link is cut hears no node, and
+        declared every one of them dead (all four nodes of a PP2 x DP2 job then exited, their
+        deaths landing on etcd once the link came back inside the lease TTL). After a gap in
+        its contact, silences count again from the gap's end."""
         self.join_at_boundary_only = join_at_boundary_only
         """Replacements join only at a planned boundary, never a failure's world: under the
         distributed optimizer the survivors rebuild the lost shards from their snapshots'
@@ -361,6 +368,14 @@ class Coordinator:
         follower node's loss costs one heartbeat timeout, not two. Ranks that still beat under a
         supervisor silent for the timeout (it hangs: their votes wait on it for ever) are
         declared dead too, unless the job is stopping: the node is lost (issue 54, H1)."""
+        contact = self.leader_contact
+        if contact is not None:
+            # Not in contact with etcd lately: this leader may be the one cut off; it decides
+            # nothing on silences until it is back.
+            if not contact.in_contact(now, self.cfg.heartbeat_timeout_s):
+                return
+            if contact.contact_regained_at > self._hb_since:
+                self._hb_since = contact.contact_regained_at
         keys = sorted(self.ready - self.dead)
         supervisors = sorted({self._supervisor_of[k] for k in keys if k in self._supervisor_of})
         counts, supervisor_counts = self._beats(keys, supervisors)

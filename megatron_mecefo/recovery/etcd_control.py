@@ -74,6 +74,11 @@ KEEPALIVE_EVERY_S = 0.5
 """The leader renews its lease at least this often (TTL/3 when shorter), so that the lease's
 remaining TTL is the leader's heartbeat on etcd (:meth:`EtcdControl.lease_silent_s`)."""
 
+CONTACT_GAP_S = 2.0
+"""A renewal later than its period by more than this ends a gap in the leader's contact with
+etcd: the coordinator counts heartbeat silences again from then (:class:`~.coordinator.
+Coordinator`'s ``leader_contact``)."""
+
 COMPACT_EVERY_S = 300.0
 """The leader compacts etcd's history this often, to the revision it saw one period before
 (the history of the last period stays for watches that resume from a recent revision)."""
@@ -146,6 +151,12 @@ class EtcdControl:
         self._stop_keepalive = threading.Event()
         self._keepalive: Optional[threading.Thread] = None
         self._compact_seen = 0
+        self.contact_at = time.monotonic()
+        """When the leader last heard etcd renew its lease (``time.monotonic``; an answer's
+        arrival): its evidence that it is connected (:meth:`in_contact`)."""
+        self.contact_regained_at = 0.0
+        """When a renewal last came after a gap (:data:`CONTACT_GAP_S` past its period): the
+        leader was cut off before then, and silences it saw meanwhile prove nothing."""
 
     @property
     def _watch_slice_s(self) -> float:
@@ -207,6 +218,7 @@ class EtcdControl:
                 self.term = Term(candidate_id, kv.create_revision, lease, ttl)
                 self.lost.clear()
                 self.lost_reason = ""
+                self.contact_at = time.monotonic()
                 self._start_keepalive(self.term, granted_at)
                 return self.term
             self.conn.lease_revoke(lease)  # unused: the next try takes a fresh one
@@ -318,9 +330,20 @@ class EtcdControl:
                     self._set_lost(term, "etcd says the lease expired")
                     return
                 valid_from = sent
+                heard = time.monotonic()
+                if heard - self.contact_at > period + CONTACT_GAP_S:
+                    self.contact_regained_at = heard  # before contact_at: read in this order
+                self.contact_at = heard
                 break
             if stop.is_set():
                 return
+
+    def in_contact(self, now: float, heartbeat_timeout_s: float) -> bool:
+        """Whether the lease was renewed lately (within half the heartbeat timeout, at most a
+        renewal period plus :data:`CONTACT_GAP_S`) before ``now``: the leader reaches etcd, so
+        a node's silence is the node's, not the leader's own cut link."""
+        within = min(heartbeat_timeout_s / 2, KEEPALIVE_EVERY_S + CONTACT_GAP_S)
+        return now - self.contact_at <= within
 
     def _set_lost(self, term: Term, why: str) -> None:
         if self.term != term or self._stop_keepalive.is_set():

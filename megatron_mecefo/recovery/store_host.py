@@ -638,6 +638,7 @@ class StoreHost:
             log=lambda line: print(line, flush=True),
             join_at_boundary_only="--use-distributed-optimizer" in self.args.command,
             on_failure=self._coordinator_failed,
+            leader_contact=self.control,
         )
         self.coordinator.start(resume=resume)
 
