@@ -78,7 +78,10 @@ from megatron_mecefo.recovery.commit import (
     _decision_key,
     _votes_key,
 )
+from megatron_mecefo.recovery.group_vote import _keys as _group_keys
+from megatron_mecefo.recovery.group_vote import groups_of, two_level
 from megatron_mecefo.recovery.membership import CompleteReplicas, Generation, JobLayout
+from megatron_mecefo.recovery.state.heal import NoTrainedState, ShardLost, heal_plan, heal_target
 
 PRIMARY_KEY = "primary"
 """The removed mirror's takeover mark on the standby (``store_failover.PRIMARY_KEY`` was this)."""
@@ -1377,18 +1380,6 @@ class MirrorDesign(Design):
 # ``group_vote._keys``), ``group_vote.groups_of`` / ``two_level`` (who heads which group, and
 # whether a generation votes in groups), ``state.heal.heal_target`` / ``heal_plan`` (the heal
 # per data-parallel group, which raises the real ``ShardLost``).
-from megatron_mecefo.recovery.group_vote import (  # noqa: E402
-    _keys as _group_keys,
-    groups_of,
-    two_level,
-)
-from megatron_mecefo.recovery.state.heal import (  # noqa: E402
-    NoTrainedState,
-    ShardLost,
-    heal_plan,
-    heal_target,
-)
-
 INVARIANTS.update(
     {
         "same_iteration": "every member of the last generation finishes at the same iteration, "
@@ -1905,7 +1896,7 @@ class StagedDesign(Design):
                 self._node(after, k, cpc="")
             )
 
-    # ------------------------------------------------------------------ commit.vote on the hot store
+    # ------------------------------------------------------------------ commit.vote, hot store
     def _hot_vote(
         self, st: SState, pc: str, t: int, g: int, i: int, nv: int
     ) -> Iterator[Tuple[str, SState, str, int, Optional[str]]]:
