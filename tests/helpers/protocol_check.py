@@ -1459,6 +1459,9 @@ class SState(NamedTuple):
     decisions: FrozenSet[Tuple[int, int, str]]
     ends: Tuple[int, ...] = ()
     """The committed iterations of the last generation's members when the job ended."""
+    reported: FrozenSet[int] = frozenset()
+    """New design: nodes whose store or vote server a vote wait gave up on (its deadline):
+    the coordinator declares them dead, so the regroup leaves them out."""
 
 
 @dataclass
@@ -1481,6 +1484,8 @@ class StagedDesign(Design):
     prepared: bool = False
     deadlines: bool = False
     group_size: int = GROUP_SIZE_MODEL
+    resumes: bool = True
+    """A hung node or supervisor may resume later (a fault step: never relied on)."""
     name: str = "staged"
 
     def __post_init__(self) -> None:
@@ -1619,6 +1624,15 @@ class StagedDesign(Design):
             yield label, nxt, False
 
     def _faults(self, st: SState) -> Iterator[Tuple[str, SState, bool]]:
+        for k, x in enumerate(st.nodes):  # a hang may end (SIGCONT, a healed partition)
+            if self.resumes and x.status in (FROZEN, SUP_HUNG):
+                led = any(owner == k for owner, _ in st.hots)
+                if led and st.etcd.leader != k:  # store_host._control_lost: its lease is gone
+                    yield f"node {k}: resumes; its lease is gone: exits", self._node(
+                        st, k, status=CRASHED_NODE, spc="", cpc=""
+                    ), True
+                else:
+                    yield f"node {k}: resumes", self._node(st, k, status=RUN), True
         if st.faults >= self.faults:
             return
         for k, x in enumerate(st.nodes):
@@ -1695,6 +1709,8 @@ class StagedDesign(Design):
             why = {CRASHED_NODE: "its connections closed", FROZEN: "its heartbeats stopped"}
             if self.deadlines:
                 why[SUP_HUNG] = "its supervisor's heartbeat is stale"
+            if k in st.reported:
+                why = {x.status: "reported: a vote deadline missed"}
             if x.status in why:
                 yield f"coordinator {lead}: declares node {k} dead ({why[x.status]})", (
                     st._replace(etcd=e._replace(dead=e.dead | {k}))
@@ -1789,8 +1805,9 @@ class StagedDesign(Design):
                     what = f"; its prepared step {x.prep}: {claimed}"
             yield f"rank {k}: generation {v}: arrives{what}", self._node(after, k, **changes)
         if x.rpc == "await" and x.status == SUP_HUNG and self.deadlines:
-            yield f"rank {k}: node-vote deadline: in doubt (prepared); regroup", self._result(
-                st, k, x, "doubt"
+            after = st._replace(reported=st.reported | {k})
+            yield f"rank {k}: node-vote deadline: in doubt; reports its supervisor", (
+                self._result(after, k, x, "doubt")
             )
 
     def _result(self, st: SState, k: int, x: SNode, outcome: str) -> SState:
@@ -1838,8 +1855,9 @@ class StagedDesign(Design):
             return
         if state == "silent":
             if self.deadlines:
-                yield f"node {k}: deadline on head {head}'s store: in doubt; regroup", (
-                    self._result(st, k, x, "doubt")
+                after = st._replace(reported=st.reported | {head})
+                yield f"node {k}: deadline on head {head}'s store: in doubt; reports it", (
+                    self._result(after, k, x, "doubt")
                 )
             return  # the old code: a call to a SIGSTOPped TCPStore never returns
         if x.spc == "gadd":
@@ -1872,6 +1890,9 @@ class StagedDesign(Design):
         if not x.cpc:
             return
         g, i = x.cg, x.ci
+        if self._gstore(st, k) == "closed":  # new design: its owner was declared dead
+            yield f"head {k}: collector: its store's sockets are shut", self._node(st, k, cpc="")
+            return
         members = sorted(self._gen(st, g).members)
         groups = groups_of(members, self.group_size)
         size, ngroups = len(groups[k // self.group_size]), len(groups)
