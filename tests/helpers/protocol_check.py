@@ -1464,6 +1464,12 @@ class SState(NamedTuple):
     the coordinator declares them dead, so the regroup leaves them out."""
 
 
+@lru_cache(maxsize=None)
+def _groups(members: Tuple[int, ...], size: int) -> Dict[int, List[int]]:
+    """The real ``group_vote.groups_of`` (cached: the explorer asks for the same few often)."""
+    return groups_of(members, size)
+
+
 @dataclass
 class StagedDesign(Design):
     """Nodes of one rank each, TP = 1, PP x DP, the two-level (group) and one-level (node) vote
@@ -1562,7 +1568,7 @@ class StagedDesign(Design):
 
     def _head(self, st: SState, g: int, node: int) -> int:
         nodes = sorted(self._gen(st, g).members)
-        return groups_of(nodes, self.group_size)[node // self.group_size][0]
+        return _groups(tuple(nodes), self.group_size)[node // self.group_size][0]
 
     def _gstore(self, st: SState, owner: int) -> str:
         """up / closed (refused, reset: the call raises) / silent (no answer, for ever)."""
@@ -1844,7 +1850,7 @@ class StagedDesign(Design):
                     yield f"node {k}: {what}", self._result(after, k, x, outcome)
             return
         members = sorted(self._gen(st, g).members)
-        mine = groups_of(members, self.group_size)[k // self.group_size]
+        mine = _groups(tuple(members), self.group_size)[k // self.group_size]
         head, size = mine[0], len(mine)
         votes, wake, out = _group_keys(g, i)
         state = self._gstore(st, head)
@@ -1894,7 +1900,7 @@ class StagedDesign(Design):
             yield f"head {k}: collector: its store's sockets are shut", self._node(st, k, cpc="")
             return
         members = sorted(self._gen(st, g).members)
-        groups = groups_of(members, self.group_size)
+        groups = _groups(tuple(members), self.group_size)
         size, ngroups = len(groups[k // self.group_size]), len(groups)
         votes, wake, out = _group_keys(g, i)
         if x.cpc == "cwait":
