@@ -1492,6 +1492,10 @@ class StagedDesign(Design):
     group_size: int = GROUP_SIZE_MODEL
     resumes: bool = True
     """A hung node or supervisor may resume later (a fault step: never relied on)."""
+    slow_owners: bool = False
+    """New design: a vote wait's deadline may also pass while the store or server it waits on
+    is alive but slow (the member is in doubt and reports it, as for a hung one); each such
+    deadline counts as one of the ``faults``."""
     name: str = "staged"
 
     def __post_init__(self) -> None:
@@ -1810,17 +1814,20 @@ class StagedDesign(Design):
                     after = after._replace(decisions=st.decisions | {(*x.prep, claimed)})
                     what = f"; its prepared step {x.prep}: {claimed}"
             yield f"rank {k}: generation {v}: arrives{what}", self._node(after, k, **changes)
-        if x.rpc == "await" and x.status == SUP_HUNG and self.deadlines:
+        slow = self.slow_owners and x.status == RUN and x.spc != "" and st.faults < self.faults
+        if x.rpc == "await" and (x.status == SUP_HUNG or slow) and self.deadlines:
             after = st._replace(reported=st.reported | {k})
+            if x.status == RUN:  # a slow supervisor: the budget's fault
+                after = after._replace(faults=st.faults + 1)
             yield f"rank {k}: node-vote deadline: in doubt; reports its supervisor", (
-                self._result(after, k, x, "doubt")
+                self._result(after, k, x, "doubt", cast_ends=False)
             )
 
-    def _result(self, st: SState, k: int, x: SNode, outcome: str) -> SState:
+    def _result(self, st: SState, k: int, x: SNode, outcome: str, cast_ends: bool = True) -> SState:
         """The node's cast ends with ``outcome``: its rank applies the step, leaves the world
         (abort: redone in the next generation) or is in doubt (old: applies nothing; new:
         keeps the prepared step)."""
-        after = self._node(st, k, spc="", ht=-1) if x.status == RUN else st
+        after = self._node(st, k, spc="", ht=-1) if x.status == RUN and cast_ends else st
         y = after.nodes[k]
         if y.rpc != "await" or (y.cur, y.committed + 1) != (x.vg, x.vi):
             return after
@@ -1866,6 +1873,11 @@ class StagedDesign(Design):
                     self._result(after, k, x, "doubt")
                 )
             return  # the old code: a call to a SIGSTOPped TCPStore never returns
+        if self.deadlines and self.slow_owners and head != k and st.faults < self.faults:
+            after = st._replace(reported=st.reported | {head}, faults=st.faults + 1)
+            yield f"node {k}: deadline on head {head}'s store (slow, not hung): in doubt", (
+                self._result(after, k, x, "doubt")
+            )
         if x.spc == "gadd":
             if head == k and x.cpc:
                 return  # this head's previous collector still runs (a model restriction)
