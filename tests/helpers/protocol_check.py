@@ -1492,6 +1492,10 @@ class StagedDesign(Design):
     group_size: int = GROUP_SIZE_MODEL
     resumes: bool = True
     """A hung node or supervisor may resume later (a fault step: never relied on)."""
+    grace_holds: bool = False
+    """A member writes ``doubt`` for its superseded group only once its head is not deciding
+    (dead, hung, or its collector of the vote ended): ``doubt_grace_s`` outlasts a live head's
+    decision. Off: the grace is abstract and the race is explored."""
     slow_owners: bool = False
     """New design: a vote wait's deadline may also pass while the store or server it waits on
     is alive but slow (the member is in doubt and reports it, as for a hung one); each such
@@ -1573,6 +1577,11 @@ class StagedDesign(Design):
     def _head(self, st: SState, g: int, node: int) -> int:
         nodes = sorted(self._gen(st, g).members)
         return _groups(tuple(nodes), self.group_size)[node // self.group_size][0]
+
+    @staticmethod
+    def _deciding(st: SState, head: int, g: int, i: int) -> bool:
+        x = st.nodes[head]
+        return x.status == RUN and x.cpc != "" and (x.cg, x.ci) == (g, i)
 
     def _gstore(self, st: SState, owner: int) -> str:
         """up / closed (refused, reset: the call raises) / silent (no answer, for ever)."""
@@ -1897,7 +1906,9 @@ class StagedDesign(Design):
                 yield f"node {k}: its group's outcome: {standing}", self._result(
                     st, k, x, str(standing)
                 )
-            elif self._superseded(st, g):
+            elif self._superseded(st, g) and not (
+                self.grace_holds and self._deciding(st, head, g, i)
+            ):
                 after = self._g_set(st, head, out, "doubt")
                 yield f"node {k}: superseded: writes doubt for its group", self._result(
                     after, k, x, "doubt"
