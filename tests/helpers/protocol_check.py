@@ -22,6 +22,15 @@ Two designs are configurations of it:
   step (a vote of a later generation is cast again on the new store), and the regroup's heal
   settles it.
 
+* :class:`StagedDesign` (issue 54 item 9, finding M2): the code as it is, where the two above
+  model a safer system: PP x DP stages with the real heal per data-parallel group (``ShardLost``),
+  the group and node votes on the leader's hot store, members without leases, the takeover's
+  publish in the code's steps, calls to a hung GroupStore or vote server that never return,
+  the ECONNREFUSED revoke. Its ``prepared`` / ``deadlines`` switch on the issue 54 design (a
+  prepared step resolved by the next leader; vote waits with deadlines); off, it is today's
+  code, which the checker shows to end in ``ShardLost`` (C1) and to wedge (H1). What it leaves
+  out is listed in ``docs/protocol-check.md``.
+
 **What is real code and what is a model.** Real: :class:`~megatron_mecefo.recovery.membership.
 Generation` (every published generation is its JSON, parsed back with ``from_json``),
 :class:`~megatron_mecefo.recovery.membership.JobLayout` and :class:`~megatron_mecefo.recovery.
