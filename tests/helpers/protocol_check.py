@@ -1468,6 +1468,9 @@ class SState(NamedTuple):
     decisions: FrozenSet[Tuple[int, int, str]]
     ends: Tuple[int, ...] = ()
     """The committed iterations of the last generation's members when the job ended."""
+    errors: FrozenSet[int] = frozenset()
+    """Generations a member left with an error (``err/<g>/<slot>``: an aborted or in-doubt
+    step; ``report_error`` follows the leader, so it lands)."""
     reported: FrozenSet[int] = frozenset()
     """New design: nodes whose store or vote server a vote wait gave up on (its deadline):
     the coordinator declares them dead, so the regroup leaves them out."""
@@ -1505,6 +1508,11 @@ class StagedDesign(Design):
     """A member writes ``doubt`` for its superseded group only once its head is not deciding
     (dead, hung, or its collector of the vote ended): ``doubt_grace_s`` outlasts a live head's
     decision. Off: the grace is abstract and the race is explored."""
+    report_owner: bool = False
+    """New design, an option: a missed deadline also reports the silent owner, which the
+    coordinator then declares dead (off: only a stale supervisor heartbeat does)."""
+    max_generations: int = 4
+    """A bound on the regroups of a member's error (the state space stays finite)."""
     slow_owners: bool = False
     """New design: a vote wait's deadline may also pass while the store or server it waits on
     is alive but slow (the member is in doubt and reports it, as for a hung one); each such
@@ -1744,7 +1752,12 @@ class StagedDesign(Design):
                     st._replace(etcd=e._replace(dead=e.dead | {k}))
                 )
         gen = parse(e.gens[-1])
-        if set(gen.members) & e.dead:
+        # Coordinator._decide: a member's death; else a member's collective error (``err/``)
+        # once no death has been found for a heartbeat timeout (here: no death is pending).
+        pending = {CRASHED_NODE, FROZEN} | ({SUP_HUNG} if self.deadlines else set())
+        quiet = not any(x.status in pending and k not in e.dead for k, x in enumerate(st.nodes))
+        error = gen.number in st.errors and quiet and len(e.gens) < self.max_generations
+        if set(gen.members) & e.dead or error:
             alive = [s for s in range(self.n) if s not in e.dead]
             nxt = next_generation(self.layout, gen, alive)
             etcd = e._replace(gens=e.gens + (nxt.to_json(),))
@@ -1757,8 +1770,9 @@ class StagedDesign(Design):
             after = self._hot_set(after, e.term, "gen", nxt.number)
             if nxt.abort:
                 after = after._replace(end=f"fatal: {nxt.abort}")
+            why = "" if set(gen.members) & e.dead else " (a member's collective error)"
             yield (f"coordinator {lead}: publishes generation {nxt.number} "
-                   f"{sorted(nxt.members)}"), after  # fmt: skip
+                   f"{sorted(nxt.members)}{why}"), after  # fmt: skip
 
     # ------------------------------------------------------------------ the world (collectives)
     def _world(self, st: SState) -> Iterator[Tuple[str, SState]]:
@@ -1834,10 +1848,10 @@ class StagedDesign(Design):
             yield f"rank {k}: generation {v}: arrives{what}", self._node(after, k, **changes)
         slow = self.slow_owners and x.status == RUN and x.spc != "" and st.faults < self.faults
         if x.rpc == "await" and (x.status == SUP_HUNG or slow) and self.deadlines:
-            after = st._replace(reported=st.reported | {k})
+            after = st._replace(reported=st.reported | ({k} if self.report_owner else set()))
             if x.status == RUN:  # a slow supervisor: the budget's fault
                 after = after._replace(faults=st.faults + 1)
-            yield f"rank {k}: node-vote deadline: in doubt; reports its supervisor", (
+            yield f"rank {k}: node-vote deadline: in doubt", (
                 self._result(after, k, x, "doubt", cast_ends=False)
             )
 
@@ -1857,6 +1871,8 @@ class StagedDesign(Design):
         else:
             prep = (x.vg, x.vi) if self.prepared else (-1, -1)
             after = self._node(after, k, rpc="leave", prep=prep)
+        if outcome != COMMIT:  # StepAborted: the rank leaves and reports err/<g>/<slot>
+            after = after._replace(errors=after.errors | {x.vg})
         if outcome in (COMMIT, ABORT):
             after = after._replace(decisions=after.decisions | {(x.vg, x.vi, outcome)})
         return after
@@ -1886,13 +1902,14 @@ class StagedDesign(Design):
             return
         if state == "silent":
             if self.deadlines:
-                after = st._replace(reported=st.reported | {head})
-                yield f"node {k}: deadline on head {head}'s store: in doubt; reports it", (
+                after = st._replace(reported=st.reported | ({head} if self.report_owner else set()))
+                yield f"node {k}: deadline on head {head}'s store: in doubt", (
                     self._result(after, k, x, "doubt")
                 )
             return  # the old code: a call to a SIGSTOPped TCPStore never returns
         if self.deadlines and self.slow_owners and head != k and st.faults < self.faults:
-            after = st._replace(reported=st.reported | {head}, faults=st.faults + 1)
+            who = {head} if self.report_owner else set()
+            after = st._replace(reported=st.reported | who, faults=st.faults + 1)
             yield f"node {k}: deadline on head {head}'s store (slow, not hung): in doubt", (
                 self._result(after, k, x, "doubt")
             )
