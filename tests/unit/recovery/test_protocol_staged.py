@@ -125,6 +125,28 @@ def test_old_code_hung_supervisor_wedges() -> None:
     assert "supervisor hangs" in report.trace[0]
 
 
+def test_old_code_node_vote_split_by_a_takeover() -> None:
+    """C1's narrower window in the per-node vote (groups of 4: one level): the node that
+    completes the count applies the step; the leader's death takes the hot store, so a node
+    of the other stage whose wait was cut off by the takeover is in doubt, and its stage has
+    no source at the committed iteration."""
+    report = explore(StagedDesign(group_size=4, kinds=("node crash",), **OLD))
+    _show(report)
+    assert report.violation == "shard_lost"
+    assert any("StoreFailedOver: the vote is in doubt" in step for step in report.trace)
+    assert any("publishes hot_store" in step for step in report.trace)
+
+
+def test_old_code_hung_supervisor_in_node_vote_mode_wedges_its_rank() -> None:
+    """H1's other form: a SIGSTOPped follower supervisor in node-vote mode; its rank waits on
+    the vote's future for ever, and the others on the count."""
+    report = explore(StagedDesign(group_size=4, kinds=("supervisor hang",), **OLD))
+    _show(report)
+    assert report.violation == "wedged"
+    assert "supervisor hangs" in report.trace[0]
+    assert "supervisor hung/await" in report.detail  # its rank never gets an answer
+
+
 # ---------------------------------------------------------------------------------- the new design
 @pytest.mark.parametrize(
     "config",
@@ -143,6 +165,13 @@ def test_new_design_holds_every_invariant_in_every_state(config: dict) -> None:
     assert report.violation is None, report.trace
     assert report.complete
     assert report.states > 100_000
+
+
+def test_new_design_holds_with_the_per_node_vote() -> None:
+    report = explore(StagedDesign(group_size=4, **NEW))
+    _show(report)
+    assert report.violation is None, report.trace
+    assert report.complete and report.states > 10_000
 
 
 @pytest.mark.slow
