@@ -1486,13 +1486,20 @@ def _groups(members: Tuple[int, ...], size: int) -> Dict[int, List[int]]:
 class StagedDesign(Design):
     """Nodes of one rank each, TP = 1, PP x DP, the two-level (group) and one-level (node) vote
     on a leader's hot TCPStore, the etcd leader and its takeover in the code's steps, members
-    without leases, and node faults (crash, hang, supervisor hang; a hang never ends).
+    without leases, the regroup on a member's error, and node faults (crash, hang, supervisor
+    hang; a hang may end, ``resumes``).
 
     ``prepared`` / ``deadlines`` switch the issue 54 design (items 1 and 2) on; both off is a
     model of today's code: in-doubt members apply nothing and the heal brings them up from a
     peer of their stage; the group vote's waits on a head's store and a rank's wait on its
     node's vote server have no deadline, and only the hot store's sockets are shut when its
-    owner is lost."""
+    owner is lost. With ``prepared``, whoever commits claims ``outcome/<g>/<i>`` on etcd before
+    the commit key (create-if-absent), the next generation's publish claims abort for the vote
+    in flight unless a commit stands, and an in-doubt member keeps its step prepared and applies
+    or drops it as claimed when it arrives in the next generation. With ``deadlines``, a vote
+    wait on a silent head or vote server ends in doubt (the rank leaves and reports its error),
+    a supervisor with a stale heartbeat is declared dead, and a dead owner's GroupStore and
+    vote server shut their sockets."""
 
     pp: int = 2
     dp: int = 2
