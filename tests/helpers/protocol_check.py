@@ -1424,13 +1424,13 @@ class SNode(NamedTuple):
     next generation, as its leader resolved it."""
     spc: str = ""
     """The supervisor's cast of the node's vote: gadd, gwait (group vote), hvote, hwait,
-    habort (a vote on the hot store)."""
+    habort, hset (a vote on the hot store; hset: its commit claimed on etcd, the key next)."""
     vg: int = -1
     vi: int = -1
     ht: int = -1
     """The term of the hot store the cast talks to (-1: none looked up yet)."""
     cpc: str = ""
-    """The head's collector of (cg, ci): cwait, hvote, hwait, habort."""
+    """The head's collector of (cg, ci): cwait, hvote, hwait, habort, hset."""
     cg: int = -1
     ci: int = -1
     cht: int = -1
@@ -1889,7 +1889,7 @@ class StagedDesign(Design):
         if not x.spc:
             return
         g, i = x.vg, x.vi
-        if x.spc in ("hvote", "hwait", "habort"):  # the one-level vote: this node on the hot store
+        if x.spc in ("hvote", "hwait", "habort", "hset"):  # the one-level vote, on the hot store
             nv = len(self._gen(st, g).members)
             for what, after, pc, ht, outcome in self._hot_vote(st, x.spc, x.ht, g, i, nv):
                 if outcome is None:
@@ -1996,6 +1996,10 @@ class StagedDesign(Design):
             else:
                 yield "StoreFailedOver: casts again on the new store", st, "hvote", t2, None
             return
+        if pc == "hset":  # the claim stands on etcd: the commit key, then apply
+            after = self._hot_set(st, t2, _commit_key(g, i), "")
+            yield "sets the commit key", after, "", t2, COMMIT
+            return
         items = st.hots[t2][1]
         vkey, ckey, dkey = _votes_key(g, i), _commit_key(g, i), _decision_key(g, i)
         count = int(_get(items, vkey) or 0)
@@ -2003,11 +2007,13 @@ class StagedDesign(Design):
         def commit(after: SState, what: str) -> Tuple[str, SState, str, int, Optional[str]]:
             if self.prepared:  # durable first (create-if-absent on etcd), then the commit key
                 claims = dict(after.etcd.outcomes)
-                if claims.setdefault((g, i), COMMIT) != COMMIT:
+                if (g, i) not in claims:  # the claim is a request of its own: the key next
+                    claims[(g, i)] = COMMIT
+                    after = after._replace(etcd=after.etcd._replace(
+                        outcomes=tuple(sorted(claims.items()))))  # fmt: skip
+                    return f"{what}; commit claimed on etcd", after, "hset", t2, None
+                if claims[(g, i)] != COMMIT:
                     return f"{what}; commit refused: aborted on etcd", after, "", t2, ABORT
-                after = after._replace(etcd=after.etcd._replace(
-                    outcomes=tuple(sorted(claims.items()))))  # fmt: skip
-                what += "; commit claimed on etcd"
             after = self._hot_set(after, t2, ckey, "")
             return f"{what}; sets the commit key", after, "", t2, COMMIT
 
