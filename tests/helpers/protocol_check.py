@@ -22,6 +22,15 @@ Two designs are configurations of it:
   step (a vote of a later generation is cast again on the new store), and the regroup's heal
   settles it.
 
+* :class:`StagedDesign` (issue 54 item 9, finding M2): the code as it is, where the two above
+  model a safer system: PP x DP stages with the real heal per data-parallel group (``ShardLost``),
+  the group and node votes on the leader's hot store, members without leases, the takeover's
+  publish in the code's steps, calls to a hung GroupStore or vote server that never return,
+  the ECONNREFUSED revoke. Its ``prepared`` / ``deadlines`` switch on the issue 54 design (a
+  prepared step resolved by the next leader; vote waits with deadlines); off, it is today's
+  code, which the checker shows to end in ``ShardLost`` (C1) and to wedge (H1). What it leaves
+  out is listed in ``docs/protocol-check.md``.
+
 **What is real code and what is a model.** Real: :class:`~megatron_mecefo.recovery.membership.
 Generation` (every published generation is its JSON, parsed back with ``from_json``),
 :class:`~megatron_mecefo.recovery.membership.JobLayout` and :class:`~megatron_mecefo.recovery.
@@ -78,7 +87,10 @@ from megatron_mecefo.recovery.commit import (
     _decision_key,
     _votes_key,
 )
+from megatron_mecefo.recovery.group_vote import _keys as _group_keys
+from megatron_mecefo.recovery.group_vote import groups_of, two_level
 from megatron_mecefo.recovery.membership import CompleteReplicas, Generation, JobLayout
+from megatron_mecefo.recovery.state.heal import NoTrainedState, ShardLost, heal_plan, heal_target
 
 PRIMARY_KEY = "primary"
 """The removed mirror's takeover mark on the standby (``store_failover.PRIMARY_KEY`` was this)."""
@@ -170,9 +182,11 @@ def explore(
                 return Report(model.name, len(parent), transitions, None, [], False,
                               time.perf_counter() - t0)  # fmt: skip
             queue.append(nxt)
-        if not progress and "progress" in names and not model.finished(state):
-            return Report(model.name, len(parent), transitions, "progress", trace(state), False,
-                          time.perf_counter() - t0, model.describe(state))  # fmt: skip
+        if not progress and not model.finished(state):
+            kind = model.stuck(state)
+            if kind in names:
+                return Report(model.name, len(parent), transitions, kind, trace(state), False,
+                              time.perf_counter() - t0, model.describe(state))  # fmt: skip
     return Report(model.name, len(parent), transitions, None, [], True, time.perf_counter() - t0)
 
 
@@ -197,6 +211,11 @@ class Design:
 
     def describe(self, state: Hashable) -> str:
         return repr(state)
+
+    def stuck(self, state: Hashable) -> str:
+        """The invariant a state without progress steps violates (``progress``; the staged
+        design tells ``wedged`` apart)."""
+        return "progress"
 
 
 # ---------------------------------------------------------------------------------- shared
@@ -1361,3 +1380,686 @@ class MirrorDesign(Design):
             yield f"takeover: sets {PRIMARY_KEY} (generation {cp.gen}); starts a coordinator", put(
                 cp._replace(status=DONE), PRIMARY_KEY, cp.gen, coords=coords
             )
+
+
+# ================================================================================== staged design
+# Issue 54 item 9 (finding M2): a model of the code as it is, at the level the group vote and
+# the pipeline stages matter. Real code here: ``JobLayout``, ``CompleteReplicas`` (through
+# :func:`next_generation`), ``Generation`` JSON, the vote keys (``_votes_key`` ...,
+# ``group_vote._keys``), ``group_vote.groups_of`` / ``two_level`` (who heads which group, and
+# whether a generation votes in groups), ``state.heal.heal_target`` / ``heal_plan`` (the heal
+# per data-parallel group, which raises the real ``ShardLost``).
+INVARIANTS.update(
+    {
+        "same_iteration": "every member of the last generation finishes at the same iteration, "
+        "the job's last (staged design)",
+        "shard_lost": "the heal raises ShardLost only when every node of a pipeline stage is lost "
+        "(staged design)",
+        "wedged": "no live member waits for ever on a call to a hung store or server while a "
+        "regroup is possible (staged design; a terminal state with such a member)",
+    }
+)
+
+CRASHED_NODE, FROZEN, SUP_HUNG = "crashed", "frozen", "supervisor hung"
+"""Node faults of the staged design: SIGKILL of the node's processes (its sockets close, a
+connect is refused), SIGSTOP of the whole node (its ranks' heartbeats stop too), SIGSTOP of
+the supervisor only (its ranks run and beat)."""
+STAGED_FAULTS = ("node crash", "node hang", "supervisor hang")
+GROUP_SIZE_MODEL = 2
+
+
+class SNode(NamedTuple):
+    """One node: its rank (1 rank per node, slot == node), its supervisor's vote (the
+    node-vote server's cast: the member side of the group vote or the one-level vote) and, on
+    a group head, the collector."""
+
+    status: str = RUN
+    rpc: str = "train"
+    """The rank: arrive (waits for the rendezvous), train, await (its vote's future), leave
+    (aborted or in doubt: waits for the next generation), done, out (not a member), fatal."""
+    cur: int = 0
+    committed: int = 0
+    prep: Tuple[int, int] = (-1, -1)
+    """(generation, iteration) of a prepared step (new design): applied or dropped at the
+    next generation, as its leader resolved it."""
+    spc: str = ""
+    """The supervisor's cast of the node's vote: gadd, gwait (group vote), hvote, hwait,
+    habort, hset (a vote on the hot store; hset: its commit claimed on etcd, the key next)."""
+    vg: int = -1
+    vi: int = -1
+    ht: int = -1
+    """The term of the hot store the cast talks to (-1: none looked up yet)."""
+    cpc: str = ""
+    """The head's collector of (cg, ci): cwait, hvote, hwait, habort, hset."""
+    cg: int = -1
+    ci: int = -1
+    cht: int = -1
+
+
+class SEtcd(NamedTuple):
+    leader: int
+    """The node holding the leader key (-1: none: its lease ended)."""
+    term: int
+    lpc: str
+    """The leader's takeover, in the code's steps: fence (hot_store = ""), restore (serve a
+    store restored from etcd, declare the old leader's rank dead, start the coordinator),
+    store (publish hot_store), run."""
+    hot_store: int
+    """The term whose store ``hot_store`` names; -1: "" (a takeover under way)."""
+    leader_node: int
+    gens: Tuple[str, ...]
+    """``gen/<n>``: every published generation's JSON (the current is the last)."""
+    dead: FrozenSet[int]
+    outcomes: Tuple[Tuple[Tuple[int, int], str], ...]
+    """New design: ``outcome/<g>/<i>`` claimed once (create-if-absent): commit by the node
+    that completes a count before it applies, abort by the next generation's publish."""
+
+
+class SState(NamedTuple):
+    nodes: Tuple[SNode, ...]
+    gstores: Tuple[tuple, ...]
+    """Each node's GroupStore (its keys)."""
+    hots: Tuple[Tuple[int, tuple], ...]
+    """Per term: (owner node, the keys of its hot TCPStore)."""
+    etcd: SEtcd
+    faults: int
+    end: str
+    """"" while the job runs; "done"; "fatal: ..." (ShardLost, NoTrainedState, ...)."""
+    decisions: FrozenSet[Tuple[int, int, str]]
+    ends: Tuple[int, ...] = ()
+    """The committed iterations of the last generation's members when the job ended."""
+    errors: FrozenSet[int] = frozenset()
+    """Generations a member left with an error (``err/<g>/<slot>``: an aborted or in-doubt
+    step; ``report_error`` follows the leader, so it lands)."""
+    reported: FrozenSet[int] = frozenset()
+    """New design: nodes whose store or vote server a vote wait gave up on (its deadline):
+    the coordinator declares them dead, so the regroup leaves them out."""
+
+
+@lru_cache(maxsize=None)
+def _groups(members: Tuple[int, ...], size: int) -> Dict[int, List[int]]:
+    """The real ``group_vote.groups_of`` (cached: the explorer asks for the same few often)."""
+    return groups_of(members, size)
+
+
+@dataclass
+class StagedDesign(Design):
+    """Nodes of one rank each, TP = 1, PP x DP, the two-level (group) and one-level (node) vote
+    on a leader's hot TCPStore, the etcd leader and its takeover in the code's steps, members
+    without leases, the regroup on a member's error, and node faults (crash, hang, supervisor
+    hang; a hang may end, ``resumes``).
+
+    ``prepared`` / ``deadlines`` switch the issue 54 design (items 1 and 2) on; both off is a
+    model of today's code: in-doubt members apply nothing and the heal brings them up from a
+    peer of their stage; the group vote's waits on a head's store and a rank's wait on its
+    node's vote server have no deadline, and only the hot store's sockets are shut when its
+    owner is lost. With ``prepared``, whoever commits claims ``outcome/<g>/<i>`` on etcd before
+    the commit key (create-if-absent), the next generation's publish claims abort for the vote
+    in flight unless a commit stands, and an in-doubt member keeps its step prepared and applies
+    or drops it as claimed when it arrives in the next generation. With ``deadlines``, a vote
+    wait on a silent head or vote server ends in doubt (the rank leaves and reports its error),
+    a supervisor with a stale heartbeat is declared dead, and a dead owner's GroupStore and
+    vote server shut their sockets."""
+
+    pp: int = 2
+    dp: int = 2
+    iterations: int = 1
+    faults: int = 1
+    kinds: Tuple[str, ...] = STAGED_FAULTS
+    prepared: bool = False
+    deadlines: bool = False
+    group_size: int = GROUP_SIZE_MODEL
+    resumes: bool = True
+    """A hung node or supervisor may resume later (a fault step: never relied on)."""
+    grace_holds: bool = False
+    """A member writes ``doubt`` for its superseded group only once its head is not deciding
+    (dead, hung, or its collector of the vote ended): ``doubt_grace_s`` outlasts a live head's
+    decision. Off: the grace is abstract and the race is explored."""
+    report_owner: bool = False
+    """New design, an option: a missed deadline also reports the silent owner, which the
+    coordinator then declares dead (off: only a stale supervisor heartbeat does)."""
+    max_generations: int = 4
+    """A bound on the regroups of a member's error (the state space stays finite)."""
+    slow_owners: bool = False
+    """New design: a vote wait's deadline may also pass while the store or server it waits on
+    is alive but slow (the member is in doubt and reports it, as for a hung one); each such
+    deadline counts as one of the ``faults``."""
+    name: str = "staged"
+
+    def __post_init__(self) -> None:
+        self.layout = JobLayout(tp=1, pp=self.pp, dp=self.dp)
+        self.n = self.layout.world_size
+        which = "new design" if self.prepared and self.deadlines else (
+            "old code" if not (self.prepared or self.deadlines) else
+            f"prepared={self.prepared}, deadlines={self.deadlines}"
+        )  # fmt: skip
+        self.name = f"staged ({which}; PP{self.pp} x DP{self.dp}, groups of {self.group_size})"
+
+    # ------------------------------------------------------------------ interface
+    def initial(self) -> SState:
+        gen0 = first_generation(self.layout).to_json()
+        etcd = SEtcd(0, 0, "run", 0, 0, (gen0,), frozenset(), ())
+        return SState(
+            nodes=tuple(SNode() for _ in range(self.n)),
+            gstores=tuple(() for _ in range(self.n)),
+            hots=((0, (("gen", 0),)),),
+            etcd=etcd,
+            faults=0,
+            end="",
+            decisions=frozenset(),
+        )
+
+    def finished(self, st: SState) -> bool:
+        return st.end != ""
+
+    def describe(self, st: SState) -> str:
+        nodes = "; ".join(
+            f"n{k}:{x.status}/{x.rpc} g{x.cur} it{x.committed}"
+            + (f" prep{x.prep}" if x.prep[0] >= 0 else "")
+            + (f" cast:{x.spc}{x.vg, x.vi}" if x.spc else "")
+            + (f" coll:{x.cpc}{x.cg, x.ci}" if x.cpc else "")
+            for k, x in enumerate(st.nodes)
+        )
+        e = st.etcd
+        return (f"{nodes} | leader {e.leader} term {e.term} ({e.lpc}), hot_store {e.hot_store}, "
+                f"gen {len(e.gens) - 1}, dead {sorted(e.dead)}, end {st.end!r}")  # fmt: skip
+
+    def violations(self, prev: SState, st: SState) -> List[str]:
+        out = decision_violations(st.decisions)
+        if st.end.startswith("fatal: ShardLost") and not self._stage_lost(st):
+            out.append("shard_lost")
+        if st.end == "done" and any(c != self.iterations for c in st.ends):
+            out.append("same_iteration")
+        return out
+
+    def stuck(self, st: SState) -> str:
+        """The violation a state without progress steps is: ``wedged`` when a live member
+        waits on a hung store or server (no deadline frees it), else ``progress``."""
+        for k, x in enumerate(st.nodes):
+            if k in st.etcd.dead or x.status in (CRASHED_NODE, FROZEN):
+                continue
+            if x.rpc == "await" and x.status == SUP_HUNG:
+                return "wedged"
+            if x.status == RUN and x.spc in ("gadd", "gwait"):
+                head = self._head(st, x.vg, k)
+                if self._gstore(st, head) == "silent":
+                    return "wedged"
+        return "progress"
+
+    # ------------------------------------------------------------------ helpers
+    def _gen(self, st: SState, number: int) -> Generation:
+        return parse(st.etcd.gens[number])
+
+    def _stage_lost(self, st: SState) -> bool:
+        gone = {k for k, x in enumerate(st.nodes) if x.status in (CRASHED_NODE, FROZEN)}
+        gone |= set(st.etcd.dead)
+        stages: Dict[int, List[int]] = {}
+        for s in range(self.n):
+            stages.setdefault(self.layout.coords(s)[2], []).append(s)
+        return any(set(v) <= gone for v in stages.values())
+
+    def _head(self, st: SState, g: int, node: int) -> int:
+        nodes = sorted(self._gen(st, g).members)
+        return _groups(tuple(nodes), self.group_size)[node // self.group_size][0]
+
+    @staticmethod
+    def _deciding(st: SState, head: int, g: int, i: int) -> bool:
+        x = st.nodes[head]
+        return x.status == RUN and x.cpc != "" and (x.cg, x.ci) == (g, i)
+
+    def _gstore(self, st: SState, owner: int) -> str:
+        """up / closed (refused, reset: the call raises) / silent (no answer, for ever)."""
+        status = st.nodes[owner].status
+        if status == CRASHED_NODE:
+            return "closed"
+        if self.deadlines and owner in st.etcd.dead:
+            return "closed"  # new design: its sockets are shut once its owner is declared dead
+        return "up" if status == RUN else "silent"
+
+    def _hot(self, st: SState, t: int) -> Tuple[str, int]:
+        """A hot-store call's fate: ("up", t), ("moved", t') (``StoreFailedOver``: the client
+        followed ``hot_store`` to t'), or ("wait", t): lost or silent, no new address yet (the
+        client's bound, the lease TTL, and its watch of ``hot_store`` free it then)."""
+        pub = st.etcd.hot_store
+        usable = pub >= 0 and st.nodes[st.hots[pub][0]].status == RUN
+        if t < 0:
+            return ("up", pub) if usable else ("wait", t)
+        if pub == t:
+            return ("up", t) if usable else ("wait", t)
+        return ("moved", pub) if usable else ("wait", t)
+
+    def _visible(self, st: SState) -> Optional[int]:
+        """The generation number a client reads through ``hot_store`` (None: none answers)."""
+        pub = st.etcd.hot_store
+        if pub < 0 or st.nodes[st.hots[pub][0]].status != RUN:
+            return None
+        return int(_get(st.hots[pub][1], "gen"))
+
+    def _superseded(self, st: SState, g: int) -> bool:
+        v = self._visible(st)
+        return v is not None and v > g
+
+    @staticmethod
+    def _node(st: SState, k: int, **changes) -> SState:
+        nodes = list(st.nodes)
+        nodes[k] = nodes[k]._replace(**changes)
+        return st._replace(nodes=tuple(nodes))
+
+    @staticmethod
+    def _hot_set(st: SState, t: int, key: str, value: object) -> SState:
+        hots = list(st.hots)
+        owner, items = hots[t]
+        hots[t] = (owner, _set(items, key, value))
+        return st._replace(hots=tuple(hots))
+
+    @staticmethod
+    def _g_set(st: SState, k: int, key: str, value: object) -> SState:
+        gs = list(st.gstores)
+        gs[k] = _set(gs[k], key, value)
+        return st._replace(gstores=tuple(gs))
+
+    # ------------------------------------------------------------------ steps
+    def successors(self, st: SState) -> Iterator[Tuple[str, SState, bool]]:
+        if st.end:
+            return
+        yield from self._faults(st)
+        for label, nxt in self._steps(st):
+            yield label, nxt, False
+
+    def _faults(self, st: SState) -> Iterator[Tuple[str, SState, bool]]:
+        for k, x in enumerate(st.nodes):  # a hang may end (SIGCONT, a healed partition)
+            if self.resumes and x.status in (FROZEN, SUP_HUNG):
+                led = any(owner == k for owner, _ in st.hots)
+                if led and st.etcd.leader != k:  # store_host._control_lost: its lease is gone
+                    yield f"node {k}: resumes; its lease is gone: exits", self._node(
+                        st, k, status=CRASHED_NODE, spc="", cpc=""
+                    ), True
+                else:
+                    yield f"node {k}: resumes", self._node(st, k, status=RUN), True
+        if st.faults >= self.faults:
+            return
+        for k, x in enumerate(st.nodes):
+            if x.status != RUN or (x.rpc == "out" and k != st.etcd.leader):
+                continue
+            after = st._replace(faults=st.faults + 1)
+            if "node crash" in self.kinds:
+                yield f"node {k}: crashes", self._node(
+                    after, k, status=CRASHED_NODE, spc="", cpc=""
+                ), True
+            if "node hang" in self.kinds:
+                yield f"node {k}: hangs (SIGSTOP)", self._node(after, k, status=FROZEN), True
+            if "supervisor hang" in self.kinds:
+                yield f"node {k}: its supervisor hangs", self._node(after, k, status=SUP_HUNG), True
+
+    def _steps(self, st: SState) -> Iterator[Tuple[str, SState]]:
+        yield from self._control(st)
+        yield from self._world(st)
+        for k, x in enumerate(st.nodes):
+            if x.status in (RUN, SUP_HUNG):
+                yield from self._rank(st, k, x)
+            if x.status == RUN:
+                yield from self._cast(st, k, x)
+                yield from self._collector(st, k, x)
+
+    # ------------------------------------------------------------------ leader, coordinator
+    def _control(self, st: SState) -> Iterator[Tuple[str, SState]]:
+        e = st.etcd
+        if e.leader >= 0 and st.nodes[e.leader].status != RUN:
+            ended = st._replace(etcd=e._replace(leader=-1))
+            if st.nodes[e.leader].status == CRASHED_NODE:
+                # store_host._watch_leader: the dead process's store refuses a connect
+                for f, y in enumerate(st.nodes):
+                    if y.status == RUN:
+                        yield (f"node {f}: node {e.leader}'s store refuses connections: revokes "
+                               "its lease (ECONNREFUSED)"), ended  # fmt: skip
+                        break
+            yield f"the lease of node {e.leader} expires", ended
+        if e.leader < 0:
+            for f, y in enumerate(st.nodes):
+                if y.status == RUN and f not in e.dead:
+                    yield f"node {f}: wins the election (term {e.term + 1})", st._replace(
+                        etcd=e._replace(leader=f, term=e.term + 1, lpc="fence"),
+                        hots=st.hots + ((f, ()),),
+                    )
+            return
+        lead = e.leader
+        if st.nodes[lead].status != RUN:
+            return
+        if e.lpc == "fence":  # _take_over_etcd: put_fenced(hot_store, ""), leader_node
+            yield f"leader {lead}: fences hot_store (\"\")", st._replace(
+                etcd=e._replace(lpc="restore", hot_store=-1)
+            )
+            return
+        if e.lpc == "restore":  # serve, restore(), declare the old leader's rank dead
+            number = len(e.gens) - 1
+            hot = (("gen", number), (PRIMARY_KEY, number))
+            hots = st.hots[:-1] + ((lead, hot),)
+            old = e.leader_node
+            yield (f"leader {lead}: serves a store restored from etcd (generation {number}); "
+                   f"declares node {old}'s rank dead"), st._replace(  # fmt: skip
+                hots=hots,
+                etcd=e._replace(lpc="store", leader_node=lead, dead=e.dead | {old}),
+            )
+            return
+        if e.lpc == "store":
+            yield f"leader {lead}: publishes hot_store (term {e.term})", st._replace(
+                etcd=e._replace(lpc="run", hot_store=e.term)
+            )
+        # The coordinator (started before hot_store is published).
+        for k, x in enumerate(st.nodes):
+            if k in e.dead:
+                continue
+            why = {CRASHED_NODE: "its connections closed", FROZEN: "its heartbeats stopped"}
+            if self.deadlines:
+                why[SUP_HUNG] = "its supervisor's heartbeat is stale"
+            if k in st.reported:
+                why = {x.status: "reported: a vote deadline missed"}
+            if x.status in why:
+                yield f"coordinator {lead}: declares node {k} dead ({why[x.status]})", (
+                    st._replace(etcd=e._replace(dead=e.dead | {k}))
+                )
+        gen = parse(e.gens[-1])
+        # Coordinator._decide: a member's death; else a member's collective error (``err/``)
+        # once no death has been found for a heartbeat timeout (here: no death is pending).
+        pending = {CRASHED_NODE, FROZEN} | ({SUP_HUNG} if self.deadlines else set())
+        quiet = not any(x.status in pending and k not in e.dead for k, x in enumerate(st.nodes))
+        error = gen.number in st.errors and quiet and len(e.gens) < self.max_generations
+        if set(gen.members) & e.dead or error:
+            alive = [s for s in range(self.n) if s not in e.dead]
+            nxt = next_generation(self.layout, gen, alive)
+            etcd = e._replace(gens=e.gens + (nxt.to_json(),))
+            if self.prepared:  # the publish resolves the vote in flight: abort unless claimed
+                done = [i for (_, i), v in e.outcomes if v == COMMIT]
+                flight = (gen.number, max(done, default=0) + 1)
+                if flight not in dict(e.outcomes):
+                    etcd = etcd._replace(outcomes=tuple(sorted(e.outcomes + ((flight, ABORT),))))
+            after = st._replace(etcd=etcd)
+            after = self._hot_set(after, e.term, "gen", nxt.number)
+            if nxt.abort:
+                after = after._replace(end=f"fatal: {nxt.abort}")
+            why = "" if set(gen.members) & e.dead else " (a member's collective error)"
+            yield (f"coordinator {lead}: publishes generation {nxt.number} "
+                   f"{sorted(nxt.members)}{why}"), after  # fmt: skip
+
+    # ------------------------------------------------------------------ the world (collectives)
+    def _world(self, st: SState) -> Iterator[Tuple[str, SState]]:
+        gen = parse(st.etcd.gens[-1])
+        members = sorted(gen.members)
+        xs = [st.nodes[m] for m in members]
+        if all(x.rpc == "done" and x.cur == gen.number for x in xs):
+            yield "the job ends: every member finished", st._replace(
+                end="done", ends=tuple(x.committed for x in xs)
+            )
+            return
+        alive = all(x.status in (RUN, SUP_HUNG) for x in xs)
+        if alive and all(x.rpc == "arrive" and x.cur == gen.number for x in xs):
+            yield from self._heal(st, gen, members)
+        if alive and all(x.rpc == "train" and x.cur == gen.number for x in xs):
+            i = xs[0].committed + 1
+            if any(x.status == RUN and x.spc for x in xs):
+                return  # a node's previous cast still runs: this vote queues behind it
+            assert all(x.committed == i - 1 for x in xs) and i <= self.iterations
+            one = not two_level(members, self.group_size)
+            after = st
+            for m in members:
+                after = self._node(after, m, rpc="await", spc="hvote" if one else "gadd",
+                                   vg=gen.number, vi=i, ht=st.etcd.hot_store)  # fmt: skip
+            yield f"world {gen.number}: all-reduce of iteration {i} done; every rank votes", after
+
+    def _heal(
+        self, st: SState, gen: Generation, members: List[int]
+    ) -> Iterator[Tuple[str, SState]]:
+        """``RecoverySession.on_built``: the real heal_target and heal_plan per data-parallel
+        group (``ShardLost`` when a group has no member at the target)."""
+        order = sorted(members, key=lambda s: self.layout.rank_in(s, gen.replicas))
+        infos = [(s, True, st.nodes[s].committed) for s in order]
+        groups: Dict[int, List[int]] = {}
+        for r, s in enumerate(order):
+            groups.setdefault(self.layout.coords(s)[2], []).append(r)
+        try:
+            target = heal_target(infos)
+            for g in groups.values():
+                heal_plan(infos, g, target)
+        except (ShardLost, NoTrainedState) as err:
+            after = st
+            for m in members:
+                after = self._node(after, m, rpc="fatal")
+            yield f"world {gen.number} formed: {type(err).__name__}", after._replace(
+                end=f"fatal: {type(err).__name__}: {err}"
+            )
+            return
+        after = st
+        for m in members:
+            after = self._node(after, m, committed=target,
+                               rpc="done" if target == self.iterations else "train")  # fmt: skip
+        yield f"world {gen.number} formed: healed to iteration {target}", after
+
+    # ------------------------------------------------------------------ a rank
+    def _rank(self, st: SState, k: int, x: SNode) -> Iterator[Tuple[str, SState]]:
+        v = self._visible(st)
+        if x.rpc in ("train", "arrive", "leave", "done", "out") and v is not None and v > x.cur:
+            gen = self._gen(st, v)
+            if k not in gen.members:
+                yield f"rank {k}: generation {v}: not a member", self._node(st, k, rpc="out", cur=v)
+                return
+            changes: Dict[str, object] = dict(rpc="arrive", cur=v)
+            after, what = st, ""
+            if x.prep[0] >= 0:  # new design: the leader's resolution of the prepared step
+                claimed = dict(st.etcd.outcomes).get(x.prep)
+                if claimed is not None:
+                    changes["prep"] = (-1, -1)
+                    if claimed == COMMIT:
+                        changes["committed"] = x.prep[1]
+                    after = after._replace(decisions=st.decisions | {(*x.prep, claimed)})
+                    what = f"; its prepared step {x.prep}: {claimed}"
+            yield f"rank {k}: generation {v}: arrives{what}", self._node(after, k, **changes)
+        slow = self.slow_owners and x.status == RUN and x.spc != "" and st.faults < self.faults
+        if x.rpc == "await" and (x.status == SUP_HUNG or slow) and self.deadlines:
+            after = st._replace(reported=st.reported | ({k} if self.report_owner else set()))
+            if x.status == RUN:  # a slow supervisor: the budget's fault
+                after = after._replace(faults=st.faults + 1)
+            yield f"rank {k}: node-vote deadline: in doubt", (
+                self._result(after, k, x, "doubt", cast_ends=False)
+            )
+
+    def _result(self, st: SState, k: int, x: SNode, outcome: str, cast_ends: bool = True) -> SState:
+        """The node's cast ends with ``outcome``: its rank applies the step, leaves the world
+        (abort: redone in the next generation) or is in doubt (old: applies nothing; new:
+        keeps the prepared step)."""
+        after = self._node(st, k, spc="", ht=-1) if x.status == RUN and cast_ends else st
+        y = after.nodes[k]
+        if y.rpc != "await" or (y.cur, y.committed + 1) != (x.vg, x.vi):
+            return after
+        if outcome == COMMIT:
+            done = x.vi == self.iterations
+            after = self._node(after, k, committed=x.vi, rpc="done" if done else "train")
+        elif outcome == ABORT:
+            after = self._node(after, k, rpc="leave")
+        else:
+            prep = (x.vg, x.vi) if self.prepared else (-1, -1)
+            after = self._node(after, k, rpc="leave", prep=prep)
+        if outcome != COMMIT:  # StepAborted: the rank leaves and reports err/<g>/<slot>
+            after = after._replace(errors=after.errors | {x.vg})
+        if outcome in (COMMIT, ABORT):
+            after = after._replace(decisions=after.decisions | {(x.vg, x.vi, outcome)})
+        return after
+
+    # ------------------------------------------------------------------ a node's cast
+    def _cast(self, st: SState, k: int, x: SNode) -> Iterator[Tuple[str, SState]]:
+        if not x.spc:
+            return
+        g, i = x.vg, x.vi
+        if x.spc in ("hvote", "hwait", "habort", "hset"):  # the one-level vote, on the hot store
+            nv = len(self._gen(st, g).members)
+            for what, after, pc, ht, outcome in self._hot_vote(st, x.spc, x.ht, g, i, nv):
+                if outcome is None:
+                    yield f"node {k}: {what}", self._node(after, k, spc=pc, ht=ht)
+                else:
+                    yield f"node {k}: {what}", self._result(after, k, x, outcome)
+            return
+        members = sorted(self._gen(st, g).members)
+        mine = _groups(tuple(members), self.group_size)[k // self.group_size]
+        head, size = mine[0], len(mine)
+        votes, wake, out = _group_keys(g, i)
+        state = self._gstore(st, head)
+        if state == "closed":
+            yield f"node {k}: head {head}'s store is lost: in doubt", self._result(
+                st, k, x, "doubt"
+            )
+            return
+        if state == "silent":
+            if self.deadlines:
+                after = st._replace(reported=st.reported | ({head} if self.report_owner else set()))
+                yield f"node {k}: deadline on head {head}'s store: in doubt", (
+                    self._result(after, k, x, "doubt")
+                )
+            return  # the old code: a call to a SIGSTOPped TCPStore never returns
+        if self.deadlines and self.slow_owners and head != k and st.faults < self.faults:
+            who = {head} if self.report_owner else set()
+            after = st._replace(reported=st.reported | who, faults=st.faults + 1)
+            yield f"node {k}: deadline on head {head}'s store (slow, not hung): in doubt", (
+                self._result(after, k, x, "doubt")
+            )
+        if x.spc == "gadd":
+            if head == k and x.cpc:
+                return  # this head's previous collector still runs (a model restriction)
+            after = st
+            if head == k:
+                after = self._node(after, k, cpc="cwait", cg=g, ci=i, cht=-1)
+            count = int(_get(after.gstores[head], votes) or 0) + 1
+            after = self._g_set(after, head, votes, count)
+            if count == size:
+                after = self._g_set(after, head, wake, "")
+            yield f"node {k}: adds its vote on head {head}'s store ({count} of {size})", (
+                self._node(after, k, spc="gwait")
+            )
+        else:  # gwait (GroupVote._await)
+            standing = _get(st.gstores[head], out)
+            if standing is not None:
+                yield f"node {k}: its group's outcome: {standing}", self._result(
+                    st, k, x, str(standing)
+                )
+            elif self._superseded(st, g) and not (
+                self.grace_holds and self._deciding(st, head, g, i)
+            ):
+                after = self._g_set(st, head, out, "doubt")
+                yield f"node {k}: superseded: writes doubt for its group", self._result(
+                    after, k, x, "doubt"
+                )
+
+    # ------------------------------------------------------------------ a head's collector
+    def _collector(self, st: SState, k: int, x: SNode) -> Iterator[Tuple[str, SState]]:
+        if not x.cpc:
+            return
+        g, i = x.cg, x.ci
+        if self._gstore(st, k) == "closed":  # new design: its owner was declared dead
+            yield f"head {k}: collector: its store's sockets are shut", self._node(st, k, cpc="")
+            return
+        members = sorted(self._gen(st, g).members)
+        groups = _groups(tuple(members), self.group_size)
+        size, ngroups = len(groups[k // self.group_size]), len(groups)
+        votes, wake, out = _group_keys(g, i)
+        if x.cpc == "cwait":
+            count = int(_get(st.gstores[k], votes) or 0)
+            if count == size:
+                yield f"head {k}: collector: its group's {size} votes are in", self._node(
+                    st, k, cpc="hvote", cht=-1
+                )
+            elif self._superseded(st, g):
+                yield f"head {k}: collector: superseded", self._node(st, k, cpc="habort", cht=-1)
+            return
+        for what, after, pc, ht, outcome in self._hot_vote(st, x.cpc, x.cht, g, i, ngroups):
+            if outcome is None:
+                yield f"head {k}: collector: {what}", self._node(after, k, cpc=pc, cht=ht)
+                continue
+            standing = _get(after.gstores[k], out)
+            if standing is None:
+                after = self._g_set(after, k, out, outcome)
+            yield f"head {k}: collector: {what}; group outcome {standing or outcome}", (
+                self._node(after, k, cpc="")
+            )
+
+    # ------------------------------------------------------------------ commit.vote, hot store
+    def _hot_vote(
+        self, st: SState, pc: str, t: int, g: int, i: int, nv: int
+    ) -> Iterator[Tuple[str, SState, str, int, Optional[str]]]:
+        """One request of ``commit.vote`` / ``abort`` / ``vote_after_failover`` for ``nv``
+        voters: (label, state, next pc, store term, outcome or None)."""
+        fate, t2 = self._hot(st, t)
+        if fate == "wait":
+            return  # blocked until a new leader publishes hot_store
+        if fate == "moved":
+            primary = _get(st.hots[t2][1], PRIMARY_KEY)
+            taken = -1 if primary is None else int(primary)
+            if g <= taken:
+                yield "StoreFailedOver: the vote is in doubt", st, "", t2, "doubt"
+            else:
+                yield "StoreFailedOver: casts again on the new store", st, "hvote", t2, None
+            return
+        if pc == "hset":  # the claim stands on etcd: the commit key, then apply
+            after = self._hot_set(st, t2, _commit_key(g, i), "")
+            yield "sets the commit key", after, "", t2, COMMIT
+            return
+        items = st.hots[t2][1]
+        vkey, ckey, dkey = _votes_key(g, i), _commit_key(g, i), _decision_key(g, i)
+        count = int(_get(items, vkey) or 0)
+
+        def commit(after: SState, what: str) -> Tuple[str, SState, str, int, Optional[str]]:
+            if self.prepared:  # durable first (create-if-absent on etcd), then the commit key
+                claims = dict(after.etcd.outcomes)
+                if (g, i) not in claims:  # the claim is a request of its own: the key next
+                    claims[(g, i)] = COMMIT
+                    after = after._replace(etcd=after.etcd._replace(
+                        outcomes=tuple(sorted(claims.items()))))  # fmt: skip
+                    return f"{what}; commit claimed on etcd", after, "hset", t2, None
+                if claims[(g, i)] != COMMIT:
+                    return f"{what}; commit refused: aborted on etcd", after, "", t2, ABORT
+            after = self._hot_set(after, t2, ckey, "")
+            return f"{what}; sets the commit key", after, "", t2, COMMIT
+
+        def from_count(total: int, what: str):
+            """``_outcome``: every vote in or an abort in the counter."""
+            if total < ABORT_WEIGHT:
+                return commit(st, what)
+            if total % ABORT_WEIGHT < nv:
+                return f"{what}: aborted", st, "", t2, ABORT
+            if _get(items, ckey) is not None:
+                return f"{what}: commit key", st, "", t2, COMMIT
+            if _get(items, dkey) is not None:
+                return f"{what}: decision", st, "", t2, str(_get(items, dkey))
+            return None  # the bounded poll: waits for a writer (not modelled further)
+
+        if pc == "hvote":
+            count += 1
+            after = self._hot_set(st, t2, vkey, count)
+            if count == nv:
+                yield commit(after, f"votes on the hot store ({count} of {nv})")
+            elif count > ABORT_WEIGHT:
+                r = from_count(count, "votes after an abort")
+                if r is not None:
+                    yield r[0], after, r[2], r[3], r[4]
+            else:
+                yield f"votes on the hot store ({count} of {nv})", after, "hwait", t2, None
+            return
+        if pc == "hwait" and _get(items, ckey) is not None:
+            yield "finds the commit key", st, "", t2, COMMIT
+            return
+        if pc == "hwait" and (count == nv or count >= ABORT_WEIGHT):
+            r = from_count(count, f"reads the counter ({count % ABORT_WEIGHT} of {nv})")
+            if r is not None:
+                yield r
+            return
+        if pc == "habort" or self._superseded(st, g):
+            total = count
+            after = self._hot_set(st, t2, vkey, count + ABORT_WEIGHT)
+            if total < ABORT_WEIGHT:  # the first abort decides
+                decision = COMMIT if total == nv else ABORT
+                after = self._hot_set(after, t2, dkey, decision)
+                if decision == COMMIT:
+                    yield commit(after, "aborts after every vote: decides commit")
+                else:
+                    yield f"aborts ({total} of {nv} votes): decides abort", after, "", t2, ABORT
+            else:
+                r = from_count(total, "aborts after an abort")
+                if r is not None:
+                    yield r[0], after, r[2], r[3], r[4]
