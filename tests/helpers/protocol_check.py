@@ -27,9 +27,9 @@ Two designs are configurations of it:
   the group and node votes on the leader's hot store, members without leases, the takeover's
   publish in the code's steps, calls to a hung GroupStore or vote server that never return,
   the ECONNREFUSED revoke. Its ``prepared`` / ``deadlines`` switch on the issue 54 design (a
-  prepared step resolved by the next leader; vote waits with deadlines); off, it is today's
-  code, which the checker shows to end in ``ShardLost`` (C1) and to wedge (H1). What it leaves
-  out is listed in ``docs/protocol-check.md``.
+  prepared step resolved by the next world, ``prepared.resolve``; vote waits with deadlines);
+  off, it is the code before them, which the checker shows to end in ``ShardLost`` (C1) and to
+  wedge (H1). What it leaves out is listed in ``docs/protocol-check.md``.
 
 **What is real code and what is a model.** Real: :class:`~megatron_mecefo.recovery.membership.
 Generation` (every published generation is its JSON, parsed back with ``from_json``),
@@ -90,6 +90,7 @@ from megatron_mecefo.recovery.commit import (
 from megatron_mecefo.recovery.group_vote import _keys as _group_keys
 from megatron_mecefo.recovery.group_vote import groups_of, two_level
 from megatron_mecefo.recovery.membership import CompleteReplicas, Generation, JobLayout
+from megatron_mecefo.recovery.prepared import RESOLVED_KEY, applied_by_someone, resolve, settle
 from megatron_mecefo.recovery.state.heal import NoTrainedState, ShardLost, heal_plan, heal_target
 
 PRIMARY_KEY = "primary"
@@ -1420,11 +1421,16 @@ class SNode(NamedTuple):
     cur: int = 0
     committed: int = 0
     prep: Tuple[int, int] = (-1, -1)
-    """(generation, iteration) of a prepared step (new design): applied or dropped at the
-    next generation, as its leader resolved it."""
+    """(generation, iteration) of a prepared step (new design): applied or dropped when a
+    later world forms, as its resolver (``prepared.resolve``) decides."""
+    pcount: int = 0
+    """The prepared step's ``counted`` (``VoteInDoubt.counted``): the member count of the
+    vote's hot counter, as the node's cast reports it; 0: unknown (the rank's own deadline on
+    its node's vote server)."""
     spc: str = ""
     """The supervisor's cast of the node's vote: gadd, gwait (group vote), hvote, hwait,
-    habort, hset (a vote on the hot store; hset: its commit claimed on etcd, the key next)."""
+    habort, hset (a vote on the hot store; hset, new design: the count is decided commit, the
+    commit key's ``set`` and its ``check`` next, then apply)."""
     vg: int = -1
     vi: int = -1
     ht: int = -1
@@ -1450,9 +1456,6 @@ class SEtcd(NamedTuple):
     gens: Tuple[str, ...]
     """``gen/<n>``: every published generation's JSON (the current is the last)."""
     dead: FrozenSet[int]
-    outcomes: Tuple[Tuple[Tuple[int, int], str], ...]
-    """New design: ``outcome/<g>/<i>`` claimed once (create-if-absent): commit by the node
-    that completes a count before it applies, abort by the next generation's publish."""
 
 
 class SState(NamedTuple):
@@ -1476,6 +1479,39 @@ class SState(NamedTuple):
     the coordinator declares them dead, so the regroup leaves them out."""
 
 
+class _ModelStore:
+    """The few ``TCPStore`` calls :func:`.prepared.resolve` makes (with :func:`.commit.abort`
+    and ``_commit``), on a copy of one hot store's keys in the model: the real resolution runs
+    on the model's state. ``items()`` gives the keys back in the model's form."""
+
+    def __init__(self, items: tuple) -> None:
+        self.store = self  # MembershipStore's ``.store``
+        self._d: Dict[str, object] = dict(items)
+
+    def items(self) -> tuple:
+        return tuple(sorted(self._d.items()))
+
+    def check(self, keys: List[str]) -> bool:
+        return all(k in self._d for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return str(self._d[key]).encode()
+
+    def set(self, key: str, value: str) -> None:
+        self._d[key] = value
+
+    def add(self, key: str, amount: int) -> int:
+        self._d[key] = int(self._d.get(key, 0)) + amount
+        return int(self._d[key])
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        current = self._d.get(key)
+        if (current is None and expected == "") or current == expected:
+            self._d[key] = desired
+            return desired.encode()
+        return (expected if current is None else str(current)).encode()
+
+
 @lru_cache(maxsize=None)
 def _groups(members: Tuple[int, ...], size: int) -> Dict[int, List[int]]:
     """The real ``group_vote.groups_of`` (cached: the explorer asks for the same few often)."""
@@ -1493,10 +1529,16 @@ class StagedDesign(Design):
     model of today's code: in-doubt members apply nothing and the heal brings them up from a
     peer of their stage; the group vote's waits on a head's store and a rank's wait on its
     node's vote server have no deadline, and only the hot store's sockets are shut when its
-    owner is lost. With ``prepared``, whoever commits claims ``outcome/<g>/<i>`` on etcd before
-    the commit key (create-if-absent), the next generation's publish claims abort for the vote
-    in flight unless a commit stands, and an in-doubt member keeps its step prepared and applies
-    or drops it as claimed when it arrives in the next generation. With ``deadlines``, a vote
+    owner is lost. With ``prepared``, the code's rule (``recovery/prepared.py``): the count's
+    completer makes the commit key durable on the hot store (its ``set`` and the ``check`` that
+    finds it, a step of its own) before it applies; an in-doubt member keeps its step prepared
+    (with its cast's ``counted``), and when a later world forms, one step (the collective
+    all-gather, the resolver's store requests and its broadcast) resolves it with the real
+    ``prepared.resolve`` on the hot store ``hot_store`` names: commit when a member of the new
+    world applied it, else the resolver's abort on the old counter (commit only when the count
+    was complete before it: the hot store survived), else abort; the first outcome recorded
+    there (``resolved/<g>/<i>``) stands; each holder applies or drops its step (the real
+    ``prepared.settle``). No outcome is claimed on etcd. With ``deadlines``, a vote
     wait on a silent head or vote server ends in doubt (the rank leaves and reports its error),
     a supervisor with a stale heartbeat is declared dead, and a dead owner's GroupStore and
     vote server shut their sockets."""
@@ -1538,7 +1580,7 @@ class StagedDesign(Design):
     # ------------------------------------------------------------------ interface
     def initial(self) -> SState:
         gen0 = first_generation(self.layout).to_json()
-        etcd = SEtcd(0, 0, "run", 0, 0, (gen0,), frozenset(), ())
+        etcd = SEtcd(0, 0, "run", 0, 0, (gen0,), frozenset())
         return SState(
             nodes=tuple(SNode() for _ in range(self.n)),
             gstores=tuple(() for _ in range(self.n)),
@@ -1768,11 +1810,6 @@ class StagedDesign(Design):
             alive = [s for s in range(self.n) if s not in e.dead]
             nxt = next_generation(self.layout, gen, alive)
             etcd = e._replace(gens=e.gens + (nxt.to_json(),))
-            if self.prepared:  # the publish resolves the vote in flight: abort unless claimed
-                done = [i for (_, i), v in e.outcomes if v == COMMIT]
-                flight = (gen.number, max(done, default=0) + 1)
-                if flight not in dict(e.outcomes):
-                    etcd = etcd._replace(outcomes=tuple(sorted(e.outcomes + ((flight, ABORT),))))
             after = st._replace(etcd=etcd)
             after = self._hot_set(after, e.term, "gen", nxt.number)
             if nxt.abort:
@@ -1812,6 +1849,10 @@ class StagedDesign(Design):
         """``RecoverySession.on_built``: the real heal_target and heal_plan per data-parallel
         group (``ShardLost`` when a group has no member at the target)."""
         order = sorted(members, key=lambda s: self.layout.rank_in(s, gen.replicas))
+        settled = self._settle(st, order)
+        if settled is None:
+            return  # the resolver's calls wait for a hot store that answers
+        st, what = settled
         infos = [(s, True, st.nodes[s].committed) for s in order]
         groups: Dict[int, List[int]] = {}
         for r, s in enumerate(order):
@@ -1824,7 +1865,7 @@ class StagedDesign(Design):
             after = st
             for m in members:
                 after = self._node(after, m, rpc="fatal")
-            yield f"world {gen.number} formed: {type(err).__name__}", after._replace(
+            yield f"world {gen.number} formed: {what}{type(err).__name__}", after._replace(
                 end=f"fatal: {type(err).__name__}: {err}"
             )
             return
@@ -1832,7 +1873,59 @@ class StagedDesign(Design):
         for m in members:
             after = self._node(after, m, committed=target,
                                rpc="done" if target == self.iterations else "train")  # fmt: skip
-        yield f"world {gen.number} formed: healed to iteration {target}", after
+        yield f"world {gen.number} formed: {what}healed to iteration {target}", after
+
+    def _settle(self, st: SState, order: List[int]) -> Optional[Tuple[SState, str]]:
+        """New design: ``RecoverySession._settle_prepared`` before the heal, as one step (the
+        all-gather of the members' committed iterations and kept steps is collective, and the
+        resolver's store requests and its broadcast follow it before anyone heals): each
+        in-doubt iteration resolved by the real :func:`.prepared.resolve` on the hot store that
+        ``hot_store`` names (the first outcome recorded there stands; its abort on the old
+        counter fences a vote still in flight), then each holder applies or drops its kept step
+        (the real :func:`.prepared.settle`). None: that store does not answer (the call waits)."""
+        entries: List[Optional[Tuple[int, int, Optional[int]]]] = []
+        after = st
+        for s in order:
+            x = st.nodes[s]
+            if x.prep[0] >= 0 and x.prep[1] == x.committed + 1:
+                entries.append((x.prep[0], x.prep[1], x.pcount or None))
+            else:  # _prepared_entry: a step not for the next iteration is dropped
+                entries.append(None)
+                if x.prep[0] >= 0:
+                    after = self._node(after, s, prep=(-1, -1), pcount=0)
+        if all(e is None for e in entries):
+            return after, ""
+        pub = st.etcd.hot_store
+        if pub < 0 or st.nodes[st.hots[pub][0]].status != RUN:
+            return None
+        store = _ModelStore(st.hots[pub][1])
+        infos = [(s, True, st.nodes[s].committed) for s in order]
+        outcomes: Dict[Tuple[int, int], bool] = {}
+        told = []
+        for key in sorted({e[:2] for e in entries if e is not None}):
+            holders = [r for r, e in enumerate(entries) if e is not None and e[:2] == key]
+            counted = next((entries[r][2] for r in holders if entries[r][2]), None)
+            applied = applied_by_someone(infos, key[1])
+            recorded = store.check([RESOLVED_KEY.format(generation=key[0], iteration=key[1])])
+            outcomes[key] = resolve(store, *key, counted, applied, decision_wait_s=0.0)
+            why = "no count known"
+            if recorded:
+                why = "recorded"
+            elif applied:
+                why = "a member applied it"
+            elif counted:
+                why = f"its abort on the counter of {counted}"
+            told.append(f"{key} resolved {COMMIT if outcomes[key] else ABORT} ({why})")
+        hots = list(after.hots)
+        hots[pub] = (hots[pub][0], store.items())
+        after = after._replace(hots=tuple(hots))
+        prepared = [None if e is None else e[:2] for e in entries]
+        decisions = set(after.decisions)
+        for (s, _, it), key in zip(settle(infos, prepared, outcomes), prepared, strict=True):
+            if key is not None:
+                after = self._node(after, s, committed=it, prep=(-1, -1), pcount=0)
+                decisions.add((*key, COMMIT if outcomes[key] else ABORT))
+        return after._replace(decisions=frozenset(decisions)), "; ".join(told) + "; "
 
     # ------------------------------------------------------------------ a rank
     def _rank(self, st: SState, k: int, x: SNode) -> Iterator[Tuple[str, SState]]:
@@ -1842,17 +1935,8 @@ class StagedDesign(Design):
             if k not in gen.members:
                 yield f"rank {k}: generation {v}: not a member", self._node(st, k, rpc="out", cur=v)
                 return
-            changes: Dict[str, object] = dict(rpc="arrive", cur=v)
-            after, what = st, ""
-            if x.prep[0] >= 0:  # new design: the leader's resolution of the prepared step
-                claimed = dict(st.etcd.outcomes).get(x.prep)
-                if claimed is not None:
-                    changes["prep"] = (-1, -1)
-                    if claimed == COMMIT:
-                        changes["committed"] = x.prep[1]
-                    after = after._replace(decisions=st.decisions | {(*x.prep, claimed)})
-                    what = f"; its prepared step {x.prep}: {claimed}"
-            yield f"rank {k}: generation {v}: arrives{what}", self._node(after, k, **changes)
+            # A prepared step is kept through the arrival: the world resolves it when it forms.
+            yield f"rank {k}: generation {v}: arrives", self._node(st, k, rpc="arrive", cur=v)
         slow = self.slow_owners and x.status == RUN and x.spc != "" and st.faults < self.faults
         if x.rpc == "await" and (x.status == SUP_HUNG or slow) and self.deadlines:
             after = st._replace(reported=st.reported | ({k} if self.report_owner else set()))
@@ -1875,9 +1959,15 @@ class StagedDesign(Design):
             after = self._node(after, k, committed=x.vi, rpc="done" if done else "train")
         elif outcome == ABORT:
             after = self._node(after, k, rpc="leave")
+        elif self.prepared:  # VoteInDoubt: the step is kept, with the cast's ``counted``
+            counted = 0
+            if cast_ends:  # the node's cast reports "lost" with the hot counter's member count
+                members = sorted(self._gen(st, x.vg).members)
+                one = not two_level(members, self.group_size)
+                counted = len(members) if one else len(_groups(tuple(members), self.group_size))
+            after = self._node(after, k, rpc="leave", prep=(x.vg, x.vi), pcount=counted)
         else:
-            prep = (x.vg, x.vi) if self.prepared else (-1, -1)
-            after = self._node(after, k, rpc="leave", prep=prep)
+            after = self._node(after, k, rpc="leave")
         if outcome != COMMIT:  # StepAborted: the rank leaves and reports err/<g>/<slot>
             after = after._replace(errors=after.errors | {x.vg})
         if outcome in (COMMIT, ABORT):
@@ -1996,24 +2086,17 @@ class StagedDesign(Design):
             else:
                 yield "StoreFailedOver: casts again on the new store", st, "hvote", t2, None
             return
-        if pc == "hset":  # the claim stands on etcd: the commit key, then apply
+        if pc == "hset":  # commit._commit: the set, and the check that finds it; then apply
             after = self._hot_set(st, t2, _commit_key(g, i), "")
-            yield "sets the commit key", after, "", t2, COMMIT
+            yield "sets the commit key; its check finds it", after, "", t2, COMMIT
             return
         items = st.hots[t2][1]
         vkey, ckey, dkey = _votes_key(g, i), _commit_key(g, i), _decision_key(g, i)
         count = int(_get(items, vkey) or 0)
 
         def commit(after: SState, what: str) -> Tuple[str, SState, str, int, Optional[str]]:
-            if self.prepared:  # durable first (create-if-absent on etcd), then the commit key
-                claims = dict(after.etcd.outcomes)
-                if (g, i) not in claims:  # the claim is a request of its own: the key next
-                    claims[(g, i)] = COMMIT
-                    after = after._replace(etcd=after.etcd._replace(
-                        outcomes=tuple(sorted(claims.items()))))  # fmt: skip
-                    return f"{what}; commit claimed on etcd", after, "hset", t2, None
-                if claims[(g, i)] != COMMIT:
-                    return f"{what}; commit refused: aborted on etcd", after, "", t2, ABORT
+            if self.prepared:  # the commit key's set + check is a request of its own, next
+                return what, after, "hset", t2, None
             after = self._hot_set(after, t2, ckey, "")
             return f"{what}; sets the commit key", after, "", t2, COMMIT
 

@@ -6,9 +6,11 @@ ECONNREFUSED revoke. What it models and what it leaves out is in ``docs/protocol
 
 * A model of today's code must fail: a split vote ends in ``ShardLost`` under PP (C1), and a
   hung group head (or a hung supervisor) wedges the members that wait on it (H1).
-* The issue 54 design (a prepared step resolved by the next leader; every vote wait with a
-  deadline; the sockets of a dead or hung owner's stores shut) must hold in every state; and
-  each half of it is shown to matter.
+* The issue 54 design as the code has it (a prepared step resolved by the next world with
+  ``prepared.resolve``; every vote wait with a deadline; the sockets of a dead or hung owner's
+  stores shut) should hold in every state, and each half of it is shown to matter. It fails
+  ``agreement`` where a node that applied the step is outside the next world after a takeover
+  (``SPLIT``): those tests are ``xfail(strict=True)`` until the code (and the model) change.
 """
 
 from __future__ import annotations
@@ -85,8 +87,8 @@ def c1_chain(new: bool) -> List[str]:
         "head 0: collector: its group's 2 votes are in",
         *(
             [
-                "head 0: collector: votes on the hot store (2 of 2); commit claimed on etcd",
-                "head 0: collector: sets the commit key; group outcome commit",
+                "head 0: collector: votes on the hot store (2 of 2)",
+                "head 0: collector: sets the commit key; its check finds it; group outcome commit",
             ]
             if new
             else ["head 0: collector: votes on the hot store (2 of 2); sets the commit key; "
@@ -100,7 +102,7 @@ def c1_chain(new: bool) -> List[str]:
         "coordinator 0: publishes generation 1 [1, 3]",
         "rank 0: generation 1: not a member",
         "rank 1: generation 1: arrives",
-        "rank 3: generation 1: arrives" + ("; its prepared step (0, 1): commit" if new else ""),
+        "rank 3: generation 1: arrives",
     ]
 
 
@@ -154,15 +156,60 @@ def test_old_code_hung_supervisor_in_node_vote_mode_wedges_its_rank() -> None:
 
 
 # ---------------------------------------------------------------------------------- the new design
+SPLIT = (
+    "the code's resolution splits the outcome: a node that applied the step is outside the "
+    "next world (dead, or a live spare), the takeover lost the count, so the world aborts it"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=SPLIT)
+def test_new_design_an_applier_that_died_with_the_leader() -> None:
+    """``agreement`` fails (node crashes only; 31,107 states, the shortest trace, 23 steps):
+
+    1-11. both groups vote; head 0's collector completes the count on the hot store (node 0,
+        the leader), sets the commit key and its check finds it; node 0 applies the step.
+    12. node 0 crashes. 13-17. node 1 revokes its lease, wins the election and takes over:
+        its hot store is restored from etcd, with no vote counter.
+    18. generation 1 = [1, 3]. 19. node 1: head 0's store is lost: in doubt (counted 2).
+    21. node 3: superseded: writes doubt for its group (head 2's collector still waits on the
+        lost hot store). 23. world 1 formed: nobody in [1, 3] applied iteration 1, and the
+        resolver's abort on the new store's (empty) counter finds 0 of 2 votes: abort.
+
+    Node 0 applied iteration 1 of generation 0; nodes 1 and 3 drop it. Node 0's state died
+    with it, but nothing in the resolution could tell a commit that one dead node applied from
+    no commit at all: the evidence (the count, the commit key) was on the lost hot store."""
+    report = explore(StagedDesign(kinds=("node crash",), **NEW))
+    _show(report)
+    assert report.violation is None, report.trace
+
+
+@pytest.mark.xfail(strict=True, reason=SPLIT)
+def test_new_design_an_applier_left_out_as_a_spare() -> None:
+    """``agreement`` fails in the per-node vote (groups of 4, node crashes only; 5,528 states,
+    18 steps): node 2's vote completes the count on node 0's hot store; it sets the commit key,
+    its check finds it, and it applies the step. Node 0 (the leader) crashes; node 1 takes
+    over (a restored store: no counter) and publishes generation 1 = [1, 3]: node 2 is alive
+    but a spare (one complete replica). Nodes 1 and 3 are cut off by the takeover
+    (``StoreFailedOver``: in doubt, counted 4); world 1's resolution finds no member that
+    applied it and aborts it on the empty counter. Node 2, alive, holds iteration 1 of
+    generation 0 (a spare's state goes stale in the code and is healed on a rejoin)."""
+    report = explore(StagedDesign(group_size=4, kinds=("node crash",), **NEW))
+    _show(report)
+    assert report.violation is None, report.trace
+
+
 @pytest.mark.parametrize(
     "config",
     [
-        dict(iterations=1),
-        pytest.param(dict(iterations=2), marks=pytest.mark.slow),
+        pytest.param(dict(iterations=1), marks=pytest.mark.xfail(strict=True, reason=SPLIT)),
+        pytest.param(
+            dict(iterations=2),
+            marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=SPLIT)],
+        ),
     ],
     ids=[
-        "PP2xDP2-1-iteration-1-fault",  # 398,054 states, 34 s here
-        "PP2xDP2-2-iterations-1-fault",  # 959,851 states, 155 s
+        "PP2xDP2-1-iteration-1-fault",  # agreement after 387,226 states
+        "PP2xDP2-2-iterations-1-fault",
     ],
 )
 def test_new_design_holds_every_invariant_in_every_state(config: dict) -> None:
@@ -173,6 +220,7 @@ def test_new_design_holds_every_invariant_in_every_state(config: dict) -> None:
     assert report.states > 100_000
 
 
+@pytest.mark.xfail(strict=True, reason=SPLIT)
 def test_new_design_holds_with_the_per_node_vote() -> None:
     report = explore(StagedDesign(group_size=4, **NEW))
     _show(report)
@@ -181,6 +229,7 @@ def test_new_design_holds_with_the_per_node_vote() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=SPLIT)
 def test_new_design_two_faults_bounded() -> None:
     """A bounded check with 2 faults: the first 3 million states, breadth first, hold every
     invariant (the whole space is larger)."""
@@ -191,11 +240,11 @@ def test_new_design_two_faults_bounded() -> None:
 
 
 def test_new_design_c1_chain_ends_at_the_same_iteration() -> None:
-    """The C1 schedule on the new design: node 3 kept its step prepared; the publish of
-    generation 1 finds the commit claimed on etcd, so it applies it, and stage 1 heals from
+    """The C1 schedule on the new design: node 3 kept its step prepared; world 1's resolution
+    finds that a member (node 1) applied it, so node 3 applies it, and stage 1 heals from
     itself."""
     chain = c1_chain(new=True) + [
-        "world 1 formed: healed to iteration 1",
+        "world 1 formed: (0, 1) resolved commit (a member applied it); healed to iteration 1",
         "the job ends: every member finished",
     ]
     state, found = _replay(StagedDesign(**NEW), chain)
