@@ -50,7 +50,7 @@ def _campaign(tmp_path: Path, text_data: str, runs: List[int]) -> List[Dict[str,
 
 
 def _table(results: List[Dict[str, Any]]) -> str:
-    rows = ["| fault | runs | violations | kill → end of run, s (median) |", "|---|---|---|---|"]
+    rows = ["| fault | runs | violations | fault → end of the run, s (median) |", "|" + "---|" * 4]
     for kind in KINDS:
         of = [r for r in results if r["fault"]["kind"] == kind]
         ends = sorted(r["end_s"] for r in of if "end_s" in r)
