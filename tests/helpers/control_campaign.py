@@ -48,7 +48,7 @@ from harness import (
     run_torchrun,
     train_records,
 )
-from netns import Netns
+from netns import Netns, supervisor_launcher
 
 KINDS = ("kill", "stop", "stop-resume", "cut", "cut-restore")
 NODES = 4
@@ -104,16 +104,6 @@ def trainer_args(data_path: str) -> List[str]:
     ]  # fmt: skip
 
 
-def _in_namespace(net: Netns):
-    def launch(node: int, argv: List[str]) -> List[str]:
-        cut = argv.index("--")
-        own = ["--store-host", net.address(node)]
-        prefix = net.exec_prefix(node, GLOO_SOCKET_IFNAME=net.inner[node])
-        return prefix + argv[:cut] + own + argv[cut:]
-
-    return launch
-
-
 def _signal_node(net: Netns, node: int, sig: int) -> List[int]:
     """``sig`` to every process of node ``node`` (its namespace's PIDs)."""
     pids = net.pids(node)
@@ -144,7 +134,7 @@ def run_one(workdir: Path, fault: Fault, data_path: str, tag: str) -> Dict[str, 
                       "--heartbeat-timeout", str(HB), "--vote-group-size", "2"]  # fmt: skip
         args = trainer_args(data_path)
         job = Job(workdir / "real", 1, args, nnodes=NODES, supervisor_args=supervisor,
-                  launch=_in_namespace(net), MECEFO_TEST_STEP_SLEEP="0.1",
+                  launch=supervisor_launcher(net), MECEFO_TEST_STEP_SLEEP="0.1",
                   MECEFO_JOB_ID=f"campaign{tag}")  # fmt: skip
         job.start()
         deadline = time.monotonic() + 300

@@ -18,7 +18,7 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import pytest
 
@@ -167,3 +167,17 @@ def network(nodes: int) -> Iterator[Netns]:
         yield net.setup()
     finally:
         net.teardown()
+
+
+def supervisor_launcher(net: Netns) -> Callable[[int, List[str]], List[str]]:
+    """For :class:`harness.Job`'s ``launch``: each node's supervisor in its namespace, serving
+    on its own address; gloo's sockets on the node's veth (the machine's hostname resolves to
+    no address in a namespace)."""
+
+    def launch(node: int, argv: List[str]) -> List[str]:
+        cut = argv.index("--")
+        own = ["--store-host", net.address(node)]
+        prefix = net.exec_prefix(node, GLOO_SOCKET_IFNAME=net.inner[node])
+        return prefix + argv[:cut] + own + argv[cut:]
+
+    return launch

@@ -143,6 +143,15 @@ class Report:
             f"transitions ({scope}), {self.seconds:.1f} s"
         )
 
+    def show(self) -> None:
+        """Print the summary, and the violation's trace and last state (pytest -s)."""
+        print(f"\n{self.summary()}")
+        if self.violation:
+            print(f"  {self.violation}: {INVARIANTS[self.violation]}")
+            for i, step in enumerate(self.trace, 1):
+                print(f"  {i:2d}. {step}")
+            print(f"  state: {self.detail}")
+
 
 def explore(
     model: "Design",

@@ -24,7 +24,7 @@ from harness import (
     run_torchrun,
     train_records,
 )
-from netns import Netns, network
+from netns import Netns, network, supervisor_launcher
 
 from megatron_mecefo.recovery.etcd_control import EtcdControl, lease_ttl_s
 
@@ -48,19 +48,6 @@ def etcd(tmp_path: Path, net: Netns) -> Iterator[EtcdCluster]:
 @pytest.fixture(autouse=True)
 def _data(text_data: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MECEFO_TEST_DATA", text_data)
-
-
-def _in_namespace(net: Netns):
-    """Each node's supervisor in its namespace, serving on its own address; gloo's sockets
-    on the node's veth (the machine's hostname resolves to no address in a namespace)."""
-
-    def launch(node: int, argv: List[str]) -> List[str]:
-        cut = argv.index("--")
-        own = ["--store-host", net.address(node)]
-        prefix = net.exec_prefix(node, GLOO_SOCKET_IFNAME=net.inner[node])
-        return prefix + argv[:cut] + own + argv[cut:]
-
-    return launch
 
 
 def _history(control: EtcdControl, after: int) -> List[Any]:
@@ -105,7 +92,7 @@ def test_leader_node_cut_off_is_fenced_and_majority_goes_on(
     supervisor = ["--store-mode", "etcd", "--etcd", ",".join(etcd.endpoints),
                   "--heartbeat-timeout", str(HB)]  # fmt: skip
     job = Job(tmp_path / "real", 2, args, nnodes=2, supervisor_args=supervisor,
-              launch=_in_namespace(net), MECEFO_TEST_STEP_SLEEP="0.1",
+              launch=supervisor_launcher(net), MECEFO_TEST_STEP_SLEEP="0.1",
               MECEFO_JOB_ID=job_id)  # fmt: skip
     control = EtcdControl(etcd.endpoints, f"/mecefo/{job_id}", HB)
     etcd_port = int(etcd.endpoints[0].rsplit(":", 1)[1])

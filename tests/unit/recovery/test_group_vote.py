@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, List, Sequence
 
 import pytest
+from daemon_threads import in_daemon_thread
 
 from megatron_mecefo.recovery.commit import ABORT_WEIGHT
 from megatron_mecefo.recovery.group_vote import (
@@ -37,16 +37,7 @@ class _Daemons:
     hold up the test process's exit, as a pool's worker would."""
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        future: Future = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn(*args))
-            except BaseException as err:  # noqa: BLE001 (handed to the test)
-                future.set_exception(err)
-
-        threading.Thread(target=run, daemon=True).start()
-        return future
+        return in_daemon_thread(fn, *args)
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 A SIGSTOPped server keeps its sockets open and never answers, so a call to it never returns,
 a client timeout or not. The pieces that end such waits, each on its own (the end-to-end
-tests with real supervisors are ``tests/integration/recovery/test_hung_owner.py``):
+tests with real supervisors are ``tests/integration/recovery/test_hung_owner_jobs.py``):
 
 * the coordinator declares the ranks of a node whose supervisor is silent for the heartbeat
   timeout dead, although they beat (their votes go through it);
@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -29,6 +28,7 @@ from typing import Iterator, List
 
 import pytest
 from conftest import REPO, child_env
+from daemon_threads import in_daemon_thread
 
 from megatron_mecefo.recovery.config import RecoveryConfig
 from megatron_mecefo.recovery.coordinator import Coordinator
@@ -79,18 +79,7 @@ def procs() -> Iterator[_Procs]:
 
 
 def _in_thread(fn, *args) -> Future:
-    """``fn(*args)`` on a daemon thread (a call that never returns must not hold the test
-    process's exit)."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # noqa: BLE001 (handed to the test)
-            future.set_exception(err)
-
-    threading.Thread(target=run, daemon=True).start()
-    return future
+    return in_daemon_thread(fn, *args)
 
 
 # ---------------------------------------------------------------------- the coordinator

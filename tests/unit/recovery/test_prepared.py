@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
+from daemon_threads import in_daemon_thread
 
 from megatron_mecefo.recovery.commit import AsyncVoter, CommitInDoubt, VoteInDoubt, vote
 from megatron_mecefo.recovery.group_vote import GroupStore, GroupVote
@@ -39,17 +39,7 @@ STAGE_GROUPS = ([0, 1], [2, 3])  # PP2 x DP2, one rank per node: the data-parall
 
 
 def _submit(fn: Callable[..., Any], *args: Any) -> Future:
-    """``fn(*args)`` on a daemon thread (a vote that never ends must not hold up the exit)."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # noqa: BLE001 (handed to the test)
-            future.set_exception(err)
-
-    threading.Thread(target=run, daemon=True).start()
-    return future
+    return in_daemon_thread(fn, *args)
 
 
 class Member:

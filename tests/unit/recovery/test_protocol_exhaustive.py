@@ -20,16 +20,7 @@ from typing import List, Sequence
 
 import pytest
 from fake_etcd import Compare, FakeEtcd, Get, LeaseNotFound, Put, Range
-from protocol_check import INVARIANTS, EtcdDesign, MirrorDesign, Report, explore
-
-
-def _show(report: Report) -> None:
-    print(f"\n{report.summary()}")
-    if report.violation:
-        print(f"  {report.violation}: {INVARIANTS[report.violation]}")
-        for i, step in enumerate(report.trace, 1):
-            print(f"  {i:2d}. {step}")
-        print(f"  state: {report.detail}")
+from protocol_check import EtcdDesign, MirrorDesign, explore
 
 
 def _replay(design: MirrorDesign, schedule: Sequence[str]) -> List[List[str]]:
@@ -100,7 +91,7 @@ def test_old_mirror_rolls_a_generation_back() -> None:
     thread writes back a generation it read before the coordinator published the next one
     there (standby first)."""
     report = explore(MirrorDesign())
-    _show(report)
+    report.show()
     assert report.violation == "generations_only_increase"
     trace = report.trace
     read = trace.index("standby copy thread: reads gen = 0 on the primary")
@@ -183,7 +174,7 @@ def test_old_mirror_rollback_leads_to_a_second_generation_with_the_same_number()
 )
 def test_etcd_design_holds_every_invariant_in_every_state(config: dict) -> None:
     report = explore(EtcdDesign(**config))
-    _show(report)
+    report.show()
     assert report.violation is None, report.trace
     assert report.complete
     assert report.states > 10_000  # the whole space, not a stub's handful of states
@@ -193,7 +184,7 @@ def test_etcd_design_without_fencing_lets_a_deposed_leader_write() -> None:
     """The leader's writes conditioned on its leader key are what stops a coordinator that
     hung past its lease: without them, its generation lands after a new leader took over."""
     report = explore(EtcdDesign(n_members=2, faults=2, fencing=False))
-    _show(report)
+    report.show()
     assert report.violation == "one_leader_per_term"
     assert any("hangs" in step for step in report.trace)
 
@@ -204,7 +195,7 @@ def test_etcd_design_deciding_a_vote_in_doubt_splits_it() -> None:
     lost store before it died splits the vote. Not deciding, and letting the regroup's heal
     settle it, is what the design does (the test above)."""
     report = explore(EtcdDesign(n_members=2, faults=1, doubt_decides=True))
-    _show(report)
+    report.show()
     assert report.violation == "agreement"
     assert any("in doubt, claims abort" in step for step in report.trace)
     assert any("sets the commit key" in step for step in report.trace)
@@ -217,7 +208,7 @@ def test_etcd_design_three_members_two_faults() -> None:
     is larger than that (1.1 million states before the hot store was modelled). Its first
     run found a model gap (a resumed deposed leader idled for ever: 'progress')."""
     report = explore(EtcdDesign(n_members=3, faults=2), max_states=5_000_000)
-    _show(report)
+    report.show()
     assert report.violation is None, report.trace
     assert report.states >= 5_000_000 or report.complete
 
@@ -226,6 +217,6 @@ def test_etcd_design_without_member_fencing_lets_a_dead_member_act() -> None:
     """A member's requests conditioned on its own lease are what make a member that comes
     back after it was declared dead (SIGCONT, a healed partition) change nothing."""
     report = explore(EtcdDesign(n_members=3, faults=1, member_fencing=False))
-    _show(report)
+    report.show()
     assert report.violation == "fenced_changes_nothing"
     assert any("resumes" in step for step in report.trace)

@@ -18,19 +18,10 @@ from __future__ import annotations
 from typing import List, Sequence
 
 import pytest
-from protocol_check import INVARIANTS, Report, StagedDesign, explore
+from protocol_check import StagedDesign, explore
 
 OLD = dict(prepared=False, deadlines=False)
 NEW = dict(prepared=True, deadlines=True)
-
-
-def _show(report: Report) -> None:
-    print(f"\n{report.summary()}")
-    if report.violation:
-        print(f"  {report.violation}: {INVARIANTS[report.violation]}")
-        for i, step in enumerate(report.trace, 1):
-            print(f"  {i:2d}. {step}")
-        print(f"  state: {report.detail}")
 
 
 def _replay(design: StagedDesign, schedule: Sequence[str]):
@@ -54,7 +45,7 @@ def test_old_code_split_vote_ends_in_shard_lost() -> None:
     doubt has none. (``grace_holds``: a member does not write ``doubt`` while its live head
     still decides, as ``doubt_grace_s`` makes likely in the code.)"""
     report = explore(StagedDesign(kinds=("node crash",), grace_holds=True, **OLD))
-    _show(report)
+    report.show()
     assert report.violation == "shard_lost"
     crash = next(step for step in report.trace if "crashes" in step)
     assert crash in ("node 0: crashes", "node 2: crashes")  # a group head
@@ -68,7 +59,7 @@ def test_old_code_split_vote_by_a_superseded_doubt() -> None:
     is superseded (a peer died) writes ``doubt`` for its group before its live head decides,
     and the head's vote on the hot store then completes the other group's commit."""
     report = explore(StagedDesign(kinds=("node crash",), **OLD))
-    _show(report)
+    report.show()
     assert report.violation == "shard_lost"
     assert any("writes doubt for its group" in step for step in report.trace)
 
@@ -119,7 +110,7 @@ def test_old_code_hung_head_wedges_its_group() -> None:
     stop) and a newer generation is published, but only the hot store's sockets are shut: a
     member's call to the head's TCPStore never returns."""
     report = explore(StagedDesign(kinds=("node hang",), **OLD))
-    _show(report)
+    report.show()
     assert report.violation == "wedged"
     assert any("publishes generation 1" in step for step in report.trace)
 
@@ -128,7 +119,7 @@ def test_old_code_hung_supervisor_wedges() -> None:
     """H1 with every fault kind: the shortest trace is a hung supervisor (its ranks beat on,
     so nobody is declared dead) that heads a group or serves its rank's node vote."""
     report = explore(StagedDesign(**OLD))
-    _show(report)
+    report.show()
     assert report.violation == "wedged"
     assert "supervisor hangs" in report.trace[0]
 
@@ -139,7 +130,7 @@ def test_old_code_node_vote_split_by_a_takeover() -> None:
     of the other stage whose wait was cut off by the takeover is in doubt, and its stage has
     no source at the committed iteration."""
     report = explore(StagedDesign(group_size=4, kinds=("node crash",), **OLD))
-    _show(report)
+    report.show()
     assert report.violation == "shard_lost"
     assert any("StoreFailedOver: the vote is in doubt" in step for step in report.trace)
     assert any("publishes hot_store" in step for step in report.trace)
@@ -149,7 +140,7 @@ def test_old_code_hung_supervisor_in_node_vote_mode_wedges_its_rank() -> None:
     """H1's other form: a SIGSTOPped follower supervisor in node-vote mode; its rank waits on
     the vote's future for ever, and the others on the count."""
     report = explore(StagedDesign(group_size=4, kinds=("supervisor hang",), **OLD))
-    _show(report)
+    report.show()
     assert report.violation == "wedged"
     assert "supervisor hangs" in report.trace[0]
     assert "supervisor hung/await" in report.detail  # its rank never gets an answer
@@ -179,7 +170,7 @@ def test_new_design_an_applier_that_died_with_the_leader() -> None:
     with it, but nothing in the resolution could tell a commit that one dead node applied from
     no commit at all: the evidence (the count, the commit key) was on the lost hot store."""
     report = explore(StagedDesign(kinds=("node crash",), **NEW))
-    _show(report)
+    report.show()
     assert report.violation is None, report.trace
 
 
@@ -194,7 +185,7 @@ def test_new_design_an_applier_left_out_as_a_spare() -> None:
     applied it and aborts it on the empty counter. Node 2, alive, holds iteration 1 of
     generation 0 (a spare's state goes stale in the code and is healed on a rejoin)."""
     report = explore(StagedDesign(group_size=4, kinds=("node crash",), **NEW))
-    _show(report)
+    report.show()
     assert report.violation is None, report.trace
 
 
@@ -214,7 +205,7 @@ def test_new_design_an_applier_left_out_as_a_spare() -> None:
 )
 def test_new_design_holds_every_invariant_in_every_state(config: dict) -> None:
     report = explore(StagedDesign(**config, **NEW))
-    _show(report)
+    report.show()
     assert report.violation is None, report.trace
     assert report.complete
     assert report.states > 100_000
@@ -223,7 +214,7 @@ def test_new_design_holds_every_invariant_in_every_state(config: dict) -> None:
 @pytest.mark.xfail(strict=True, reason=SPLIT)
 def test_new_design_holds_with_the_per_node_vote() -> None:
     report = explore(StagedDesign(group_size=4, **NEW))
-    _show(report)
+    report.show()
     assert report.violation is None, report.trace
     assert report.complete and report.states > 10_000
 
@@ -233,7 +224,7 @@ def test_new_design_two_faults_bounded() -> None:
     """A bounded check with 2 faults: the first 3 million states, breadth first, hold every
     invariant (the whole space is larger; ``SPLIT``'s 23 steps lie deeper than that bound)."""
     report = explore(StagedDesign(faults=2, **NEW), max_states=3_000_000)
-    _show(report)
+    report.show()
     assert report.violation is None, report.trace
     assert report.states >= 3_000_000 or report.complete
 
@@ -253,11 +244,11 @@ def test_new_design_c1_chain_ends_at_the_same_iteration() -> None:
 
 def test_new_design_without_deadlines_still_wedges() -> None:
     report = explore(StagedDesign(prepared=True, deadlines=False))
-    _show(report)
+    report.show()
     assert report.violation == "wedged"
 
 
 def test_new_design_without_prepared_steps_still_loses_a_shard() -> None:
     report = explore(StagedDesign(prepared=False, deadlines=True, kinds=("node crash",)))
-    _show(report)
+    report.show()
     assert report.violation == "shard_lost"
