@@ -104,7 +104,10 @@ def test_a_heartbeat_pass_and_an_event_cost_the_same_at_any_number_of_ranks(stor
         # changed, so nothing is re-decided (before: the err/ scan, one check per member).
         nodes = f"hb/node/{_supervisor(0)}"
         expected = [("add", "events"), ("check", "done"), ("multi_get", nodes)]
-        for one in steady:
+        # A pass that comes before the heartbeat check falls due reads the event count only.
+        checks = [one for one in steady if one != [("add", "events")]]
+        assert checks, steady
+        for one in checks:
             assert one == expected, f"{len(one)} requests in a heartbeat pass: {one[:12]}"
         # An event (a replacement of rank 5 is ready) rereads rank 5's keys only.
         with counting.lock:
