@@ -210,8 +210,9 @@ class Trainer:
     def apply_prepared_step(self, step: Any) -> None:
         """Finish an iteration whose commit vote was in doubt and was resolved committed
         (``megatron_mecefo/recovery/prepared.py``): the optimizer's update from the kept
-        gradients, then what :meth:`train_step` advances after it. Its record has no loss
-        (this rank did not keep it)."""
+        gradients, then what :meth:`train_step` advances after it. Its record is the one
+        :meth:`train_step` had before the update (``step.extra["record"]``: loss, samples, the
+        time up to the vote), with no grad norm (computed in the update the vote cut off)."""
         from megatron_mecefo.recovery.state.carry import restore_boundary
 
         ok = False
@@ -224,9 +225,17 @@ class Trainer:
         self.consumed_samples += self.args.global_batch_size
         restore_boundary(self, step.extra["boundary"])
         self.rewind_data(self.consumed_samples)
+        kept = dict(step.extra.get("record") or {})
+        dt = float(kept.pop("step_time_s", 0.0)) or 1e-9
+        tokens = kept.pop("tokens", self.tokens_per_step)
         self.history.append(
-            {"type": "train", "iteration": self.iteration, "consumed_samples":
-             self.consumed_samples, "loss": None, "skipped": not ok, "in_doubt": True}
+            {
+                "type": "train", "iteration": self.iteration,
+                "consumed_samples": self.consumed_samples, "loss": kept.pop("loss", None),
+                "grad_norm": None, "skipped": not ok, "step_time_s": dt, "tokens": tokens,
+                "tokens_per_s": tokens / dt, "lr": self.optimizer.param_groups[0]["lr"],
+                "in_doubt": True, **kept,
+            }
         )  # fmt: skip
 
     def extra_state(self) -> dict[str, Any]:
@@ -372,12 +381,22 @@ class Trainer:
             # would count as error on every iteration whose norm exceeds --clip-grad.
             mecefo["grad_rel_error"] = probes.grad_rel_error(self.model, grad_error, self.device)
         cpu2 = time.process_time()
+        tokens = self.tokens_per_step
+        if ctrl is not None:
+            tokens = mecefo["samples_processed"] * a.seq_length
         no_update = bool(mecefo.get("no_update"))
         if no_update or (abft is not None and abft["skip"]):
             ok, grad_norm = False, None  # every replica down, or ABFT: no update, skipped
         else:
             if self.snapshots is not None:  # the snapshot copy reads what the step writes
                 self.snapshots.before_optimizer_step()
+            # The iteration's record so far: kept with the step if its commit vote ends in
+            # doubt, for apply_prepared_step's record (the samples, for the exactly-once check).
+            self.pending_record = {
+                "loss": loss, "step_time_s": time.perf_counter() - t0, "tokens": tokens,
+                **({"mecefo": mecefo} if ctrl is not None else {}),
+                **({"samples": samples} if samples is not None else {}),
+            }  # fmt: skip
             ok, grad_norm, _ = self.optimizer.step()
         cpu = (cpu1 - cpu0, time.process_time() - cpu2)
         if self.virtual is not None:  # the critical path: the slowest simulated replica
@@ -407,9 +426,6 @@ class Trainer:
                 self.log.print(line)
         self.iteration += 1
         self.consumed_samples += a.global_batch_size
-        tokens = self.tokens_per_step
-        if ctrl is not None:
-            tokens = mecefo["samples_processed"] * a.seq_length
         return {
             "type": "train",
             "iteration": self.iteration,

@@ -31,25 +31,32 @@ two per iteration of the run.
 round trips overlap the optimizer's gradient preparation (copy to main grads, norm, clipping),
 which changes nothing a redo would need: only the parameter update waits for the decision.
 
-In ``--store-mode etcd`` the vote is decided on the leader's hot store alone: no etcd request
-per iteration. A member whose vote was cut off by the hot store's loss (the store moved to a
-new leader: :class:`~.store_forwarding.StoreFailedOver`) is *in doubt*: some members may have
-seen the commit before the loss, others not, and the store that knew is gone. It does not
-apply the step (it claims nothing either: a claim cannot know what the lost store decided),
-but it is *prepared*, not lost: it raises :class:`VoteInDoubt` and keeps the step (its
-reduced gradients, :mod:`.prepared`). The same holds for a member cut off from its group's
-head (:mod:`.group_vote`), from its node's vote server (:mod:`.node_vote`), and for the
-completer whose commit did not land. The takeover (or the death) publishes a generation, so
-every member regroups, and before the heal the new world resolves the outcome
-(:func:`.prepared.resolve`): committed if any member applied it or the count was complete
-(the resolver's abort on the old counter tells, and fences a vote still in flight), aborted
-otherwise. Each member in doubt applies its kept step or drops it, so every member ends at
-the same iteration without needing a peer of its own stage (before, a whole pipeline stage
-in doubt while the others committed ended the job with ``ShardLost``: issue 54, C1); the heal
-then brings each member to the highest committed iteration. A member that applied it and then
-died or was fenced (hung past its lease) takes its state with it.
-``tests/helpers/protocol_check.py`` (``EtcdDesign``) checks the older rule (no kept step: the
-heal alone settles it) over every interleaving, crash and hang of a small job.
+In ``--store-mode etcd`` the count is kept on the leader's hot store, and the outcome is
+*claimed* on etcd (:func:`claim`, ``outcome/<g>/<i>``, create-if-absent: the first claim stands
+for every caller, whoever makes it): the voter that completes a count claims COMMIT before it
+sets the commit key, so no member applies a step whose commit is not on etcd, and a member
+that resolves an in-doubt step claims its outcome there too. This costs one etcd request per
+iteration, on the completer's path before the update (``docs/design.md`` has its measured
+cost): without it, the evidence of a commit (the count, the commit key) was on the hot store
+alone, and a takeover that lost that store left the next world unable to tell a step that a
+dead (or left-out) node applied from one that nobody applied; it aborted such steps, so the
+outcome was split (the model check's ``agreement``; ``docs/protocol-check.md``).
+A member whose vote was cut off by the hot store's loss (the store moved to a new leader:
+:class:`~.store_forwarding.StoreFailedOver`) is *in doubt*: some members may have seen the
+commit before the loss, others not. It does not apply the step, but it is *prepared*, not
+lost: it raises :class:`VoteInDoubt` and keeps the step (its reduced gradients,
+:mod:`.prepared`). The same holds for a member cut off from its group's head
+(:mod:`.group_vote`), from its node's vote server (:mod:`.node_vote`), and for the completer
+whose commit did not land. The takeover (or the death) publishes a generation, so every member
+regroups, and before the heal the new world resolves the outcome (:func:`.prepared.resolve`):
+what is claimed on etcd stands; otherwise committed if any member applied it or the count was
+complete (the resolver's abort on the old counter tells, and fences a vote still in flight),
+aborted otherwise, and claimed so. Each member in doubt applies its kept step or drops it, so
+every member ends at the same iteration without needing a peer of its own stage (before, a
+whole pipeline stage in doubt while the others committed ended the job with ``ShardLost``:
+issue 54, C1); the heal then brings each member to the highest committed iteration.
+``tests/helpers/protocol_check.py`` (``StagedDesign``) checks this rule over every
+interleaving, crash and hang of a small PP2 x DP2 job.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from torch.distributed import DistStoreError
 
+from megatron_mecefo.recovery.fault_injection import die_at
 from megatron_mecefo.recovery.membership import MembershipStore
 from megatron_mecefo.recovery.store_forwarding import PRIMARY_KEY, StoreFailedOver
 
@@ -139,9 +147,14 @@ def abort(
     """
     total = int(ms.store.add(_votes_key(generation, iteration), ABORT_WEIGHT)) - ABORT_WEIGHT
     if total < ABORT_WEIGHT:  # the first abort decides
-        decision = COMMIT if total == members else ABORT
-        ms.store.set(_decision_key(generation, iteration), decision)
-        return _commit(ms, generation, iteration) if decision == COMMIT else False
+        if total < members:
+            ms.store.set(_decision_key(generation, iteration), ABORT)
+            return False
+        # Every vote was in: commit, once it stands (etcd mode: claimed) and only then told
+        # as the decision, so that no reader applies a commit that an earlier claim refused.
+        ok = _commit(ms, generation, iteration)
+        ms.store.set(_decision_key(generation, iteration), COMMIT if ok else ABORT)
+        return ok
     return _outcome(ms, generation, iteration, total, members, decision_wait_s)
 
 
@@ -165,9 +178,29 @@ class CommitInDoubt(VoteInDoubt):
     prepared for the next generation's resolution (:mod:`.prepared`)."""
 
 
+def claims_outcomes(ms: MembershipStore) -> bool:
+    """Whether outcomes are claimed on etcd (``--store-mode etcd``: the hot store can be lost
+    with the leader, so its count and commit key are not the evidence that lasts)."""
+    return bool(getattr(ms.store, "claims_outcomes", False))
+
+
+def claim(ms: MembershipStore, generation: int, iteration: int, outcome: str) -> bool:
+    """Claim ``outcome`` (COMMIT or ABORT) for ``generation/iteration``; True when COMMIT
+    stands. In etcd mode the claim is an etcd create-if-absent of ``outcome/<g>/<i>``: the
+    first claim stands for every caller, whatever each proposed (module docstring). With a
+    single store (no takeover: the store's loss ends the job) the store's counter is the
+    evidence that lasts, and ``outcome`` stands as proposed."""
+    if not claims_outcomes(ms):
+        return outcome == COMMIT
+    return ms.store.compare_set(_outcome_key(generation, iteration), "", outcome).decode() == COMMIT
+
+
 def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
-    """COMMIT, made durable before the caller applies the step: the vote is decided on the
-    (hot) store alone, with no etcd request (module docstring).
+    """COMMIT, made durable before the caller applies the step; False when an ABORT claimed
+    on etcd stands (etcd mode: a resolver in a later world claimed first).
+
+    In etcd mode the claim on etcd comes first (:func:`claim`): the commit key is set only
+    once the commit stands where a later world looks after a takeover.
 
     TCPStore's ``set`` awaits no reply (fire-and-forget), so the ``check`` after it, answered
     by the same server after the ``set`` on the same connection, is what tells that the key
@@ -177,6 +210,9 @@ def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
     """
     key = _commit_key(generation, iteration)
     try:
+        if not claim(ms, generation, iteration, COMMIT):
+            return False  # an abort was claimed first: nobody applies this step
+        die_at("after-claim", iteration)  # tests: the node dies with the claim unannounced
         ms.store.set(key, "")
         landed = ms.store.check([key])
     except StoreFailedOver:  # etcd mode: the caller's failover path tells doubt from a retry
@@ -207,13 +243,20 @@ def _outcome(
         if ms.store.check([decision]):
             return ms.store.get(decision).decode() == COMMIT
         if time.monotonic() > deadline:  # both writers died before writing: nobody applied it
-            return False
+            # ... unless (etcd mode) a commit was claimed and its writer died before the key:
+            # then the claim stands, and this member applies the step (it voted yes).
+            return claim(ms, generation, iteration, ABORT)
         time.sleep(0.01)
 
 
 def forget(ms: MembershipStore, generation: int, iteration: int) -> None:
-    """Delete the vote keys of ``iteration`` (its outcome is known to every member)."""
-    for key in (_votes_key(generation, iteration), _commit_key(generation, iteration)):
+    """Delete the vote keys of ``iteration`` (its outcome is known to every member: each
+    voted for the next one after applying it), and its claim on etcd (etcd mode): etcd holds
+    a claim or two, not one per iteration of the run."""
+    keys = [_votes_key(generation, iteration), _commit_key(generation, iteration)]
+    if claims_outcomes(ms):
+        keys.append(_outcome_key(generation, iteration))
+    for key in keys:
         ms.store.delete_key(key)
 
 
@@ -227,6 +270,11 @@ def _commit_key(generation: int, iteration: int) -> str:
 
 def _decision_key(generation: int, iteration: int) -> str:
     return f"decision/{generation}/{iteration}"
+
+
+def _outcome_key(generation: int, iteration: int) -> str:
+    """The claim on etcd (a durable key: ``store_etcd.DURABLE_PREFIXES``)."""
+    return f"outcome/{generation}/{iteration}"
 
 
 def _superseded(ms: MembershipStore, generation: int, iteration: int) -> bool:

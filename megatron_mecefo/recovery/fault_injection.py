@@ -191,3 +191,26 @@ class KillInjector:
                 if self.before_kill is not None:
                     self.before_kill(k, time.time())
                 os.kill(os.getpid(), signal.SIGKILL)
+
+
+DIE_AT_ENV = "MECEFO_TEST_DIE_AT"
+"""Tests only: ``POINT:ITERATION``: the process SIGKILLs itself the first time it reaches POINT
+of the commit protocol at ITERATION or later (a supervisor: its node dies, its ranks with it,
+``processes._die_with_parent``). Where ``--mecefo-kill`` stops a rank at a phase of its step,
+this stops a node at a point of the vote that no signal sent from outside can hit reliably.
+:data:`DIE_POINTS` lists the points."""
+DIE_POINTS = ("after-claim", "after-hot-vote")
+"""``after-claim``: :func:`.commit._commit`, the commit claimed on etcd (etcd mode) and not yet
+announced by the commit key; ``after-hot-vote``: a group head's collector
+(:mod:`.group_vote`), its group's vote or abort decided on the hot store and not yet told to
+its group."""
+
+
+def die_at(point: str, iteration: int) -> None:
+    """SIGKILL this process if :data:`DIE_AT_ENV` names ``point`` at ``iteration`` or earlier."""
+    spec = os.environ.get(DIE_AT_ENV)
+    if not spec:
+        return
+    where, _, at = spec.rpartition(":")
+    if where == point and iteration >= int(at):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -66,6 +66,7 @@ from megatron_mecefo.recovery.commit import (
     vote,
     vote_after_failover,
 )
+from megatron_mecefo.recovery.fault_injection import die_at
 from megatron_mecefo.recovery.membership import MembershipStore
 from megatron_mecefo.recovery.store_forwarding import StoreFailedOver, serve
 
@@ -421,7 +422,14 @@ class GroupVote:
                         if _superseded(self.hot, g, i):
                             break
             decision = self._decide_hot(g, i, ngroups, count == n)
+            die_at("after-hot-vote", i)  # tests: the head dies before its group learns it
+            completed = self._last.get((g, i), False)  # read before the members learn it
             standing = client.compare_set(out, "", decision).decode()
+            if standing == COMMIT and completed:  # off the members' path: after the outcome
+                try:  # the hot keys of i - 1, and its claim on etcd (etcd mode)
+                    forget(self._hot_voter, g, i - 1)
+                except Exception:  # noqa: BLE001 (bookkeeping only)
+                    pass
             if standing == COMMIT and count == n:  # every member voted: i - 1 is known
                 for key in _keys(g, i - 1):
                     client.delete_key(key)
@@ -454,9 +462,4 @@ class GroupVote:
             return DOUBT
         self._last[(g, i)] = outcome["last"]
         self.collected += full
-        if ok and outcome["last"]:
-            try:
-                forget(ms, g, i - 1)
-            except Exception:  # noqa: BLE001 (bookkeeping only)
-                pass
         return COMMIT if ok else ABORT

@@ -8,6 +8,11 @@ must not apply it then, and, unlike before, it does not forget it either: it kee
 optimizer's update) through the regroup. The next generation resolves the outcome
 (:func:`resolve`):
 
+* in ``--store-mode etcd``, **as claimed on etcd** (``outcome/<g>/<i>``, :func:`.commit.claim`):
+  the voter that completed the count claimed the commit before anyone applied the step, so a
+  commit that only a node now dead or left out of the new world applied, on a hot store lost
+  in a takeover, still stands; the resolver's own proposal (below) is claimed, and the first
+  claim stands;
 * **committed** when any member of the new world applied it (the all-gather of the members'
   committed iterations in ``RecoverySession.on_built`` shows it), or when the old vote's
   count was complete before its first abort (the resolver adds an abort to the old counter:
@@ -31,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from megatron_mecefo.recovery.commit import ABORT, COMMIT, DECISION_WAIT_S, abort
+from megatron_mecefo.recovery.commit import ABORT, COMMIT, DECISION_WAIT_S, abort, claim
 
 RESOLVED_KEY = "resolved/{generation}/{iteration}"
 """Store key: the resolved outcome of an in-doubt iteration (``commit`` or ``abort``)."""
@@ -126,6 +131,8 @@ def resolve(
         outcome = abort(ms, generation, iteration, counted, decision_wait_s)
     else:
         outcome = False
+    # etcd mode: the first claim stands (a commit that a node outside this world applied)
+    outcome = claim(ms, generation, iteration, COMMIT if outcome else ABORT)
     standing = ms.store.compare_set(key, "", COMMIT if outcome else ABORT).decode()
     return standing == COMMIT
 

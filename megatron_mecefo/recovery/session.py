@@ -469,9 +469,10 @@ class RecoverySession:
         optimizer found inf/nan and updates nothing."""
         params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
         assert self.gen is not None
+        record = dict(getattr(trainer, "pending_record", None) or {})  # its record's fields
         self.prepared = PreparedStep.keep(
             self.gen.number, iteration, counted or 0, [] if skipped else params,
-            skipped=skipped, boundary=boundary_snapshot(trainer),
+            skipped=skipped, boundary=boundary_snapshot(trainer), record=record,
         )  # fmt: skip
 
     def _prepared_entry(self, trainer: Any) -> Optional[tuple]:
@@ -512,11 +513,11 @@ class RecoverySession:
     def _settle_prepared(
         self, trainer: Any, infos: List[tuple], entries: List[Optional[tuple]]
     ) -> List[tuple]:
-        """Resolve each in-doubt iteration (committed if a member applied it or its count was
-        complete: :func:`.prepared.resolve`, by its lowest-ranked holder, recorded in the store
-        and broadcast), apply or drop this rank's kept step, and return the members' infos
-        after it: every member of a stage ends at the same iteration, with no same-stage peer
-        needed (issue 54, C1)."""
+        """Resolve each in-doubt iteration (as claimed on etcd in etcd mode; else committed if
+        a member applied it or its count was complete: :func:`.prepared.resolve`, by its
+        lowest-ranked holder, recorded in the store and broadcast), apply or drop this rank's
+        kept step, and return the members' infos after it: every member of a stage ends at the
+        same iteration, with no same-stage peer needed (issue 54, C1)."""
         import torch.distributed as dist
 
         me = dist.get_rank()

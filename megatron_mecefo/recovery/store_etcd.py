@@ -16,10 +16,11 @@ a rank, its own incarnation not to be declared dead: a client of a deposed leade
 a rank declared dead that still runs (cut off, hung), changes nothing on etcd. A death and the
 fatal message are created, never overwritten: the first writer's stands. A generation goes
 to etcd through :meth:`~.etcd_control.EtcdControl.publish_generation` (fenced on the
-leader's term, ``gen`` == n - 1). The commit vote stays on the hot store and claims nothing
-on etcd: a vote cut off by the leader's loss is not applied by the members in doubt, and the
-regroup that the takeover forces settles it (the heal brings every member to the survivors'
-highest committed iteration; :mod:`.commit`).
+leader's term, ``gen`` == n - 1). The commit vote counts on the hot store, and its outcome is
+claimed on etcd (``outcome/<g>/<i>``, created once, through :meth:`EtcdStore.compare_set`):
+the voter that completes a count claims the commit before anyone applies the step, so a world
+formed after a takeover that lost the hot store finds what was decided (:mod:`.commit`,
+:mod:`.prepared`).
 
 A store call that fails (the server's sockets closed) or gets no answer within the lease TTL
 (a hung node) looks ``hot_store`` up again and waits until a new leader has published
@@ -263,6 +264,10 @@ class EtcdStore(ForwardingStore):
             self.address, self._client = self._follow(-1, time.monotonic() + timeout_s)
             _watch_hot_store(address, self.control)
 
+    claims_outcomes = True
+    """The commit vote claims its outcomes here (:func:`.commit.claim`): the hot store is lost
+    with the leader, etcd is not."""
+
     @property
     def failed_over(self) -> bool:
         return False
@@ -410,6 +415,11 @@ class EtcdStore(ForwardingStore):
         elif durable(key):
             self._etcd_write(key, text)
         self._call("set", key, value)
+
+    def delete_key(self, key: str) -> bool:
+        if key.startswith("outcome/"):  # a claim whose step every member applied (commit.forget)
+            self.control.conn.delete(self.control.key(f"kv/{key}"))
+        return self._call("delete_key", key)
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         if key.startswith("outcome/") and expected == "":

@@ -23,7 +23,10 @@ OPTIONAL_METHODS = ("apply_prepared_step",)
 resolved committed (:mod:`.prepared`): ``step.apply(main params, optimizer's
 step_with_ready_grads)``, then what the trainer advances after an update (the iteration, the
 data position, the LR schedule, ``step.extra["boundary"]``'s RNG states). A trainer without it
-drops a step in doubt (its stage is then healed from a peer, if one holds the iteration)."""
+drops a step in doubt (its stage is then healed from a peer, if one holds the iteration).
+``step.extra["record"]`` is a copy of the trainer's ``pending_record`` attribute (a dict, if it
+has one) when the step was kept: what the trainer measured of the iteration before its update
+(its loss, the samples it read), for the iteration's record."""
 
 PhaseHook = Callable[[str, int], None]
 """``phase(name, iteration)``: called at ``forward``, ``backward`` and ``grad-sync``."""

@@ -10,7 +10,12 @@ one fault drawn from a seeded plan:
 * ``stop-resume``: SIGSTOPped for a few seconds, then SIGCONT (a long pause; under the lease
   TTL it may cost nothing);
 * ``cut``: the node's link cut for the rest of the run (a lost network);
-* ``cut-restore``: cut, then restored after a few seconds.
+* ``cut-restore``: cut, then restored after a few seconds;
+* ``after-claim``, ``after-hot-vote`` (:data:`POINTS`; not drawn by :func:`plan`): the node
+  kills itself at that point of the commit vote, at the fault's iteration or the first later
+  one where it gets there (``fault_injection.die_at``): its commit claimed on etcd but not yet
+  announced, or (a group head) its group's vote counted on the hot store but not yet told to
+  its group. No signal from outside hits these reliably; they leave members in doubt.
 
 The node (group heads and the leader, node 0, included) and the moment (an iteration, then a
 delay inside it) are drawn too. The invariants, checked on every run:
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import time
 import traceback
@@ -50,7 +56,11 @@ from harness import (
 )
 from netns import Netns, supervisor_launcher
 
+from megatron_mecefo.recovery.fault_injection import DIE_AT_ENV, DIE_POINTS
+
 KINDS = ("kill", "stop", "stop-resume", "cut", "cut-restore")
+POINTS = DIE_POINTS
+"""Fault kinds that are points of the vote (``fault_injection.die_at``)."""
 NODES = 4
 ITERS = 24
 GBS = 16
@@ -67,7 +77,7 @@ class Fault:
     """One run's fault."""
 
     kind: str
-    """One of :data:`KINDS`."""
+    """One of :data:`KINDS` or :data:`POINTS`."""
     node: int
     """The node it hits (0: the etcd leader and group 0's head; 2: group 1's head)."""
     iteration: int
@@ -133,8 +143,10 @@ def run_one(workdir: Path, fault: Fault, data_path: str, tag: str) -> Dict[str, 
         supervisor = ["--store-mode", "etcd", "--etcd", ",".join(cluster.endpoints),
                       "--heartbeat-timeout", str(HB), "--vote-group-size", "2"]  # fmt: skip
         args = trainer_args(data_path)
+        point = {fault.node: {DIE_AT_ENV: f"{fault.kind}:{fault.iteration}"}}
+        launch = supervisor_launcher(net, point if fault.kind in POINTS else None)
         job = Job(workdir / "real", 1, args, nnodes=NODES, supervisor_args=supervisor,
-                  launch=supervisor_launcher(net), MECEFO_TEST_STEP_SLEEP="0.1",
+                  launch=launch, MECEFO_TEST_STEP_SLEEP="0.1",
                   MECEFO_JOB_ID=f"campaign{tag}")  # fmt: skip
         job.start()
         deadline = time.monotonic() + 300
@@ -145,7 +157,7 @@ def run_one(workdir: Path, fault: Fault, data_path: str, tag: str) -> Dict[str, 
             time.sleep(0.05)
         time.sleep(fault.delay_s)
         t_fault = time.monotonic()
-        if fault.kind == "none":  # the control run: no fault
+        if fault.kind in ("none", *POINTS):  # no fault, or the node's own at its point
             pass
         elif fault.kind == "kill":
             _signal_node(net, fault.node, signal.SIGKILL)
@@ -196,6 +208,7 @@ def _check(
 ) -> None:  # fmt: skip
     violations: List[str] = out["violations"]
     log = job.log()
+    out["in_doubt"] = re.findall(r"in doubt on \d+ rank\(s\), was (committed|aborted)", log)
     if "ShardLost" in log:
         violations.append("ShardLost with one fault (no stage was lost)")
     failures = [r for r in job.records_of("recovery") if r.get("ranks_lost")]
@@ -204,7 +217,7 @@ def _check(
     out["generations"] = len(job.records_of("recovery"))
     if lost and lost != [fault.node]:
         violations.append(f"ranks lost {lost}; the fault hit node {fault.node} (rank {fault.node})")
-    if not lost and fault.kind in ("kill", "stop", "cut"):
+    if not lost and fault.kind in ("kill", "stop", "cut", *POINTS):
         violations.append(f"a {fault.kind} of node {fault.node} lost no rank")
     for node, rc in enumerate(rcs):
         if node not in lost and rc != 0:

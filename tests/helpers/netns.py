@@ -18,7 +18,7 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 
@@ -169,15 +169,18 @@ def network(nodes: int) -> Iterator[Netns]:
         net.teardown()
 
 
-def supervisor_launcher(net: Netns) -> Callable[[int, List[str]], List[str]]:
+def supervisor_launcher(
+    net: Netns, node_env: Optional[Dict[int, Dict[str, str]]] = None
+) -> Callable[[int, List[str]], List[str]]:
     """For :class:`harness.Job`'s ``launch``: each node's supervisor in its namespace, serving
     on its own address; gloo's sockets on the node's veth (the machine's hostname resolves to
-    no address in a namespace)."""
+    no address in a namespace). ``node_env``: more environment for some nodes only."""
 
     def launch(node: int, argv: List[str]) -> List[str]:
         cut = argv.index("--")
         own = ["--store-host", net.address(node)]
-        prefix = net.exec_prefix(node, GLOO_SOCKET_IFNAME=net.inner[node])
+        extra = (node_env or {}).get(node, {})
+        prefix = net.exec_prefix(node, GLOO_SOCKET_IFNAME=net.inner[node], **extra)
         return prefix + argv[:cut] + own + argv[cut:]
 
     return launch

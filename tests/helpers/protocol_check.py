@@ -16,7 +16,8 @@ Two designs are configurations of it:
   member's own lease, leases that expire when their holder hangs or dies. The commit vote runs
   on the leader's hot TCPStore (an in-memory store per leader, lost when its leader crashes or
   exits, silent while it hangs): the counter, the commit key and the first abort's decision
-  of :mod:`~megatron_mecefo.recovery.commit`, no etcd request per iteration. A takeover
+  of :mod:`~megatron_mecefo.recovery.commit`, no etcd request per iteration (the design of
+  issue 43, before the outcome claims that ``StagedDesign``'s ``claims`` models). A takeover
   publishes a generation and ``hot_store`` (the new leader's empty store and the generation
   it took over at); a member whose vote the move cut off is in doubt and does not apply the
   step (a vote of a later generation is cast again on the new store), and the regroup's heal
@@ -26,10 +27,12 @@ Two designs are configurations of it:
   model a safer system: PP x DP stages with the real heal per data-parallel group (``ShardLost``),
   the group and node votes on the leader's hot store, members without leases, the takeover's
   publish in the code's steps, calls to a hung GroupStore or vote server that never return,
-  the ECONNREFUSED revoke. Its ``prepared`` / ``deadlines`` switch on the issue 54 design (a
-  prepared step resolved by the next world, ``prepared.resolve``; vote waits with deadlines);
-  off, it is the code before them, which the checker shows to end in ``ShardLost`` (C1) and to
-  wedge (H1). What it leaves out is listed in ``docs/protocol-check.md``.
+  the ECONNREFUSED revoke. Its ``prepared`` / ``deadlines`` / ``claims`` switch on the issue
+  54 design (a prepared step resolved by the next world, ``prepared.resolve``; vote waits with
+  deadlines; outcomes claimed on etcd, ``commit.claim``); off, it is the code before them,
+  which the checker shows to end in ``ShardLost`` (C1) and to wedge (H1), and without the
+  claims to split an outcome (``agreement``). What it leaves out is listed in
+  ``docs/protocol-check.md``.
 
 **What is real code and what is a model.** Real: :class:`~megatron_mecefo.recovery.membership.
 Generation` (every published generation is its JSON, parsed back with ``from_json``),
@@ -1438,14 +1441,15 @@ class SNode(NamedTuple):
     its node's vote server)."""
     spc: str = ""
     """The supervisor's cast of the node's vote: gadd, gwait (group vote), hvote, hwait,
-    habort, hset (a vote on the hot store; hset, new design: the count is decided commit, the
-    commit key's ``set`` and its ``check`` next, then apply)."""
+    habort, hclaim, hset (a vote on the hot store; hclaim, with claims: the count is decided
+    commit, its claim on etcd next; hset, new design: the commit key's ``set`` and its
+    ``check`` next, then apply)."""
     vg: int = -1
     vi: int = -1
     ht: int = -1
     """The term of the hot store the cast talks to (-1: none looked up yet)."""
     cpc: str = ""
-    """The head's collector of (cg, ci): cwait, hvote, hwait, habort, hset."""
+    """The head's collector of (cg, ci): cwait, hvote, hwait, habort, hclaim, hset."""
     cg: int = -1
     ci: int = -1
     cht: int = -1
@@ -1465,6 +1469,10 @@ class SEtcd(NamedTuple):
     gens: Tuple[str, ...]
     """``gen/<n>``: every published generation's JSON (the current is the last)."""
     dead: FrozenSet[int]
+    outcomes: Tuple[Tuple[Tuple[int, int], str], ...] = ()
+    """With ``claims``: ``outcome/<g>/<i>`` claimed once (create-if-absent, ``commit.claim``):
+    commit by the voter that completes a count before the commit key, the resolver's outcome
+    when a world resolves an in-doubt step, abort by a reader whose bounded poll ran out."""
 
 
 class SState(NamedTuple):
@@ -1493,9 +1501,13 @@ class _ModelStore:
     and ``_commit``), on a copy of one hot store's keys in the model: the real resolution runs
     on the model's state. ``items()`` gives the keys back in the model's form."""
 
-    def __init__(self, items: tuple) -> None:
+    def __init__(self, items: tuple, outcomes: Optional[dict] = None) -> None:
         self.store = self  # MembershipStore's ``.store``
         self._d: Dict[str, object] = dict(items)
+        self.outcomes = outcomes
+        """With claims (``EtcdStore.claims_outcomes``): the model's etcd ``outcome/`` keys,
+        by (generation, iteration); ``compare_set`` of an ``outcome/`` key creates one."""
+        self.claims_outcomes = outcomes is not None
 
     def items(self) -> tuple:
         return tuple(sorted(self._d.items()))
@@ -1514,6 +1526,9 @@ class _ModelStore:
         return int(self._d[key])
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        if self.outcomes is not None and key.startswith("outcome/") and expected == "":
+            g, i = (int(v) for v in key.split("/")[1:])
+            return self.outcomes.setdefault((g, i), desired).encode()  # etcd: first stands
         current = self._d.get(key)
         if (current is None and expected == "") or current == expected:
             self._d[key] = desired
@@ -1547,7 +1562,11 @@ class StagedDesign(Design):
     world applied it, else the resolver's abort on the old counter (commit only when the count
     was complete before it: the hot store survived), else abort; the first outcome recorded
     there (``resolved/<g>/<i>``) stands; each holder applies or drops its step (the real
-    ``prepared.settle``). No outcome is claimed on etcd. With ``deadlines``, a vote
+    ``prepared.settle``). With ``claims`` (the code: ``commit.claim``), outcomes are claimed
+    on etcd (``outcome/<g>/<i>``, create-if-absent, fenced on the client's term): the count's
+    completer claims commit (a request of its own) before the commit key's set; a reader whose
+    bounded poll runs out claims abort; the resolver claims its outcome; what stands is the
+    outcome. Without, no outcome is claimed on etcd (the design before). With ``deadlines``, a vote
     wait on a silent head or vote server ends in doubt (the rank leaves and reports its error),
     a supervisor with a stale heartbeat is declared dead, and a dead owner's GroupStore and
     vote server shut their sockets."""
@@ -1559,6 +1578,8 @@ class StagedDesign(Design):
     kinds: Tuple[str, ...] = STAGED_FAULTS
     prepared: bool = False
     deadlines: bool = False
+    claims: bool = False
+    """Outcomes claimed on etcd (``commit.claim``; the code in ``--store-mode etcd``)."""
     group_size: int = GROUP_SIZE_MODEL
     resumes: bool = True
     """A hung node or supervisor may resume later (a fault step: never relied on)."""
@@ -1907,7 +1928,7 @@ class StagedDesign(Design):
         pub = st.etcd.hot_store
         if pub < 0 or st.nodes[st.hots[pub][0]].status != RUN:
             return None
-        store = _ModelStore(st.hots[pub][1])
+        store = _ModelStore(st.hots[pub][1], dict(st.etcd.outcomes) if self.claims else None)
         infos = [(s, True, st.nodes[s].committed) for s in order]
         outcomes: Dict[Tuple[int, int], bool] = {}
         told = []
@@ -1916,10 +1937,13 @@ class StagedDesign(Design):
             counted = next((entries[r][2] for r in holders if entries[r][2]), None)
             applied = applied_by_someone(infos, key[1])
             recorded = store.check([RESOLVED_KEY.format(generation=key[0], iteration=key[1])])
+            claimed = None if store.outcomes is None else store.outcomes.get(key)
             outcomes[key] = resolve(store, *key, counted, applied, decision_wait_s=0.0)
             why = "no count known"
             if recorded:
                 why = "recorded"
+            elif claimed is not None:
+                why = f"{claimed} claimed on etcd"
             elif applied:
                 why = "a member applied it"
             elif counted:
@@ -1928,6 +1952,9 @@ class StagedDesign(Design):
         hots = list(after.hots)
         hots[pub] = (hots[pub][0], store.items())
         after = after._replace(hots=tuple(hots))
+        if store.outcomes is not None:
+            claims = tuple(sorted(store.outcomes.items()))
+            after = after._replace(etcd=after.etcd._replace(outcomes=claims))
         prepared = [None if e is None else e[:2] for e in entries]
         decisions = set(after.decisions)
         for (s, _, it), key in zip(settle(infos, prepared, outcomes), prepared, strict=True):
@@ -1988,7 +2015,7 @@ class StagedDesign(Design):
         if not x.spc:
             return
         g, i = x.vg, x.vi
-        if x.spc in ("hvote", "hwait", "habort", "hset"):  # the one-level vote, on the hot store
+        if x.spc in ("hvote", "hwait", "habort", "hclaim", "hset"):  # one level, on the hot store
             nv = len(self._gen(st, g).members)
             for what, after, pc, ht, outcome in self._hot_vote(st, x.spc, x.ht, g, i, nv):
                 if outcome is None:
@@ -2084,6 +2111,20 @@ class StagedDesign(Design):
     ) -> Iterator[Tuple[str, SState, str, int, Optional[str]]]:
         """One request of ``commit.vote`` / ``abort`` / ``vote_after_failover`` for ``nv``
         voters: (label, state, next pc, store term, outcome or None)."""
+        if pc == "hclaim":  # commit.claim: create-if-absent on etcd, fenced on the store's term
+            e = st.etcd
+            if e.leader >= 0 and e.term == t:
+                claims = dict(e.outcomes)
+                standing = claims.setdefault((g, i), COMMIT)
+                after = st._replace(etcd=e._replace(outcomes=tuple(sorted(claims.items()))))
+                if standing == COMMIT:
+                    yield "claims commit on etcd", after, "hset", t, None
+                else:
+                    yield "claims commit on etcd: an abort stands", after, "", t, ABORT
+                return
+            if self._hot(st, t)[0] != "moved":
+                return  # fenced: the client waits for another term's hot_store (_follow)
+            # StoreFailedOver from the fenced claim: as for a hot-store call, below
         fate, t2 = self._hot(st, t)
         if fate == "wait":
             return  # blocked until a new leader publishes hot_store
@@ -2104,22 +2145,33 @@ class StagedDesign(Design):
         count = int(_get(items, vkey) or 0)
 
         def commit(after: SState, what: str) -> Tuple[str, SState, str, int, Optional[str]]:
+            if self.claims:  # commit._commit: the claim on etcd first, a request of its own
+                return what, after, "hclaim", t2, None
             if self.prepared:  # the commit key's set + check is a request of its own, next
                 return what, after, "hset", t2, None
             after = self._hot_set(after, t2, ckey, "")
             return f"{what}; sets the commit key", after, "", t2, COMMIT
 
-        def from_count(total: int, what: str):
+        def from_count(total: int, what: str, base: SState):
             """``_outcome``: every vote in or an abort in the counter."""
             if total < ABORT_WEIGHT:
-                return commit(st, what)
+                return commit(base, what)
             if total % ABORT_WEIGHT < nv:
-                return f"{what}: aborted", st, "", t2, ABORT
+                return f"{what}: aborted", base, "", t2, ABORT
             if _get(items, ckey) is not None:
-                return f"{what}: commit key", st, "", t2, COMMIT
+                return f"{what}: commit key", base, "", t2, COMMIT
             if _get(items, dkey) is not None:
-                return f"{what}: decision", st, "", t2, str(_get(items, dkey))
-            return None  # the bounded poll: waits for a writer (not modelled further)
+                return f"{what}: decision", base, "", t2, str(_get(items, dkey))
+            e = base.etcd
+            if self.claims and e.leader >= 0 and e.term == t2:
+                # The bounded poll runs out (a step enabled at any time: an over-approximation
+                # of decision_wait_s): it claims abort on etcd, and what stands is the outcome.
+                claims = dict(e.outcomes)
+                standing = claims.setdefault((g, i), ABORT)
+                base = base._replace(etcd=e._replace(outcomes=tuple(sorted(claims.items()))))
+                label = f"{what}: its poll runs out: claims abort ({standing} stands)"
+                return label, base, "", t2, standing
+            return None  # the bounded poll: waits for a writer (old code: not modelled)
 
         if pc == "hvote":
             count += 1
@@ -2127,9 +2179,9 @@ class StagedDesign(Design):
             if count == nv:
                 yield commit(after, f"votes on the hot store ({count} of {nv})")
             elif count > ABORT_WEIGHT:
-                r = from_count(count, "votes after an abort")
+                r = from_count(count, "votes after an abort", after)
                 if r is not None:
-                    yield r[0], after, r[2], r[3], r[4]
+                    yield r
             else:
                 yield f"votes on the hot store ({count} of {nv})", after, "hwait", t2, None
             return
@@ -2137,7 +2189,7 @@ class StagedDesign(Design):
             yield "finds the commit key", st, "", t2, COMMIT
             return
         if pc == "hwait" and (count == nv or count >= ABORT_WEIGHT):
-            r = from_count(count, f"reads the counter ({count % ABORT_WEIGHT} of {nv})")
+            r = from_count(count, f"reads the counter ({count % ABORT_WEIGHT} of {nv})", st)
             if r is not None:
                 yield r
             return
@@ -2146,12 +2198,13 @@ class StagedDesign(Design):
             after = self._hot_set(st, t2, vkey, count + ABORT_WEIGHT)
             if total < ABORT_WEIGHT:  # the first abort decides
                 decision = COMMIT if total == nv else ABORT
-                after = self._hot_set(after, t2, dkey, decision)
+                if not (self.claims and decision == COMMIT):  # claims: told once it stands
+                    after = self._hot_set(after, t2, dkey, decision)
                 if decision == COMMIT:
                     yield commit(after, "aborts after every vote: decides commit")
                 else:
                     yield f"aborts ({total} of {nv} votes): decides abort", after, "", t2, ABORT
             else:
-                r = from_count(total, "aborts after an abort")
+                r = from_count(total, "aborts after an abort", after)
                 if r is not None:
-                    yield r[0], after, r[2], r[3], r[4]
+                    yield r

@@ -112,3 +112,36 @@ def test_leader_cut_off_inside_its_lease_declares_nobody_dead(
     print(json.dumps(record, sort_keys=True))
     assert not record["violations"], record
     assert record["ranks_lost"] == [] and record["exit_codes"] == [0, 0, 0, 0], record
+
+
+@pytest.mark.parametrize(
+    "point, node",
+    [("after-hot-vote", 2), ("after-claim", 0)],
+    ids=["head-dies-after-its-group-was-counted", "leader-dies-after-its-claim"],
+)
+def test_a_node_dead_at_a_point_of_the_vote_leaves_its_peers_prepared(
+    tmp_path: Path, text_data: str, point: str, node: int
+) -> None:
+    """Members in doubt keep their step prepared, and the next world applies it, in real
+    processes (``fault_injection.die_at``: the node's supervisor SIGKILLs itself, its rank
+    dies with it, at iteration 6 or the first later one where it reaches the point):
+
+    * ``after-hot-vote``, node 2 (group 1's head, stage 1): its group's vote is counted on the
+      hot store, the count commits, nodes 0 and 1 apply, and node 3 (the rest of stage 1) is
+      cut off from its head: in doubt. C1: before prepared steps, stage 1 had no member at the
+      committed iteration and the job ended with ``ShardLost``.
+    * ``after-claim``, node 0 (the leader, group 0's head): its vote completes the count and
+      its commit is claimed on etcd, but it dies before the commit key: nobody applied the
+      step, every survivor is in doubt, the hot store is lost, and node 1 takes over. The
+      claim stands, so the next world commits the step (before the claims it aborted it and
+      redid the iteration).
+
+    Either way the survivors apply their kept step (``apply_prepared_step``), and every
+    campaign invariant holds: every sample once, the replicas equal, the survivors equal to the
+    simulated twin that drops the lost replica after the committed iteration."""
+    fault = Fault(kind=point, node=node, iteration=6, delay_s=0.0, hold_s=0.0)
+    record = run_one(tmp_path / "run", fault, text_data, tag=f"{os.getpid() % 10000}p{node}")
+    print(json.dumps(record, sort_keys=True))
+    assert not record["violations"], record
+    assert record["ranks_lost"] == [node], record
+    assert record["in_doubt"] and set(record["in_doubt"]) == {"committed"}, record

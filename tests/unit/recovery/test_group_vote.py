@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import pytest
 from daemon_threads import in_daemon_thread
+from group_faults import die_after_hot_vote
 
 from megatron_mecefo.recovery.commit import ABORT_WEIGHT
 from megatron_mecefo.recovery.group_vote import (
@@ -149,14 +150,7 @@ def test_head_dying_after_its_cast_never_splits(store: str, pool: _Daemons) -> N
     not apply the step; the regroup heals it). No node of group 1 sees COMMIT while another
     node's outcome is ABORT."""
     gvs = _job(store, 4)
-    decide = gvs[2]._decide_hot
-
-    def decide_then_die(*a, **k) -> str:
-        decision = decide(*a, **k)
-        gvs[2].own.close()  # the head's node dies between its hot vote and telling its group
-        return decision
-
-    gvs[2]._decide_hot = decide_then_die  # type: ignore[method-assign]
+    die_after_hot_vote(gvs[2])  # the head's node dies between its hot vote and its group
     results = {n: f.result(timeout=30) for n, f in _vote(pool, gvs, 1).items()}
     assert results[0][0] and results[1][0]  # group 0: COMMIT
     assert not results[2][0] and not results[3][0]  # group 1: in doubt, nothing applied

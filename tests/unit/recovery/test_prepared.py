@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List
 import pytest
 import torch
 from daemon_threads import in_daemon_thread
+from group_faults import die_after_hot_vote
 
 from megatron_mecefo.recovery.commit import AsyncVoter, CommitInDoubt, VoteInDoubt, vote
 from megatron_mecefo.recovery.group_vote import GroupStore, GroupVote
@@ -112,14 +113,7 @@ def test_a_split_vote_under_pp2_ends_every_member_at_the_committed_iteration(
             t.reduce(it)
             t.step()
 
-    decide = gvs[2]._decide_hot
-
-    def decide_then_die(*a, **k) -> str:
-        decision = decide(*a, **k)
-        gvs[2].own.close()  # the head's node dies between its hot vote and telling its group
-        return decision
-
-    gvs[2]._decide_hot = decide_then_die  # type: ignore[method-assign]
+    die_after_hot_vote(gvs[2])  # the head's node dies between its hot vote and its group
     results = _iteration(gvs, members, 2)
     assert results == {0: True, 1: True, 2: False, 3: False}
     assert members[3].prepared is not None and members[3].iteration == 1
@@ -439,15 +433,7 @@ def test_the_node_servers_tell_a_split_groups_ranks_in_doubt_with_the_count(stor
             for n in range(4)
         ]
         try:
-            head = servers[2].group
-            decide = head._decide_hot
-
-            def decide_then_die(*a, **k) -> str:
-                decision = decide(*a, **k)
-                head.own.close()  # the head's node dies between its hot vote and its group
-                return decision
-
-            head._decide_hot = decide_then_die  # type: ignore[method-assign]
+            die_after_hot_vote(servers[2].group)  # dies between its hot vote and its group
             clients = {s: NodeVoteClient(f"{d}/n{s}", lambda s: s) for s in members}
             futures = {s: c.start(0, 1, s, sorted(members)) for s, c in clients.items()}
             assert futures[0].result(timeout=30)[0] and futures[1].result(timeout=30)[0]

@@ -7,10 +7,10 @@ ECONNREFUSED revoke. What it models and what it leaves out is in ``docs/protocol
 * A model of today's code must fail: a split vote ends in ``ShardLost`` under PP (C1), and a
   hung group head (or a hung supervisor) wedges the members that wait on it (H1).
 * The issue 54 design as the code has it (a prepared step resolved by the next world with
-  ``prepared.resolve``; every vote wait with a deadline; the sockets of a dead or hung owner's
-  stores shut) should hold in every state, and each half of it is shown to matter. It fails
-  ``agreement`` where a node that applied the step is outside the next world after a takeover
-  (``SPLIT``): those tests are ``xfail(strict=True)`` until the code (and the model) change.
+  ``prepared.resolve``; outcomes claimed on etcd, ``commit.claim``; every vote wait with a
+  deadline; the sockets of a dead or hung owner's stores shut) holds in every state, and each
+  part of it is shown to matter. Without the claims it fails ``agreement``: a node that
+  applied the step is outside the next world after a takeover that lost the count.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import pytest
 from protocol_check import StagedDesign, explore
 
 OLD = dict(prepared=False, deadlines=False)
-NEW = dict(prepared=True, deadlines=True)
+NEW = dict(prepared=True, deadlines=True, claims=True)
+UNCLAIMED = dict(prepared=True, deadlines=True, claims=False)
+"""The design before the outcome claims: the evidence of a commit was on the hot store alone."""
 
 
 def _replay(design: StagedDesign, schedule: Sequence[str]):
@@ -79,6 +81,7 @@ def c1_chain(new: bool) -> List[str]:
         *(
             [
                 "head 0: collector: votes on the hot store (2 of 2)",
+                "head 0: collector: claims commit on etcd",
                 "head 0: collector: sets the commit key; its check finds it; group outcome commit",
             ]
             if new
@@ -147,15 +150,9 @@ def test_old_code_hung_supervisor_in_node_vote_mode_wedges_its_rank() -> None:
 
 
 # ---------------------------------------------------------------------------------- the new design
-SPLIT = (
-    "the code's resolution splits the outcome: a node that applied the step is outside the "
-    "next world (dead, or a live spare), the takeover lost the count, so the world aborts it"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=SPLIT)
-def test_new_design_an_applier_that_died_with_the_leader() -> None:
-    """``agreement`` fails (node crashes only; 31,107 states, the shortest trace, 23 steps):
+def test_unclaimed_an_applier_that_died_with_the_leader_splits_the_outcome() -> None:
+    """Why outcomes are claimed on etcd: without the claims, ``agreement`` fails (node
+    crashes only; 31,107 states, the shortest trace, 23 steps):
 
     1-11. both groups vote; head 0's collector completes the count on the hot store (node 0,
         the leader), sets the commit key and its check finds it; node 0 applies the step.
@@ -166,42 +163,47 @@ def test_new_design_an_applier_that_died_with_the_leader() -> None:
         lost hot store). 23. world 1 formed: nobody in [1, 3] applied iteration 1, and the
         resolver's abort on the new store's (empty) counter finds 0 of 2 votes: abort.
 
-    Node 0 applied iteration 1 of generation 0; nodes 1 and 3 drop it. Node 0's state died
-    with it, but nothing in the resolution could tell a commit that one dead node applied from
-    no commit at all: the evidence (the count, the commit key) was on the lost hot store."""
+    Node 0 applied iteration 1 of generation 0; nodes 1 and 3 drop it: the evidence (the
+    count, the commit key) was on the lost hot store. With the claims, node 0's commit stands
+    on etcd before it applies, and world 1's resolver finds it there."""
+    report = explore(StagedDesign(kinds=("node crash",), **UNCLAIMED))
+    report.show()
+    assert report.violation == "agreement"
+    assert "node 0: its group's outcome: commit" in report.trace
+    assert "node 0: crashes" in report.trace
+    assert "resolved abort" in report.trace[-1]
+
+
+def test_unclaimed_an_applier_left_out_as_a_spare_splits_the_outcome() -> None:
+    """Without the claims, ``agreement`` fails in the per-node vote too (groups of 4, node
+    crashes only; 18 steps): node 2's vote completes the count on node 0's hot store and it
+    applies the step. Node 0 (the leader) crashes; node 1 takes over (a restored store: no
+    counter) and publishes generation 1 = [1, 3]: node 2 is alive but a spare (one complete
+    replica). Nodes 1 and 3 are cut off by the takeover (in doubt); world 1's resolution
+    finds no member that applied it and aborts it. Node 2, alive, holds the step."""
+    report = explore(StagedDesign(group_size=4, kinds=("node crash",), **UNCLAIMED))
+    report.show()
+    assert report.violation == "agreement"
+    assert "coordinator 1: publishes generation 1 [1, 3]" in report.trace  # node 2 left out
+    assert "resolved abort" in report.trace[-1]
+
+
+def test_new_design_an_applier_that_died_with_the_leader_is_committed_by_the_next_world() -> None:
+    """The first trace above on the code's design: node 0 claimed the commit on etcd before
+    it applied; world 1's resolver finds the claim and nodes 1 and 3 apply their kept steps."""
     report = explore(StagedDesign(kinds=("node crash",), **NEW))
     report.show()
     assert report.violation is None, report.trace
-
-
-@pytest.mark.xfail(strict=True, reason=SPLIT)
-def test_new_design_an_applier_left_out_as_a_spare() -> None:
-    """``agreement`` fails in the per-node vote (groups of 4, node crashes only; 5,528 states,
-    18 steps): node 2's vote completes the count on node 0's hot store; it sets the commit key,
-    its check finds it, and it applies the step. Node 0 (the leader) crashes; node 1 takes
-    over (a restored store: no counter) and publishes generation 1 = [1, 3]: node 2 is alive
-    but a spare (one complete replica). Nodes 1 and 3 are cut off by the takeover
-    (``StoreFailedOver``: in doubt, counted 4); world 1's resolution finds no member that
-    applied it and aborts it on the empty counter. Node 2, alive, holds iteration 1 of
-    generation 0 (a spare's state goes stale in the code and is healed on a rejoin)."""
-    report = explore(StagedDesign(group_size=4, kinds=("node crash",), **NEW))
-    report.show()
-    assert report.violation is None, report.trace
+    assert report.complete
 
 
 @pytest.mark.parametrize(
     "config",
     [
-        pytest.param(dict(iterations=1), marks=pytest.mark.xfail(strict=True, reason=SPLIT)),
-        pytest.param(
-            dict(iterations=2),
-            marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=SPLIT)],
-        ),
+        pytest.param(dict(iterations=1)),
+        pytest.param(dict(iterations=2), marks=pytest.mark.slow),
     ],
-    ids=[
-        "PP2xDP2-1-iteration-1-fault",  # agreement after 387,226 states
-        "PP2xDP2-2-iterations-1-fault",
-    ],
+    ids=["PP2xDP2-1-iteration-1-fault", "PP2xDP2-2-iterations-1-fault"],
 )
 def test_new_design_holds_every_invariant_in_every_state(config: dict) -> None:
     report = explore(StagedDesign(**config, **NEW))
@@ -211,7 +213,6 @@ def test_new_design_holds_every_invariant_in_every_state(config: dict) -> None:
     assert report.states > 100_000
 
 
-@pytest.mark.xfail(strict=True, reason=SPLIT)
 def test_new_design_holds_with_the_per_node_vote() -> None:
     report = explore(StagedDesign(group_size=4, **NEW))
     report.show()
@@ -222,7 +223,7 @@ def test_new_design_holds_with_the_per_node_vote() -> None:
 @pytest.mark.slow
 def test_new_design_two_faults_bounded() -> None:
     """A bounded check with 2 faults: the first 3 million states, breadth first, hold every
-    invariant (the whole space is larger; ``SPLIT``'s 23 steps lie deeper than that bound)."""
+    invariant (the whole space is larger)."""
     report = explore(StagedDesign(faults=2, **NEW), max_states=3_000_000)
     report.show()
     assert report.violation is None, report.trace
@@ -231,10 +232,10 @@ def test_new_design_two_faults_bounded() -> None:
 
 def test_new_design_c1_chain_ends_at_the_same_iteration() -> None:
     """The C1 schedule on the new design: node 3 kept its step prepared; world 1's resolution
-    finds that a member (node 1) applied it, so node 3 applies it, and stage 1 heals from
-    itself."""
+    finds the commit claimed on etcd (node 1 applied it too), so node 3 applies it, and stage 1
+    heals from itself."""
     chain = c1_chain(new=True) + [
-        "world 1 formed: (0, 1) resolved commit (a member applied it); healed to iteration 1",
+        "world 1 formed: (0, 1) resolved commit (commit claimed on etcd); healed to iteration 1",
         "the job ends: every member finished",
     ]
     state, found = _replay(StagedDesign(**NEW), chain)
