@@ -162,10 +162,12 @@ def supervised_nodes(
     nnodes: int = 2,
     nproc: int = 2,
     timeout: float = 600,
+    node_env: Optional[Dict[int, Dict[str, str]]] = None,
 ) -> Tuple[List[Optional[int]], str]:
     """Megatron-LM under ``nnodes`` supervisors (one per stand-in node, ``nproc`` ranks each,
-    one pid file), with ``act(procs, logs)`` done to them; every supervisor's session and
-    every rank is killed at the end, by PID. Returns the exit codes and the logs, joined."""
+    one pid file; ``node_env``: more environment for some nodes), with ``act(procs, logs)``
+    done to them; every supervisor's session and every rank is killed at the end, by PID.
+    Returns the exit codes and the logs, joined."""
     procs: List[subprocess.Popen] = []
     logs = [work / f"node{k}.log" for k in range(nnodes)]
     store_file = work / "store0.txt"
@@ -183,7 +185,8 @@ def supervised_nodes(
                 cmd += ["--store", store_file.read_text().strip()]
             cmd += ["--", str(LAUNCHER), "--megatron-lm-dir", str(tree), *CPU_GPT, *argv]
             procs.append(subprocess.Popen(
-                cmd, env=child_env(), stdout=open(logs[node], "w"), stderr=subprocess.STDOUT,
+                cmd, env=child_env(**(node_env or {}).get(node, {})),
+                stdout=open(logs[node], "w"), stderr=subprocess.STDOUT,
                 start_new_session=True, cwd=work,
             ))  # fmt: skip
         act(procs, logs)

@@ -390,3 +390,28 @@ def test_node0_lost_under_etcd(megatron_lm: Path, tmp_path: Path, etcd: EtcdClus
     assert "loading checkpoint" not in real
     schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
     assert sorted(int(v.split(":")[0]) for v in schedule) == [0, 1], schedule
+
+
+@pytest.mark.slow
+def test_leader_dead_after_its_claim_leaves_the_step_prepared_under_etcd(
+    megatron_lm: Path, tmp_path: Path, etcd: EtcdCluster
+) -> None:
+    """Two supervisors (2 ranks each, DP4), ``--store-mode etcd``: node 0 (the leader) dies
+    at a point of the vote (``MECEFO_TEST_DIE_AT=after-claim:5``: the first iteration from 5
+    on whose count its node vote completes, right after the commit is claimed on etcd and
+    before the commit key). Nobody applied the step; ranks 2 and 3 keep it prepared, node 1
+    takes over, the next world finds the commit claimed, and Megatron-LM's ranks apply their
+    kept step in the re-entered ``pretrain()`` (the adapter's ``apply_prepared_step``), to
+    the parameters of the simulated run that drops replicas 0 and 1 after that iteration."""
+    argv = ["--train-iters", "30"]
+    save = tmp_path / "real"
+    rc, real = supervised_nodes(
+        megatron_lm, [*argv, *MECEFO, "--save", str(save)], tmp_path,
+        ["--store-mode", "etcd", "--etcd", ",".join(etcd.endpoints), "--replace", "never"],
+        lambda procs, logs: None, node_env={0: {"MECEFO_TEST_DIE_AT": "after-claim:5"}},
+    )  # fmt: skip
+    assert rc == [-9, 0], real[-6000:]
+    assert "in doubt on 2 rank(s), was committed: they apply their kept step" in real, real[-6000:]
+    assert "loading checkpoint" not in real
+    schedule = _check_against_simulated(megatron_lm, real, save, tmp_path, argv)
+    assert sorted(int(v.split(":")[0]) for v in schedule) == [0, 1], schedule
