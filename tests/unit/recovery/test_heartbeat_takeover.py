@@ -26,6 +26,7 @@ from typing import Any, Tuple
 
 import pytest
 import torch.distributed as dist
+from coordinator_setup import coordinator_over
 
 from megatron_mecefo.recovery import store_etcd
 from megatron_mecefo.recovery.abort import GenerationWatchdog, WorldAborter
@@ -164,15 +165,7 @@ def test_silent_node_is_declared_dead_after_one_timeout(store: str) -> None:
     two timeouts: 13 s under Slurm at a 6 s timeout). A silent rank whose supervisor beats
     is only asked killed, and its supervisor's report is awaited as before."""
     timeout = 6.0
-    cfg = RecoveryConfig(store=store, heartbeat_interval_s=0.5, heartbeat_timeout_s=timeout)
-    ms = MembershipStore.connect(store)
-    for slot, supervisor in ((2, "1@lost:11"), (3, "1@lost:11"), (4, "2@alive:12")):
-        ms.mark_ready(slot, 0, {"pid": 100 + slot, "supervisor": supervisor})
-        ms.heartbeat(slot, 0)
-    for supervisor in ("1@lost:11", "2@alive:12"):
-        ms.supervisor_heartbeat(supervisor)
-    coord = Coordinator(MembershipStore.connect(store), 8, cfg, log=lambda line: None)
-    coord._rescan()
+    ms, coord = coordinator_over(store, timeout, {2: "1@lost:11", 3: "1@lost:11", 4: "2@alive:12"})
 
     def node_2_beats() -> None:
         ms.supervisor_heartbeat("2@alive:12")

@@ -28,10 +28,9 @@ from typing import Iterator, List
 
 import pytest
 from conftest import REPO, child_env
+from coordinator_setup import coordinator_over
 from daemon_threads import in_daemon_thread
 
-from megatron_mecefo.recovery.config import RecoveryConfig
-from megatron_mecefo.recovery.coordinator import Coordinator
 from megatron_mecefo.recovery.group_vote import STORE_KEY, GroupVote
 from megatron_mecefo.recovery.membership import Generation, MembershipStore
 from megatron_mecefo.recovery.node_vote import NodeVoteClient, NodeVoteLost
@@ -92,15 +91,7 @@ def test_ranks_of_a_hung_supervisor_are_declared_dead(store: str) -> None:
     declared, and the ranks waited for their supervisor's vote for ever. While the job stops
     (a signal), a silent supervisor is no failure."""
     timeout = 6.0
-    cfg = RecoveryConfig(store=store, heartbeat_interval_s=0.5, heartbeat_timeout_s=timeout)
-    ms = MembershipStore.connect(store)
-    for slot, supervisor in ((2, "1@hung:11"), (3, "1@hung:11"), (4, "2@alive:12")):
-        ms.mark_ready(slot, 0, {"pid": 100 + slot, "supervisor": supervisor})
-        ms.heartbeat(slot, 0)
-    for supervisor in ("1@hung:11", "2@alive:12"):
-        ms.supervisor_heartbeat(supervisor)
-    coord = Coordinator(MembershipStore.connect(store), 8, cfg, log=lambda line: None)
-    coord._rescan()
+    ms, coord = coordinator_over(store, timeout, {2: "1@hung:11", 3: "1@hung:11", 4: "2@alive:12"})
 
     def beats() -> None:  # every rank beats; only node 2's supervisor does
         for slot in (2, 3, 4):
