@@ -192,7 +192,10 @@ def claim(ms: MembershipStore, generation: int, iteration: int, outcome: str) ->
     evidence that lasts, and ``outcome`` stands as proposed."""
     if not claims_outcomes(ms):
         return outcome == COMMIT
-    return ms.store.compare_set(_outcome_key(generation, iteration), "", outcome).decode() == COMMIT
+    # A commit's claim also deletes the claim before it, in the same etcd transaction: every
+    # member applied iteration - 1 before it voted for this one, so none resolves it later.
+    forget = _outcome_key(generation, iteration - 1) if outcome == COMMIT else None
+    return ms.store.claim(_outcome_key(generation, iteration), outcome, forget) == COMMIT
 
 
 def _commit(ms: MembershipStore, generation: int, iteration: int) -> bool:
@@ -251,12 +254,9 @@ def _outcome(
 
 def forget(ms: MembershipStore, generation: int, iteration: int) -> None:
     """Delete the vote keys of ``iteration`` (its outcome is known to every member: each
-    voted for the next one after applying it), and its claim on etcd (etcd mode): etcd holds
-    a claim or two, not one per iteration of the run."""
-    keys = [_votes_key(generation, iteration), _commit_key(generation, iteration)]
-    if claims_outcomes(ms):
-        keys.append(_outcome_key(generation, iteration))
-    for key in keys:
+    voted for the next one after applying it). Its claim on etcd went with the next
+    iteration's (:func:`claim`)."""
+    for key in (_votes_key(generation, iteration), _commit_key(generation, iteration)):
         ms.store.delete_key(key)
 
 

@@ -141,6 +141,11 @@ def op_get(key: bytes) -> Any:
     return rpc.RequestOp(request_range=rpc.RangeRequest(key=key))
 
 
+def op_delete(key: bytes) -> Any:
+    """Delete ``key`` (in a txn; nothing if it is absent)."""
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
+
+
 def op_delete_prefix(prefix: bytes) -> Any:
     """Delete every key that starts with ``prefix`` (in a txn)."""
     req = rpc.DeleteRangeRequest(key=prefix, range_end=prefix_end(prefix))

@@ -338,14 +338,18 @@ class EtcdStore(ForwardingStore):
                     ) from None
 
     # ------------------------------------------------------------------ etcd first
-    def _etcd_write(self, key: str, value: str, create: bool = False) -> Optional[str]:
-        """Write ``<prefix>/kv/<key>`` (``create``: only if absent; returns what stands),
-        fenced on the term that published this client's store (pinned: the leader's own
-        term) and, in a rank, on its incarnation not being declared dead."""
+    def _etcd_write(
+        self, key: str, value: str, create: bool = False, delete: Optional[str] = None
+    ) -> Optional[str]:
+        """Write ``<prefix>/kv/<key>`` (``create``: only if absent; returns what stands; and
+        with the write, in the same transaction, delete ``kv/<delete>``), fenced on the term
+        that published this client's store (pinned: the leader's own term) and, in a rank, on
+        its incarnation not being declared dead."""
         from megatron_mecefo.recovery.etcd_control import Fenced as TermFenced
         from megatron_mecefo.recovery.etcd_transport import (
             cmp_create,
             cmp_version,
+            op_delete,
             op_get,
             op_put,
             txn_kv,
@@ -353,6 +357,7 @@ class EtcdStore(ForwardingStore):
 
         c = self.control
         k = c.key(f"kv/{key}")
+        writes = [op_put(k, value)] + ([op_delete(c.key(f"kv/{delete}"))] if delete else [])
         own = [cmp_version(k, 0)] if create else []
         me = own_incarnation()
         dead = c.key(f"kv/dead/{me[0]}/{me[1]}") if me is not None else None
@@ -361,7 +366,7 @@ class EtcdStore(ForwardingStore):
             client = self._client
             if self.pinned is not None:
                 try:
-                    r = c._fenced_txn(f"write {key}", own, [op_put(k, value)], [op_get(k)])
+                    r = c._fenced_txn(f"write {key}", own, writes, [op_get(k)])
                 except TermFenced as err:
                     raise Fenced(str(err)) from None
                 if r.succeeded:
@@ -373,7 +378,7 @@ class EtcdStore(ForwardingStore):
             r = c.conn.txn(
                 f"write {key}",
                 [cmp_create(lead, self.term)] + alive + own,
-                [op_put(k, value)],
+                writes,
                 reads,
             )
             if r.succeeded:
@@ -416,10 +421,12 @@ class EtcdStore(ForwardingStore):
             self._etcd_write(key, text)
         self._call("set", key, value)
 
-    def delete_key(self, key: str) -> bool:
-        if key.startswith("outcome/"):  # a claim whose step every member applied (commit.forget)
-            self.control.conn.delete(self.control.key(f"kv/{key}"))
-        return self._call("delete_key", key)
+    def claim(self, key: str, outcome: str, forget: Optional[str] = None) -> str:
+        """Create ``key`` (an ``outcome/`` claim, :func:`.commit.claim`) on etcd if absent, and
+        with it delete the claim ``forget`` (every member applied that step); returns the
+        outcome that stands. Fenced as every durable write; on etcd only (no reader looks for
+        it on the hot store: a new leader's store is restored from etcd)."""
+        return self._etcd_write(key, outcome, create=True, delete=forget) or outcome
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         if key.startswith("outcome/") and expected == "":

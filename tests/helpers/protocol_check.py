@@ -1506,7 +1506,7 @@ class _ModelStore:
         self._d: Dict[str, object] = dict(items)
         self.outcomes = outcomes
         """With claims (``EtcdStore.claims_outcomes``): the model's etcd ``outcome/`` keys,
-        by (generation, iteration); ``compare_set`` of an ``outcome/`` key creates one."""
+        by (generation, iteration), created by :meth:`claim`."""
         self.claims_outcomes = outcomes is not None
 
     def items(self) -> tuple:
@@ -1525,10 +1525,18 @@ class _ModelStore:
         self._d[key] = int(self._d.get(key, 0)) + amount
         return int(self._d[key])
 
+    def claim(self, key: str, outcome: str, forget: Optional[str] = None) -> str:
+        """``EtcdStore.claim``: create the claim if absent (the first stands), and with it
+        delete the claim ``forget``."""
+        assert self.outcomes is not None
+        g, i = (int(v) for v in key.split("/")[1:])
+        if (g, i) not in self.outcomes:
+            self.outcomes[(g, i)] = outcome
+            if forget is not None:
+                self.outcomes.pop(tuple(int(v) for v in forget.split("/")[1:]), None)
+        return self.outcomes[(g, i)]
+
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        if self.outcomes is not None and key.startswith("outcome/") and expected == "":
-            g, i = (int(v) for v in key.split("/")[1:])
-            return self.outcomes.setdefault((g, i), desired).encode()  # etcd: first stands
         current = self._d.get(key)
         if (current is None and expected == "") or current == expected:
             self._d[key] = desired
@@ -2115,7 +2123,10 @@ class StagedDesign(Design):
             e = st.etcd
             if e.leader >= 0 and e.term == t:
                 claims = dict(e.outcomes)
-                standing = claims.setdefault((g, i), COMMIT)
+                if (g, i) not in claims:  # created, and the claim before it deleted with it
+                    claims[(g, i)] = COMMIT
+                    claims.pop((g, i - 1), None)
+                standing = claims[(g, i)]
                 after = st._replace(etcd=e._replace(outcomes=tuple(sorted(claims.items()))))
                 if standing == COMMIT:
                     yield "claims commit on etcd", after, "hset", t, None
