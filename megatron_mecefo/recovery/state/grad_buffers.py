@@ -3,19 +3,19 @@
 Megatron-Core's DDP allocates each gradient buffer with ``torch.zeros`` (``_ParamAndGradBuffer``,
 one flat tensor as large as the weights). On the CPU every page of a fresh allocation is
 faulted in and zeroed by the kernel: measured 0.14 s for 0.43 GB (1.6 GiB of state per rank)
-in the survivor's rebuild, about 3 µs per page on this VM, against 0.015 s to zero the same
-bytes already resident; and the old world's buffer, freed just before, cost 0.03 s more to
-unmap. Both grow with the model, so the regroup did. A data-parallel regroup rebuilds the same
-model (a lost replica changes no layer), so its buffers have the same sizes: the survivor
-keeps the old buffers (:func:`take_grad_buffers`, in ``leave``) and the new DDP's ``torch.zeros``
-of the same size and dtype is answered with one of them, zeroed in place
-(:class:`GradBufferReuse`, a ``TorchFunctionMode`` around the model's construction). Megatron's
-own code is not changed.
+in a DP2 survivor's rebuild, about 1.3 µs per 4 KiB page on this VM, against 0.015 s to zero
+the same bytes already resident; and the old world's buffer, freed just before, cost 0.03 s
+more to unmap. Both grow with the model, so the regroup did. A data-parallel regroup rebuilds
+the same model (a lost replica changes no layer), so its buffers have the same sizes: the
+survivor keeps the old buffers (:func:`take_grad_buffers`, in ``leave``), and the new DDP's
+``torch.zeros`` of the same size and dtype is answered with one of them, zeroed in place
+(:class:`GradBufferReuse`, a ``TorchFunctionMode`` around the model's construction).
+Megatron's own code is not changed.
 
 The memory bound holds: the old buffer is dropped by the old world anyway, and it is never
-kept next to a new one. A request that no kept buffer fits (another layout: the distributed
-optimizer pads buckets to the data-parallel size) frees every kept buffer before it allocates;
-what is left unused when the construction ends is freed then.
+kept next to a new one. A request that no kept buffer fits (another layout) frees every kept
+buffer before it allocates; what is left unused when the construction ends is freed then. The
+distributed optimizer's buffers are not kept (their padding follows the data-parallel size).
 
 CPU only: on a GPU the caching allocator already reuses the freed block without new page
 faults, and an aborted NCCL kernel may still be writing into the old buffer.
