@@ -29,9 +29,9 @@ import gc
 import os
 import time
 from collections import deque
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, Iterator, List, Optional
 
 from megatron_mecefo.recovery import node_vote_host, reporting
 from megatron_mecefo.recovery.abort import GenerationWatchdog, build_aborter, release_megatron
@@ -389,7 +389,16 @@ class RecoverySession:
         if not self.grad_buffers:
             return nullcontext()
         kept, self.grad_buffers = self.grad_buffers, []
-        return GradBufferReuse(kept)  # frees what it did not hand out, on exit
+        return self._reusing(kept)
+
+    @contextmanager
+    def _reusing(self, kept: List[Any]) -> Iterator[None]:
+        """:class:`GradBufferReuse` (frees what it did not hand out, on exit); the count it
+        handed out goes into the record (``grad_buffers_reused``: 0 would be a miss)."""
+        reuse = GradBufferReuse(kept)
+        with reuse:
+            yield
+        self.times["grad_buffers_reused"] = reuse.reused
 
     def metrics_mode(self) -> str:
         return "a" if self.generation > 0 else "w"
