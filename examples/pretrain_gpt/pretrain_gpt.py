@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import nullcontext
 from functools import partial
 from typing import Any, Optional
 
@@ -102,9 +103,12 @@ class Trainer:
         from megatron_mecefo.data import ByteTokenizer
 
         self.tokenizer = ByteTokenizer()  # --tokenizer-type's only choice; sets the vocab
-        self.model_chunks, self.model, self.num_params = building.build_model(
-            args, self.config, device, self.tokenizer.vocab_size
-        )
+        # A survivor's new DDP wrappers take the last world's gradient buffers (no fresh pages).
+        reuse = getattr(recovery, "building_model", None)
+        with reuse() if reuse is not None else nullcontext():
+            self.model_chunks, self.model, self.num_params = building.build_model(
+                args, self.config, device, self.tokenizer.vocab_size
+            )
         self.optimizer, self.scheduler = building.build_optimizer(args, self.config, self.model)
         self.tokens_per_step = args.global_batch_size * args.seq_length
         self.iteration, self.consumed_samples = 0, 0

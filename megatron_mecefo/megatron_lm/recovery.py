@@ -437,7 +437,9 @@ class MegatronLMTrainer:
             # has: the carry or the heal overwrites each weight, so none is initialised.
             args.perform_initialization = False
         try:
-            model, optimizer, scheduler = original(*a, **kw)
+            # A survivor's new DDP wrappers take the last world's gradient buffers.
+            with self.session.building_model():
+                model, optimizer, scheduler = original(*a, **kw)
         finally:
             args.load, args.pretrained_checkpoint = hidden
             if not had_init and hasattr(args, "perform_initialization"):

@@ -72,6 +72,9 @@ def build_record(
     kept = [int(t["carry_kept_bytes"]) for t in times.values() if "carry_kept_bytes" in t]
     if kept:  # carried weights a survivor could not free after copying (state/carry.py)
         rec["carry_kept_bytes"] = max(kept)
+    reused = [int(t["grad_buffers_reused"]) for t in times.values() if "grad_buffers_reused" in t]
+    if reused:  # of the members that kept their gradient buffers, the fewest reused (0: a miss)
+        rec["grad_buffers_reused"] = min(reused)
     roles = {s: t["heal_role"] for s, t in times.items() if t.get("heal_role")}
     if roles:  # the heal by tensors (state/heal.py): who sent, received, only waited
         received = [t for s, t in times.items() if roles.get(s) == "joiner"]

@@ -29,8 +29,9 @@ import gc
 import os
 import time
 from collections import deque
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, Iterator, List, Optional
 
 from megatron_mecefo.recovery import node_vote_host, reporting
 from megatron_mecefo.recovery.abort import GenerationWatchdog, build_aborter, release_megatron
@@ -45,6 +46,7 @@ from megatron_mecefo.recovery.restore import take_over_from_snapshot
 from megatron_mecefo.recovery.state import heal as healing
 from megatron_mecefo.recovery.state.carry import boundary_snapshot, export_state, import_state
 from megatron_mecefo.recovery.state.checksum import state_checksum
+from megatron_mecefo.recovery.state.grad_buffers import GradBufferReuse, free, take_grad_buffers
 from megatron_mecefo.recovery.state.memory import mem_trace, release_unused, written_bytes
 from megatron_mecefo.recovery.state.tensor_stream import stream_config
 from megatron_mecefo.recovery.step_hooks import install_commit_vote
@@ -161,6 +163,8 @@ class RecoverySession:
         self.valid = self.inc == 0
         """Whether this process holds trained state (a joiner or a spare does not)."""
         self.carry: Optional[Dict[str, Any]] = None
+        self.grad_buffers: List[Any] = []
+        """The last world's CPU gradient buffers, for the next model (:meth:`building_model`)."""
         self.boundary: Optional[Dict[str, Any]] = None
         self.schedule: Optional[MembershipSchedule] = None
         self.times: Dict[str, float] = {}
@@ -264,6 +268,8 @@ class RecoverySession:
                 self.valid = False  # a spare's state goes stale; it is healed on rejoin
                 self.carry = None
                 self.prepared = None
+                free(self.grad_buffers)  # nor does a spare hold gradient buffers meanwhile
+                self.grad_buffers = []
                 if self.cfg.orphan == "exit" and self.inc == 0 and number > 0:
                     print(
                         f"> MeCeFO recovery: rank {self.slot} left generation {number}: its "
@@ -374,6 +380,25 @@ class RecoverySession:
         if self.gen is not None and self.gen.number == 0 and self.inc == 0:
             return True
         return self.ms.get_str("progress") is None  # nothing committed: all start from the seed
+
+    def building_model(self) -> AbstractContextManager:
+        """Around the construction of the model's DDP wrappers: their gradient buffers reuse
+        the last world's (same model, same sizes) instead of fresh ``torch.zeros``, whose page
+        faults and the old buffers' unmapping grew a survivor's regroup with the model
+        (:mod:`.state.grad_buffers`). Nothing to reuse: a no-op."""
+        if not self.grad_buffers:
+            return nullcontext()
+        kept, self.grad_buffers = self.grad_buffers, []
+        return self._reusing(kept)
+
+    @contextmanager
+    def _reusing(self, kept: List[Any]) -> Iterator[None]:
+        """:class:`GradBufferReuse` (frees what it did not hand out, on exit); the count it
+        handed out goes into the record (``grad_buffers_reused``: 0 would be a miss)."""
+        reuse = GradBufferReuse(kept)
+        with reuse:
+            yield
+        self.times["grad_buffers_reused"] = reuse.reused
 
     def metrics_mode(self) -> str:
         return "a" if self.generation > 0 else "w"
@@ -723,12 +748,17 @@ class RecoverySession:
             self.watchdog = None
         if self.snapshots is not None:
             self.snapshots.abandon()  # the copy in flight reads tensors released below
+        free(self.grad_buffers)  # a world that failed before its model took them
+        self.grad_buffers = []
         if trainer is not None:
             self.saved_layouts.update(getattr(trainer, "saved_layouts", {}))
             if self.valid and trainer.built:
                 self.carry = export_state(trainer, self.boundary or boundary_snapshot(trainer))
             self.times["exported"] = time.time()
             if trainer.built:
+                # Kept for the next world's model (building_model); release_megatron frees
+                # the buffers it does not take.
+                self.grad_buffers = take_grad_buffers(trainer.model)
                 release_megatron(trainer.model_chunks, trainer.model, trainer.config)
             trainer.release()
         self.times["dropped"] = time.time()

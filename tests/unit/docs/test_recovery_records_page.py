@@ -62,7 +62,8 @@ def _records_from_the_code() -> Dict[str, Dict[str, Any]]:
     ]  # fmt: skip
     times = {
         slot: {**{k: 100.0 + i + slot / 10 for i, k in enumerate(steps)}, "destroy_pg": 0.1,
-               "gc": 0.05, "carry_kept_bytes": 0, "heal_role": role, "heal_bytes": 1 << 20,
+               "gc": 0.05, "carry_kept_bytes": 0, "grad_buffers_reused": 1, "heal_role": role,
+               "heal_bytes": 1 << 20,
                "heal_transfer_s": 0.5, "heal_written_bytes": 1 << 20}
         for slot, role in ((0, "sender"), (1, "joiner"), (2, "bystander"))
     }  # fmt: skip
