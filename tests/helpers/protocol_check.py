@@ -1613,6 +1613,8 @@ class StagedDesign(Design):
             "old code" if not (self.prepared or self.deadlines) else
             f"prepared={self.prepared}, deadlines={self.deadlines}"
         )  # fmt: skip
+        if self.prepared and self.deadlines and not self.claims:
+            which = "new design without the claims"
         self.name = f"staged ({which}; PP{self.pp} x DP{self.dp}, groups of {self.group_size})"
 
     # ------------------------------------------------------------------ interface
