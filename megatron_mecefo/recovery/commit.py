@@ -278,13 +278,17 @@ def _outcome_key(generation: int, iteration: int) -> str:
 
 
 def _superseded(ms: MembershipStore, generation: int, iteration: int) -> bool:
-    """Whether a newer generation ends this one before ``iteration`` is applied: a failure
-    generation, or a planned one whose switch boundary is not after this iteration."""
+    """Whether a newer generation ends this one before ``iteration`` is applied: any failure
+    generation after it, or a planned one whose switch boundary is not after this iteration.
+    Every generation since is read, not only the newest: a rejoin planned at a later boundary
+    can be published right after the failure generation (a warm standby), and the failure
+    still ended this vote (its count can no longer complete: a member died)."""
     number = ms.generation_number()
-    if number == generation:
-        return False
-    gen = ms.generation(number)
-    return gen.at_iteration is None or gen.at_iteration <= iteration
+    for n in range(number, generation, -1):  # the newest first: usually the one that tells
+        gen = ms.generation(n)
+        if gen.at_iteration is None or gen.at_iteration <= iteration:
+            return True
+    return False
 
 
 def vote_after_failover(
