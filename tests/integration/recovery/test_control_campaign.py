@@ -116,7 +116,7 @@ def test_leader_cut_off_inside_its_lease_declares_nobody_dead(
 
 @pytest.mark.parametrize(
     "point, node",
-    [("after-hot-vote", 2), ("after-claim", 0)],
+    [pytest.param("after-hot-vote", 2, marks=pytest.mark.slow), ("after-claim", 0)],
     ids=["head-dies-after-its-group-was-counted", "leader-dies-after-its-claim"],
 )
 def test_a_node_dead_at_a_point_of_the_vote_leaves_its_peers_prepared(

@@ -200,7 +200,7 @@ def test_new_design_an_applier_that_died_with_the_leader_is_committed_by_the_nex
 @pytest.mark.parametrize(
     "config",
     [
-        pytest.param(dict(iterations=1)),
+        pytest.param(dict(iterations=1), marks=pytest.mark.slow),  # 35-55 s; make test-all
         pytest.param(dict(iterations=2), marks=pytest.mark.slow),
     ],
     ids=["PP2xDP2-1-iteration-1-fault", "PP2xDP2-2-iterations-1-fault"],
