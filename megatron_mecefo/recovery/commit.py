@@ -178,19 +178,13 @@ class CommitInDoubt(VoteInDoubt):
     prepared for the next generation's resolution (:mod:`.prepared`)."""
 
 
-def claims_outcomes(ms: MembershipStore) -> bool:
-    """Whether outcomes are claimed on etcd (``--store-mode etcd``: the hot store can be lost
-    with the leader, so its count and commit key are not the evidence that lasts)."""
-    return bool(getattr(ms.store, "claims_outcomes", False))
-
-
 def claim(ms: MembershipStore, generation: int, iteration: int, outcome: str) -> bool:
     """Claim ``outcome`` (COMMIT or ABORT) for ``generation/iteration``; True when COMMIT
     stands. In etcd mode the claim is an etcd create-if-absent of ``outcome/<g>/<i>``: the
     first claim stands for every caller, whatever each proposed (module docstring). With a
     single store (no takeover: the store's loss ends the job) the store's counter is the
     evidence that lasts, and ``outcome`` stands as proposed."""
-    if not claims_outcomes(ms):
+    if not getattr(ms.store, "claims_outcomes", False):  # EtcdStore's: the hot store can be lost
         return outcome == COMMIT
     # A commit's claim also deletes the claim before it, in the same etcd transaction: every
     # member applied iteration - 1 before it voted for this one, so none resolves it later.

@@ -17,7 +17,7 @@ a rank declared dead that still runs (cut off, hung), changes nothing on etcd. A
 fatal message are created, never overwritten: the first writer's stands. A generation goes
 to etcd through :meth:`~.etcd_control.EtcdControl.publish_generation` (fenced on the
 leader's term, ``gen`` == n - 1). The commit vote counts on the hot store, and its outcome is
-claimed on etcd (``outcome/<g>/<i>``, created once, through :meth:`EtcdStore.compare_set`):
+claimed on etcd (``outcome/<g>/<i>``, created once, through :meth:`EtcdStore.claim`):
 the voter that completes a count claims the commit before anyone applies the step, so a world
 formed after a takeover that lost the hot store finds what was decided (:mod:`.commit`,
 :mod:`.prepared`).
@@ -427,13 +427,6 @@ class EtcdStore(ForwardingStore):
         outcome that stands. Fenced as every durable write; on etcd only (no reader looks for
         it on the hot store: a new leader's store is restored from etcd)."""
         return self._etcd_write(key, outcome, create=True, delete=forget) or outcome
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        if key.startswith("outcome/") and expected == "":
-            won = self._etcd_write(key, desired, create=True)
-            self._call("set", key, won or desired)
-            return (won or desired).encode()
-        return self._call("compare_set", key, expected, desired)
 
 
 def restore(control: Any, store: Any) -> int:
