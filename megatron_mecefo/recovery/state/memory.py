@@ -44,6 +44,64 @@ def release_unused() -> bool:
     return True
 
 
+_MADV_POPULATE_WRITE = 23
+"""Linux 5.14+: fault a range in, writable, in one call (no trap per page)."""
+
+PAGE_BYTES = 4096
+
+
+class Prefaulter:
+    """A thread that faults in the pages of a receiver's destinations ahead of the bytes.
+
+    A heal writes every byte of its destinations once, mostly into pages the process never
+    touched (a joiner's weights built without initialisation, its optimizer moments): inline,
+    the receiving thread takes a page fault per 4 KiB and the kernel zeroes each page before
+    the bytes land. Measured here, one 1 GiB gloo receive went at 2.0 GB/s into fresh pages
+    against 5.0 into touched ones. This thread asks the kernel to populate the ranges in
+    order (``madvise(MADV_POPULATE_WRITE)``, a few MiB a call; it runs without the GIL), so
+    the faults overlap the transfer: a 1.3 GB stream into fresh tensors went from 0.71 to
+    0.37-0.42 s, as fast as into touched ones. It populates only memory the transfer is about
+    to write whole, so the resident size at the end is the same. Without the call (a kernel
+    before 5.14, not Linux, a GPU tensor) it does nothing.
+
+    Args:
+        ranges: ``(address, bytes)`` in the order the transfer writes them.
+        chunk_bytes: Bytes per call: how soon it sees :meth:`stop`.
+    """
+
+    def __init__(self, ranges: Any, chunk_bytes: int = 8 << 20) -> None:
+        self.ranges = list(ranges)
+        self.chunk_bytes = chunk_bytes
+        self.populated = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mecefo-prefault", daemon=True)
+
+    def _run(self) -> None:
+        libc = _libc()
+        madvise = getattr(libc, "madvise", None) if libc is not None else None
+        if madvise is None:
+            return
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        for address, nbytes in self.ranges:
+            start = -(-address // PAGE_BYTES) * PAGE_BYTES
+            end = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
+            for at in range(start, end, self.chunk_bytes):
+                if self._stop.is_set():
+                    return
+                n = min(self.chunk_bytes, end - at)
+                if madvise(at, n, _MADV_POPULATE_WRITE) != 0:
+                    return  # EINVAL: the kernel lacks it; the receive faults inline
+                self.populated += n
+
+    def __enter__(self) -> "Prefaulter":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def rss_bytes(pid: str = "self") -> int:
     """Resident set size of ``pid`` (``/proc/<pid>/status`` VmRSS), in bytes."""
     return _status_bytes("VmRSS", pid)

@@ -27,6 +27,7 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_mecefo.recovery.state.checksum import as_bytes, bytes_checksum
+from megatron_mecefo.recovery.state.memory import Prefaulter
 
 MiB = 1 << 20
 
@@ -237,6 +238,9 @@ class StreamStats:
     messages: int = 0
     seconds: float = 0.0
     staging_bytes: int = 0
+    prefaulted_bytes: int = 0
+    """Receiver: of its destinations, the bytes faulted in ahead of the transfer
+    (:class:`.memory.Prefaulter`)."""
 
 
 def _wait(work: Any, timeout_s: float, what: str) -> None:
@@ -372,21 +376,32 @@ def recv_tensors(
             posted.append(post(next_k))
             next_k += 1
 
-    refill()
-    for k, msg in enumerate(plan):
-        work, buf, staged = posted.popleft()
-        _wait(work, config.bucket_timeout_s, f"heal: message {k} of {len(plan)} from rank {src}")
-        if not staged:
-            refill()  # this buffer is the destination itself: keep the link busy meanwhile
-        mine[k] = bytes_checksum(buf).cpu()
-        if staged:
-            at = 0
-            for i, start, n in msg.parts:
-                views[i][start : start + n].copy_(buf[at : at + n])
-                at += n
-            refill()  # the staging bucket is free again
-        stats.bytes += msg.nbytes
-        stats.messages += 1
+    # The destinations' bytes in the order the messages write them, host memory only.
+    ranges = [
+        (views[i][start:].data_ptr(), n)
+        for msg in plan
+        for i, start, n in msg.parts
+        if views[i].device.type == "cpu"
+    ]
+    with Prefaulter(ranges) as prefaulter:
+        refill()
+        for k, msg in enumerate(plan):
+            work, buf, staged = posted.popleft()
+            _wait(
+                work, config.bucket_timeout_s, f"heal: message {k} of {len(plan)} from rank {src}"
+            )
+            if not staged:
+                refill()  # this buffer is the destination itself: keep the link busy meanwhile
+            mine[k] = bytes_checksum(buf).cpu()
+            if staged:
+                at = 0
+                for i, start, n in msg.parts:
+                    views[i][start : start + n].copy_(buf[at : at + n])
+                    at += n
+                refill()  # the staging bucket is free again
+            stats.bytes += msg.nbytes
+            stats.messages += 1
+    stats.prefaulted_bytes = prefaulter.populated
     theirs = torch.zeros(len(plan), 2, dtype=torch.int64)
     _wait(dist.irecv(theirs, src, group=group), config.bucket_timeout_s, "heal: checksums")
     bad = [k for k in range(len(plan)) if not torch.equal(mine[k], theirs[k])]

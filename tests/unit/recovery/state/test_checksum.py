@@ -8,6 +8,7 @@ import torch
 from megatron_mecefo.recovery.state.checksum import (
     BLOCK_WORDS,
     SLICE_BYTES,
+    TAIL_WEIGHT,
     as_bytes,
     bytes_checksum,
     state_checksum,
@@ -18,32 +19,31 @@ from megatron_mecefo.recovery.state.checksum import (
 def _reference(data: torch.Tensor) -> list:
     """The same sums in plain Python integers, modulo 2**64 (the definition)."""
     raw = bytes(data.tolist())
-    mod, plain_total, weighted_total = 1 << 64, 0, 0
-    for s_index, start in enumerate(range(0, len(raw), SLICE_BYTES)):
-        part = raw[start : start + SLICE_BYTES]
-        whole = len(part) - len(part) % 8
-        words = [int.from_bytes(part[i : i + 8], "little", signed=True) for i in range(0, whole, 8)]
-        plain = sum(words)
-        weighted = sum(
+    mod = 1 << 64
+    whole = len(raw) - len(raw) % 8 if data.data_ptr() % 8 == 0 else 0
+    words = [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, whole, 8)]
+    plain = sum(words) + sum(raw[whole:])
+    weighted = (
+        sum(
             sum(words[b : b + BLOCK_WORDS]) * (b // BLOCK_WORDS + 1)
             for b in range(0, len(words), BLOCK_WORDS)
         )
-        tail = part[whole:]
-        plain += sum(tail)
-        weighted += sum(tail) * 7919
-        plain_total += plain
-        weighted_total += weighted * (s_index + 1)
-    signed = [
-        (v % mod) - mod if v % mod >= 1 << 63 else v % mod for v in (plain_total, weighted_total)
-    ]
-    return signed
+        + sum(raw[whole:]) * TAIL_WEIGHT
+    )
+    return [(v % mod) - mod if v % mod >= 1 << 63 else v % mod for v in (plain, weighted)]
 
 
-def test_checksum_equals_its_definition_on_ragged_and_multi_slice_data() -> None:
+def test_checksum_equals_its_definition_on_ragged_and_multi_block_data() -> None:
     g = torch.Generator().manual_seed(0)
     for n in (0, 7, 8, 8 * BLOCK_WORDS + 13, SLICE_BYTES + 4097):
         data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
         assert bytes_checksum(data).tolist() == _reference(data), n
+
+
+def test_an_unaligned_view_is_summed_byte_by_byte_in_bounded_slices() -> None:
+    data = torch.randint(0, 256, (2 * SLICE_BYTES + 9,), dtype=torch.uint8)[1:]
+    assert data.data_ptr() % 8 != 0
+    assert bytes_checksum(data).tolist() == _reference(data)
 
 
 def test_a_changed_byte_and_swapped_blocks_change_the_checksum() -> None:

@@ -1,0 +1,204 @@
+"""Where the heal's bandwidth goes: its tensor stream against gloo's one tensor, side by side.
+
+Two processes on loopback over gloo (``OMP_NUM_THREADS=1``). Rank 0 holds ``--mib`` MiB of
+float32 state in tensors of ``--tensor-mib`` MiB (about one GPT layer's weight at hidden 1024);
+rank 1 receives it. Every repetition runs each mode once, in turn, so the ratios come from the
+same minutes of a noisy machine:
+
+* ``gloo_one_warm`` / ``gloo_one_fresh``: one ``send``/``recv`` of all the bytes as a single
+  tensor, into a buffer whose pages are touched, or allocated just before (untouched: what a
+  joiner's optimizer moments and its weights built without initialisation are);
+* ``stream_warm``: the heal's :func:`send_tensors` / :func:`recv_tensors` (per-message
+  checksums, prefaulting) into touched tensors;
+* ``stream_warm_no_checksum``: the same with the checksum replaced by a constant (what the
+  checksum costs on two cores, where it competes with gloo's own copying);
+* ``stream_fresh``: into tensors allocated just before: the heal's case;
+* ``stream_fresh_no_prefault``: the same without :class:`.memory.Prefaulter` (the heal before
+  it).
+
+Writes ``results/heal_stream.json`` (``--output``) and prints a one-line summary: each mode's
+median seconds and GB/s (1e9 bytes), and its ratio to ``gloo_one_warm``.
+
+Usage (repo root)::
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/heal_stream.py [--mib 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from run_header import run_header  # noqa: E402
+
+MiB = 1 << 20
+MODES = (
+    "gloo_one_warm",
+    "gloo_one_fresh",
+    "stream_warm",
+    "stream_warm_no_checksum",
+    "stream_fresh",
+    "stream_fresh_no_prefault",
+)
+
+
+class _NoPrefault:
+    """Stands in for :class:`.memory.Prefaulter`: populates nothing."""
+
+    populated = 0
+
+    def __init__(self, ranges: Any, chunk_bytes: int = 0) -> None:
+        del ranges, chunk_bytes
+
+    def __enter__(self) -> "_NoPrefault":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def worker(rank: int, port: int, mib: int, tensor_mib: int, reps: int) -> None:
+    """One of the two processes; rank 0 prints the timings as one JSON line."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_mecefo.recovery.state import tensor_stream as ts
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    count = max(1, mib // tensor_mib)
+    numel = tensor_mib * MiB // 4
+    total = count * numel * 4
+    cfg = ts.StreamConfig()
+    mine = [torch.ones(numel) if rank == 0 else torch.zeros(numel) for _ in range(count)]
+    one = torch.ones(count * numel) if rank == 0 else torch.zeros(count * numel)
+    checksum, prefaulter = ts.bytes_checksum, ts.Prefaulter
+
+    def run(mode: str) -> None:
+        ts.bytes_checksum = checksum
+        ts.Prefaulter = prefaulter
+        if mode == "stream_warm_no_checksum":
+            ts.bytes_checksum = lambda data: torch.zeros(2, dtype=torch.int64)
+        if mode == "stream_fresh_no_prefault":
+            ts.Prefaulter = _NoPrefault
+        if mode.startswith("gloo_one"):
+            if rank == 0:
+                dist.send(one, 1)
+            else:
+                dist.recv(one if mode == "gloo_one_warm" else torch.empty(count * numel), 0)
+        elif rank == 0:
+            ts.send_tensors(mine, [1], None, cfg)
+        else:
+            fresh = mode.startswith("stream_fresh")
+            dests = [torch.empty(numel) for _ in range(count)] if fresh else mine
+            ts.recv_tensors(dests, 0, None, cfg)
+
+    times: Dict[str, List[float]] = {m: [] for m in MODES}
+    for rep in range(reps + 1):  # the first round untimed: a warm-up
+        for mode in MODES:
+            dist.barrier()
+            t0 = time.perf_counter()
+            run(mode)
+            dist.barrier()  # both ends done
+            if rep:
+                times[mode].append(time.perf_counter() - t0)
+    if rank == 0:
+        print("HEAL_STREAM_JSON " + json.dumps({"bytes": total, "seconds": times}), flush=True)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(mib: int, tensor_mib: int, reps: int, timeout: float) -> Dict[str, Any]:
+    """Run the two workers; per mode the seconds, the median's GB/s and its ratio to
+    ``gloo_one_warm``."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, __file__, "--worker", "--port", str(port), "--mib", str(mib),
+           "--tensor-mib", str(tensor_mib), "--reps", str(reps)]  # fmt: skip
+    procs = [
+        subprocess.Popen([*cmd, "--rank", str(r)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+        for r in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    line = next((ln for ln in outs[0].splitlines() if ln.startswith("HEAL_STREAM_JSON ")), None)
+    if line is None:
+        raise RuntimeError(f"the workers printed no result:\n{outs[0][-3000:]}{outs[1][-2000:]}")
+    raw = json.loads(line.split(" ", 1)[1])
+    nbytes = raw["bytes"]
+    median: Callable[[str], float] = lambda m: statistics.median(raw["seconds"][m])  # noqa: E731
+    ref = nbytes / median("gloo_one_warm") / 1e9
+    modes = {}
+    for m in MODES:
+        gbps = nbytes / median(m) / 1e9
+        modes[m] = {
+            "seconds": [round(x, 4) for x in raw["seconds"][m]],
+            "median_s": round(median(m), 4),
+            "gbps": round(gbps, 3),
+            "vs_gloo_one_warm": round(gbps / ref, 3),
+        }
+    return {"bytes": nbytes, "modes": modes}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, default=1024, help="state sent, MiB")
+    p.add_argument("--tensor-mib", type=int, default=12, help="size of each tensor, MiB")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--output", default=str(REPO / "results" / "heal_stream.json"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        worker(a.rank, a.port, a.mib, a.tensor_mib, a.reps)
+        return
+    out = run_header("heal_stream")
+    out["config"] = {
+        "ranks": 2,
+        "backend": "gloo on loopback, OMP_NUM_THREADS=1",
+        "mib": a.mib,
+        "tensor_mib": a.tensor_mib,
+        "reps": a.reps,
+        "order": "each repetition runs every mode once, in turn; medians",
+        "bucket_mib": 16,
+    }
+    out.update(measure(a.mib, a.tensor_mib, a.reps, a.timeout))
+    out["machine"]["loadavg_end"] = os.getloadavg()
+    Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.output).write_text(json.dumps(out, indent=1) + "\n")
+    modes = out["modes"]
+    print(
+        f"heal_stream: {a.mib} MiB in {a.tensor_mib} MiB tensors, 2 ranks, gloo; "
+        + "; ".join(
+            f"{m} {v['median_s']} s ({v['gbps']} GB/s, x{v['vs_gloo_one_warm']})"
+            for m, v in modes.items()
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
