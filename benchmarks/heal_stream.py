@@ -7,7 +7,8 @@ same minutes of a noisy machine:
 
 * ``gloo_one_warm`` / ``gloo_one_fresh``: one ``send``/``recv`` of all the bytes as a single
   tensor, into a buffer whose pages are touched, or allocated just before (untouched: what a
-  joiner's optimizer moments and its weights built without initialisation are);
+  joiner's optimizer moments and its weights built without initialisation are; the workers
+  run with a fixed mmap threshold, so that every such buffer is a fresh mapping);
 * ``stream_warm``: the heal's :func:`send_tensors` / :func:`recv_tensors` (per-message
   checksums, prefaulting) into touched tensors;
 * ``stream_warm_no_checksum``: the same with the checksum replaced by a constant (what the
@@ -128,7 +129,10 @@ def measure(mib: int, tensor_mib: int, reps: int, timeout: float) -> Dict[str, A
     """Run the two workers; per mode the seconds, the median's GB/s and its ratio to
     ``gloo_one_warm``."""
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # A fixed mmap threshold: glibc's dynamic one rises after the first free of a 12 MiB
+    # block, and later "fresh" tensors would reuse the freed, still resident heap (warm).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # fmt: skip
     cmd = [sys.executable, __file__, "--worker", "--port", str(port), "--mib", str(mib),
            "--tensor-mib", str(tensor_mib), "--reps", str(reps)]  # fmt: skip
     procs = [
@@ -185,6 +189,7 @@ def main() -> None:
         "reps": a.reps,
         "order": "each repetition runs every mode once, in turn; medians",
         "bucket_mib": 16,
+        "malloc_mmap_threshold": "1 MiB (fixed: every fresh buffer is a new mapping)",
     }
     out.update(measure(a.mib, a.tensor_mib, a.reps, a.timeout))
     out["machine"]["loadavg_end"] = os.getloadavg()

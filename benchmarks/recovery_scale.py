@@ -797,6 +797,10 @@ def analyze(
     after_end = tail.iteration_time(after_it, after=healed_t or 0) if after_it else None
     after_start = (tail.iteration_time(after_it - 1, after=healed_t or 0)
                    if after_it else None)  # fmt: skip
+    if after_start is not None and after_end is not None:
+        # Two log lines read at once carry one stamp: the window would hold no sample. It
+        # spans at least two sampling periods (into the next iteration at most).
+        after_end = max(after_end, after_start + 2 * a.sample_ms / 1000)
     windows = {
         "steady": (steady_start, t_kill),
         "regroup": (t_kill, regroup_end),
