@@ -63,6 +63,9 @@ class _Waiter:
                 job.error = err
             job.finished = True
             job.done.set()
+            # Not kept while this thread waits for the next job: a failed wait's error, through
+            # its traceback, holds the training thread's frames (the failed world's trainer).
+            del job
 
 
 class AbortableWaits:

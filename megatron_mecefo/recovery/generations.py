@@ -20,7 +20,8 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, NoReturn, Optional
+import weakref
+from typing import Any, Callable, List, NoReturn, Optional
 
 from megatron_mecefo.recovery import failures, reporting
 from megatron_mecefo.recovery import records as rec_mod
@@ -87,6 +88,7 @@ def run_recoverable(
     # recovery-phase kills of fault_injection.py: kept when a world fails before its trainer
     # was built.
     recovering = 0
+    earlier: List[weakref.ref] = []  # the trainers of this process's worlds, for the test hook
     while True:
         gen = session.wait_for_membership(after)
         if gen is None:
@@ -98,12 +100,15 @@ def run_recoverable(
             continue
         session.times["arrived"] = time.time()
         trainer, outcome, error = None, "failed", ""
+        report_earlier_trainers(session.slot, earlier)
         try:
             session.injector.phase("world", recovering)
             session.init_world(gen)
             session.times["world"] = time.time()
             session.injector.phase("groups", recovering)
             trainer = make_trainer(session)
+            if os.environ.get(EARLIER_TRAINERS_ENV):
+                earlier.append(weakref.ref(trainer))
             trainer.train()
             outcome = "done"
         except RegroupRequest:
@@ -157,6 +162,23 @@ def run_recoverable(
         trainer = None
         if outcome == "failed":
             session.injector.phase("regroup", failed_iteration)
+
+
+EARLIER_TRAINERS_ENV = "MECEFO_TEST_EARLIER_TRAINERS"
+"""Test hook: set to 1, a rank prints at the start of each world after its first how many
+trainers of its earlier worlds are still alive after a full collection
+(``[mecefo-test] slot=S earlier trainers alive: N``; 0 unless something still holds one: a
+kept exception's traceback did, with the old world's model and activations)."""
+
+
+def report_earlier_trainers(slot: int, earlier: List[weakref.ref]) -> None:
+    """With :data:`EARLIER_TRAINERS_ENV` set and a trainer built before: print how many of
+    ``earlier`` survive ``gc.collect()``."""
+    if not earlier or not os.environ.get(EARLIER_TRAINERS_ENV):
+        return
+    gc.collect()
+    alive = sum(ref() is not None for ref in earlier)
+    print(f"[mecefo-test] slot={slot} earlier trainers alive: {alive}", flush=True)
 
 
 def world_aborted(session: RecoverySession, gen: Generation) -> bool:

@@ -8,6 +8,7 @@ from the same iteration.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from harness import (
     train_records,
 )
 
+from megatron_mecefo.recovery.generations import EARLIER_TRAINERS_ENV
 from megatron_mecefo.recovery.membership import MembershipStore
 
 # Real vs simulated failure, final parameters. The real run all-reduces the same per-replica
@@ -63,6 +65,7 @@ def _kill_and_compare(
     args = _layout(tp, pp, dp, iters, gbs) + ["--optimizer", "sgd", "--lr", "0.05",
                                               "--clip-grad", "0"]  # fmt: skip
     extra = {"MECEFO_TEST_STEP_SLEEP": "0.2"} if replace else {}
+    extra[EARLIER_TRAINERS_ENV] = "1"
     sup = ["--replace", "after:2", "--standby", "1"] if replace else []
     kill = ["--mecefo-kill", f"{rank}:{iteration}:{phase}"]
     check = ["--check-weight-hash-across-dp-replicas-interval", "1"]
@@ -73,6 +76,10 @@ def _kill_and_compare(
         job.stop()
     log = job.log()
     assert "died: SIGKILL" in log
+    # No survivor still holds the failed world's trainer (a kept exception's traceback did,
+    # and with it the old model and the interrupted step's activations).
+    alive = re.findall(r"earlier trainers alive: (\d+)", log)
+    assert alive and set(alive) == {"0"}, alive
     # No survivor waited for the collective backstop (gloo's unwoken send: abortable_waits).
     assert not left_by_timeout(log), left_by_timeout(log)
     failure, *rest = job.records_of("recovery")
