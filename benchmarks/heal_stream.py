@@ -30,10 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +39,7 @@ from typing import Any, Callable, Dict, List
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from recovery_scale import _free_port, run_pair  # noqa: E402
 from run_header import run_header  # noqa: E402
 
 MiB = 1 << 20
@@ -119,12 +117,6 @@ def worker(rank: int, port: int, mib: int, tensor_mib: int, reps: int) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(mib: int, tensor_mib: int, reps: int, timeout: float) -> Dict[str, Any]:
     """Run the two workers; per mode the seconds, the median's GB/s and its ratio to
     ``gloo_one_warm``."""
@@ -135,18 +127,7 @@ def measure(mib: int, tensor_mib: int, reps: int, timeout: float) -> Dict[str, A
            "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # fmt: skip
     cmd = [sys.executable, __file__, "--worker", "--port", str(port), "--mib", str(mib),
            "--tensor-mib", str(tensor_mib), "--reps", str(reps)]  # fmt: skip
-    procs = [
-        subprocess.Popen([*cmd, "--rank", str(r)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-        for r in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+    outs = run_pair(cmd, "--rank", env, timeout)
     line = next((ln for ln in outs[0].splitlines() if ln.startswith("HEAL_STREAM_JSON ")), None)
     if line is None:
         raise RuntimeError(f"the workers printed no result:\n{outs[0][-3000:]}{outs[1][-2000:]}")

@@ -547,29 +547,37 @@ def gloo_worker(rank: int, port: int, sizes_mib: List[int], reps: int) -> None:
     dist.destroy_process_group()
 
 
+def run_pair(cmd: List[str], rank_flag: str, env: Dict[str, str], timeout: float) -> List[str]:
+    """Run ``cmd`` twice, with ``rank_flag`` 0 and 1, in sessions of their own; their output.
+    Both are ended (by process group) whatever happens.
+
+    Raises:
+        subprocess.TimeoutExpired: A worker ran over ``timeout`` seconds.
+    """
+    procs = [
+        subprocess.Popen([*cmd, rank_flag, str(r)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+        for r in (0, 1)
+    ]
+    try:
+        return [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
 def gloo_bandwidth(sizes_mib: List[int], reps: int, timeout: float) -> Dict[str, Any]:
     """gloo between two processes on loopback: one float32 tensor per size, sent with
     send/recv and with broadcast, ``reps`` times each; GB/s (1e9 bytes) of the median."""
     port = _free_port()
     cmd = [sys.executable, __file__, "--gloo-worker", "--gloo-port", str(port),
            "--gloo-sizes-mib", ",".join(map(str, sizes_mib)), "--gloo-reps", str(reps)]  # fmt: skip
-    procs = [
-        subprocess.Popen([*cmd, "--gloo-rank", str(r)], cwd=REPO, env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)  # fmt: skip
-        for r in (0, 1)
-    ]
-    outs = []
     try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
+        outs = run_pair(cmd, "--gloo-rank", _env(), timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
     line = next((ln for ln in outs[0].splitlines() if ln.startswith("GLOO_JSON ")), None)
     if line is None:
         return {"error": outs[0][-2000:]}

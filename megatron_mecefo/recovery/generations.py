@@ -88,7 +88,8 @@ def run_recoverable(
     # recovery-phase kills of fault_injection.py: kept when a world fails before its trainer
     # was built.
     recovering = 0
-    earlier: List[weakref.ref] = []  # the trainers of this process's worlds, for the test hook
+    # The trainers of this process's worlds, kept (weakly) only for the test hook.
+    earlier: Optional[List[weakref.ref]] = [] if os.environ.get(EARLIER_TRAINERS_ENV) else None
     while True:
         gen = session.wait_for_membership(after)
         if gen is None:
@@ -107,7 +108,7 @@ def run_recoverable(
             session.times["world"] = time.time()
             session.injector.phase("groups", recovering)
             trainer = make_trainer(session)
-            if os.environ.get(EARLIER_TRAINERS_ENV):
+            if earlier is not None:
                 earlier.append(weakref.ref(trainer))
             trainer.train()
             outcome = "done"
@@ -171,10 +172,10 @@ trainers of its earlier worlds are still alive after a full collection
 kept exception's traceback did, with the old world's model and activations)."""
 
 
-def report_earlier_trainers(slot: int, earlier: List[weakref.ref]) -> None:
-    """With :data:`EARLIER_TRAINERS_ENV` set and a trainer built before: print how many of
-    ``earlier`` survive ``gc.collect()``."""
-    if not earlier or not os.environ.get(EARLIER_TRAINERS_ENV):
+def report_earlier_trainers(slot: int, earlier: Optional[List[weakref.ref]]) -> None:
+    """With :data:`EARLIER_TRAINERS_ENV` set (``earlier`` a list) and a trainer built before:
+    print how many of ``earlier`` survive ``gc.collect()``."""
+    if not earlier:
         return
     gc.collect()
     alive = sum(ref() is not None for ref in earlier)

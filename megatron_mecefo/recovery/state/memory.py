@@ -50,7 +50,27 @@ _MADV_POPULATE_WRITE = 23
 PAGE_BYTES = 4096
 
 
-class Prefaulter:
+class _Background:
+    """``with`` a subclass: its :meth:`_run` runs on a daemon thread for the block; on exit
+    ``_stop`` is set and the thread joined (``_run`` checks ``_stop`` between its steps)."""
+
+    def __init__(self, name: str) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Prefaulter(_Background):
     """A thread that faults in the pages of a receiver's destinations ahead of the bytes.
 
     A heal writes every byte of its destinations once, mostly into pages the process never
@@ -70,11 +90,10 @@ class Prefaulter:
     """
 
     def __init__(self, ranges: Any, chunk_bytes: int = 8 << 20) -> None:
+        super().__init__("mecefo-prefault")
         self.ranges = list(ranges)
         self.chunk_bytes = chunk_bytes
         self.populated = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mecefo-prefault", daemon=True)
 
     def _run(self) -> None:
         libc = _libc()
@@ -92,14 +111,6 @@ class Prefaulter:
                 if madvise(at, n, _MADV_POPULATE_WRITE) != 0:
                     return  # EINVAL: the kernel lacks it; the receive faults inline
                 self.populated += n
-
-    def __enter__(self) -> "Prefaulter":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def rss_bytes(pid: str = "self") -> int:
@@ -159,26 +170,20 @@ def _status_bytes(field: str, pid: str = "self") -> int:
     return 0
 
 
-class PeakRss:
+class PeakRss(_Background):
     """``with PeakRss() as peak:`` the largest VmRSS a thread sees while the block runs
     (``peak.peak``, bytes; polled every ``interval_s``, and read once more at the end)."""
 
     def __init__(self, interval_s: float = 0.0005) -> None:
+        super().__init__("mecefo-peak-rss")
         self.peak = rss_bytes()
         self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, rss_bytes())
             self._stop.wait(self.interval_s)
 
-    def __enter__(self) -> "PeakRss":
-        self._thread.start()
-        return self
-
     def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
+        super().__exit__(*exc)
         self.peak = max(self.peak, rss_bytes())
