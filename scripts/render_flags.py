@@ -78,6 +78,8 @@ def _default(action: argparse.Action) -> str:
         return "–"
     if action.nargs == 0 and isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
         return "off" if value is False else f"`{value}`"
+    if action.nargs == 0 and isinstance(action, argparse._StoreFalseAction):  # noqa: SLF001
+        return "off" if value is True else f"`{value}`"  # a --no-X switch: not given
     if isinstance(value, bool) and isinstance(action, argparse.BooleanOptionalAction):
         return "on" if value else "off"
     return f"`{value}`"

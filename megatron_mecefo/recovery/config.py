@@ -65,6 +65,11 @@ class RecoveryConfig:
     votes on its head (the group's first live node), which casts one vote on the leader's
     hot store; 0: never. At 2,048 nodes: 64 votes on the hot store, 32 on each head."""
 
+    warm_heap: bool = True
+    """A CPU rank that joins (a replacement, a rejoining node, a spare) faults in a heap block
+    of its slot's state size while it waits for its world, so that its heal writes into
+    resident pages (:mod:`.state.warm_heap`). No effect on GPU ranks."""
+
     records_file: Optional[str] = None
     """JSONL file for the recovery records (also written to the trainer's metrics file)."""
 

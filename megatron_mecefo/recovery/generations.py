@@ -91,6 +91,7 @@ def run_recoverable(
     # The trainers of this process's worlds, kept (weakly) only for the test hook.
     earlier: Optional[List[weakref.ref]] = [] if os.environ.get(EARLIER_TRAINERS_ENV) else None
     while True:
+        session.start_warm_heap()
         gen = session.wait_for_membership(after)
         if gen is None:
             print(f"> MeCeFO recovery: rank {session.slot}: training finished; exiting", flush=True)
@@ -100,6 +101,7 @@ def run_recoverable(
         if not session.rendezvous(gen):
             continue
         session.times["arrived"] = time.time()
+        session.release_warm_heap()
         trainer, outcome, error = None, "failed", ""
         report_earlier_trainers(session.slot, earlier)
         try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import time
 from collections import deque
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -49,6 +50,7 @@ from megatron_mecefo.recovery.state.checksum import state_checksum
 from megatron_mecefo.recovery.state.grad_buffers import GradBufferReuse, free, take_grad_buffers
 from megatron_mecefo.recovery.state.memory import mem_trace, release_unused, written_bytes
 from megatron_mecefo.recovery.state.tensor_stream import stream_config
+from megatron_mecefo.recovery.state.warm_heap import WarmHeap, publish
 from megatron_mecefo.recovery.step_hooks import install_commit_vote
 from megatron_mecefo.recovery.store_forwarding import store_addresses
 from megatron_mecefo.recovery.world_store import BuildAborter, WorldBuildAborted, WorldStore
@@ -211,6 +213,11 @@ class RecoverySession:
         self.trim_after: Optional[int] = None
         """The iteration after which freed memory is given back once more (a new world's
         second step; :meth:`committed`)."""
+        self.warm: Optional[WarmHeap] = None
+        """A joiner's heap block, faulted in while it waits for its world
+        (:meth:`start_warm_heap`)."""
+        self.published_heap = -1
+        """The generation whose state size this rank last published for its slot's joiners."""
         self.saved_layouts: Dict[int, str] = {}
         """Checkpoint iteration -> this rank's position when it saved it (its per-rank files,
         e.g. the low-rank bases, are read back from there by the disk fallback)."""
@@ -270,6 +277,7 @@ class RecoverySession:
                 self.prepared = None
                 free(self.grad_buffers)  # nor does a spare hold gradient buffers meanwhile
                 self.grad_buffers = []
+                self.start_warm_heap()
                 if self.cfg.orphan == "exit" and self.inc == 0 and number > 0:
                     print(
                         f"> MeCeFO recovery: rank {self.slot} left generation {number}: its "
@@ -302,6 +310,24 @@ class RecoverySession:
                 return False
             self.sleep()
         return True
+
+    def start_warm_heap(self) -> None:
+        """A CPU rank without trained state (a joiner, a spare): fault in a heap block of its
+        slot's state size while it waits for its world (:mod:`.state.warm_heap`)."""
+        if self.warm is None and not self.valid and self.cfg.warm_heap and self.backend == "gloo":
+            if getattr(self.args, "device", "cpu") == "cpu":
+                self.warm = WarmHeap.for_slot(self.ms.store, self.slot)
+
+    def release_warm_heap(self) -> None:
+        """Every member arrived: the block goes to the heap, for the model and the heal."""
+        if self.warm is not None:
+            self.times["warm_heap_bytes"] = self.warm.release()
+
+    def close_warm_heap(self) -> None:
+        """After the heal (or a world that failed): the allocator's defaults back."""
+        if self.warm is not None:
+            self.warm.close()
+            self.warm = None
 
     def init_world(self, gen: Generation) -> None:
         import datetime
@@ -462,6 +488,7 @@ class RecoverySession:
             self.fatal(str(err))
         any_heal = [not (ok and it == target) for _, ok, it in infos]
         if any(any_heal):
+            self.times["heal_start"] = time.time()
             self._heal(trainer, plans, plans[tuple(dp_ranks)], target, dp_group)
             if self.args.use_distributed_optimizer:
                 self._regrow(trainer, target, joiner=any_heal[dist.get_rank()])
@@ -469,6 +496,7 @@ class RecoverySession:
             self._check_replicas_identical(trainer, dp_group)
         self.valid = True
         self.carry = None
+        self.close_warm_heap()
         release_unused()  # the carry's and the heal's freed buffers, back to the OS
         self.boundary = boundary_snapshot(trainer)
         if self.schedule is not None and gen.number > 0:
@@ -632,10 +660,16 @@ class RecoverySession:
             src = next((s for s, dsts in mine.items() if me in dsts), None)
             if src is not None:
                 self.injector.phase("heal", target + 1)
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 try:
                     stats = healing.receive_state(trainer, src, dp_group, config)
                 except healing.ChecksumMismatch as err:
                     self.fatal(str(err))
+                # Pages made resident during the receive, by whichever thread: with the warm
+                # heap, few (its destinations were faulted in before the world formed).
+                self.times["heal_page_faults"] = (
+                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+                )
                 healing.mark_done(self.ms.store, prefix, me)
                 self.times["heal_role"] = "joiner"
             else:
@@ -693,6 +727,10 @@ class RecoverySession:
         self.boundary = boundary_snapshot(trainer)
         self.hooks_s.append(time.perf_counter() - t0)
         self.iterations_run += 1
+        if self.published_heap != self.generation and self.cfg.warm_heap:
+            self.published_heap = self.generation
+            if getattr(self.args, "device", "cpu") == "cpu":  # Adam's moments exist now
+                publish(self.ms.store, self.slot, trainer)
         if self.trim_after is not None and trainer.iteration >= self.trim_after:
             self.trim_after = None
             release_unused()
@@ -742,6 +780,7 @@ class RecoverySession:
     def leave(self, trainer: Any, planned: bool) -> None:
         """Keep the state of the last boundary, drop every reference to the world's groups."""
         mem_trace(self.slot, self.inc, "leave", getattr(trainer, "iteration", -1))
+        self.close_warm_heap()
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog_cpu_s += self.watchdog.cpu_s

@@ -171,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="nodes per group of the two-level commit vote (a job of more nodes votes per "
         "group on the hot store; 0: never); every node of a job must pass the same value",
     )
+    p.add_argument(
+        "--no-warm-heap",
+        dest="warm_heap",
+        action="store_false",
+        help="CPU ranks: a joining rank does not fault in its heap while it waits for its world "
+        "(by default it does, and its heal writes into resident pages)",
+    )
     p.add_argument("--records", default=None, help="JSONL file for the recovery records")
     p.add_argument(
         "--max-replacements",
@@ -304,6 +311,7 @@ def validate(args: argparse.Namespace) -> RecoveryConfig:
         orphan=args.orphan,
         join_margin_iterations=args.join_margin,
         vote_group_size=args.vote_group_size,
+        warm_heap=args.warm_heap,
         records_file=os.path.abspath(args.records) if args.records else None,
     ).validate()
 

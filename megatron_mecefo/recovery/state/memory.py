@@ -13,12 +13,13 @@ import ctypes
 import ctypes.util
 import os
 import threading
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Tuple
 
 _LIBC: Optional[ctypes.CDLL] = None
 
 
-def _libc() -> Optional[ctypes.CDLL]:
+def libc() -> Optional[ctypes.CDLL]:
+    """The C library (loaded once), or None where it cannot be loaded."""
     global _LIBC
     if _LIBC is None:
         name = ctypes.util.find_library("c")
@@ -36,8 +37,8 @@ def release_unused() -> bool:
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    libc = _libc()
-    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    c = libc()
+    trim = getattr(c, "malloc_trim", None) if c is not None else None
     if trim is None:
         return False
     trim(0)
@@ -50,7 +51,7 @@ _MADV_POPULATE_WRITE = 23
 PAGE_BYTES = 4096
 
 
-class _Background:
+class Background:
     """``with`` a subclass: its :meth:`_run` runs on a daemon thread for the block; on exit
     ``_stop`` is set and the thread joined (``_run`` checks ``_stop`` between its steps)."""
 
@@ -70,7 +71,7 @@ class _Background:
         self._thread.join()
 
 
-class Prefaulter(_Background):
+class Prefaulter(Background):
     """A thread that faults in the pages of a receiver's destinations ahead of the bytes.
 
     A heal writes every byte of its destinations once, mostly into pages the process never
@@ -94,23 +95,48 @@ class Prefaulter(_Background):
         self.ranges = list(ranges)
         self.chunk_bytes = chunk_bytes
         self.populated = 0
+        self.resident = 0
+        """Bytes found resident already (a warm heap's), left alone."""
 
     def _run(self) -> None:
-        libc = _libc()
-        madvise = getattr(libc, "madvise", None) if libc is not None else None
-        if madvise is None:
-            return
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        for address, nbytes in self.ranges:
-            start = -(-address // PAGE_BYTES) * PAGE_BYTES
-            end = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
-            for at in range(start, end, self.chunk_bytes):
-                if self._stop.is_set():
-                    return
-                n = min(self.chunk_bytes, end - at)
-                if madvise(at, n, _MADV_POPULATE_WRITE) != 0:
-                    return  # EINVAL: the kernel lacks it; the receive faults inline
+        for n, faulted in populate(self.ranges, self.chunk_bytes, self._stop):
+            if faulted:
                 self.populated += n
+            else:
+                self.resident += n
+
+
+def populate(ranges: Any, chunk_bytes: int, stop: threading.Event) -> Iterator[Tuple[int, bool]]:
+    """Fault in the whole pages of ``ranges`` (``(address, bytes)``, in order), writable,
+    ``chunk_bytes`` per ``madvise(MADV_POPULATE_WRITE)`` call; yields ``(bytes, faulted)``
+    per chunk: a chunk already resident (``mincore``) is skipped, since the populate call
+    walks every page even then (measured: 42 ms per resident GiB, against 0.6 for
+    ``mincore``; a heal into a warm heap, :mod:`.warm_heap`, spent that on two cores). Ends
+    early once ``stop`` is set, or at once without the call (a kernel before 5.14)."""
+    c = libc()
+    madvise = getattr(c, "madvise", None) if c is not None else None
+    mincore = getattr(c, "mincore", None) if c is not None else None
+    if madvise is None:
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    vec = ctypes.create_string_buffer(chunk_bytes // PAGE_BYTES + 1)
+    if mincore is not None:
+        mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    for address, nbytes in ranges:
+        start = -(-address // PAGE_BYTES) * PAGE_BYTES
+        end = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
+        for at in range(start, end, chunk_bytes):
+            if stop.is_set():
+                return
+            n = min(chunk_bytes, end - at)
+            pages = n // PAGE_BYTES
+            if mincore is not None and mincore(at, n, vec) == 0:
+                if b"\x00" not in vec.raw[:pages]:  # every page resident (low bit set)
+                    yield n, False
+                    continue
+            if madvise(at, n, _MADV_POPULATE_WRITE) != 0:
+                return  # EINVAL: the kernel lacks it; the pages fault in on first write
+            yield n, True
 
 
 def rss_bytes(pid: str = "self") -> int:
@@ -170,7 +196,7 @@ def _status_bytes(field: str, pid: str = "self") -> int:
     return 0
 
 
-class PeakRss(_Background):
+class PeakRss(Background):
     """``with PeakRss() as peak:`` the largest VmRSS a thread sees while the block runs
     (``peak.peak``, bytes; polled every ``interval_s``, and read once more at the end)."""
 

@@ -49,9 +49,11 @@ class StreamConfig:
     their own, from and into their own storage; smaller ones are packed into a staging bucket
     (a copy on each side)."""
 
-    in_flight: int = 4
+    in_flight: int = 8
     """Messages in flight per receiver: the sender's sends not yet completed, the receiver's
-    receives posted ahead (at most one of them staged)."""
+    receives posted ahead (at most one of them staged, so more cost no memory). gloo sends a
+    message once its receive is posted: measured on loopback, 1 GiB in 12 MiB messages went
+    at 0.84-0.87 of one tensor's bandwidth with 4 in flight, 0.89-0.98 with 8."""
 
     bucket_timeout_s: float = 600.0
     """Deadline of one message; it starts anew with every message, so the whole transfer has

@@ -97,6 +97,18 @@ def test_heal_moves_the_state_to_the_joiner_only(scale_run: Dict[str, Any]) -> N
     assert written["bystander"] < 1 << 20, written
 
 
+def test_the_joiner_heals_into_the_heap_it_faulted_in_while_waiting(
+    scale_run: Dict[str, Any],
+) -> None:
+    """The replacement faulted in a heap block of its slot's published state size while it
+    waited for the rejoin's boundary (state/warm_heap.py): its model and the state it
+    received took those pages, so the receive itself made few pages resident (one per 4 KiB
+    of the heal's bytes without it)."""
+    rejoin = _records(scale_run)[1]
+    assert rejoin["heal_warm_bytes"] >= rejoin["heal_bytes"], rejoin
+    assert rejoin["heal_page_faults"] <= 0.05 * rejoin["heal_bytes"] / 4096, rejoin
+
+
 def _steady(sampler: RssSampler, key: tuple, killed_at: float) -> float:
     """A survivor's steady state: the high-water mark of its steps before the kill
     (iterations 2-5; Adam's moments exist from the first step). A step's own peak is part of

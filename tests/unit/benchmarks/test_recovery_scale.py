@@ -136,7 +136,6 @@ def test_heal_bytes_from_the_record_or_the_parameters() -> None:
 def test_goal_checks() -> None:
     run = {
         "heal_gbps": 0.8,
-        "heal_transfer_vs_gloo_fresh": 0.69,
         "spurious_generations": [],
         "memory": {
             "survivor": {"pids": [1], "peak_ratio": 1.25},
@@ -147,7 +146,6 @@ def test_goal_checks() -> None:
     }
     assert rs.goal_checks(run, gloo_gbps=1.0) == {
         "heal_vs_gloo": True,
-        "heal_transfer_vs_gloo_fresh": False,
         "peak_sender_joiner_bystander": True,
         "survivor_regroup_peak": True,
         "after_heal": False,
@@ -155,7 +153,6 @@ def test_goal_checks() -> None:
     }
     assert rs.goal_checks({"spurious_generations": [3]}, None) == {
         "heal_vs_gloo": None,
-        "heal_transfer_vs_gloo_fresh": None,
         "peak_sender_joiner_bystander": None,
         "survivor_regroup_peak": None,
         "after_heal": None,
@@ -168,3 +165,9 @@ def test_model_sizes_and_the_memory_estimate() -> None:
     assert rs.mlm_params(4, 384, 32) == 7_209_216  # Megatron-LM's own log line
     assert round(rs.estimated_total_gib(2.0, 2), 9) == 7.8
     assert rs.descendants(1, {2: 1, 3: 2, 4: 1, 5: 9}) == [2, 4, 3]
+
+
+def test_the_warm_heap_ab_runs_in_abba_order() -> None:
+    assert rs.ab_order(1) == ["warm", "cold"]
+    assert rs.ab_order(2) == ["warm", "cold", "cold", "warm"]
+    assert rs.ab_order(3) == ["warm", "cold", "cold", "warm", "warm", "cold"]

@@ -1,5 +1,5 @@
 """The heal's prefaulting thread (``recovery/state/memory.py``): it makes a fresh tensor's pages
-resident ahead of the bytes, leaves the data alone, and stops when told."""
+resident ahead of the bytes, leaves resident ones (and the data) alone, and stops when told."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ MiB = 1 << 20
 
 
 def _populate_supported() -> bool:
-    probe = torch.empty(4 * MiB, dtype=torch.uint8)
+    probe = torch.empty(64 * MiB, dtype=torch.uint8)  # above any mmap threshold: fresh
     with Prefaulter([(probe.data_ptr(), probe.numel())]) as p:
         p._thread.join()
     return p.populated > 0
@@ -35,12 +35,15 @@ def test_a_fresh_tensor_becomes_resident_without_its_bytes_changing() -> None:
     assert int(fresh[:: 64 * 1024].sum()) == 0  # anonymous pages read as zeros: untouched
 
 
-def test_written_bytes_survive_and_a_stopped_thread_populates_nothing() -> None:
-    data = torch.arange(8 * MiB, dtype=torch.int64)  # 64 MiB, written
+def test_resident_pages_are_skipped_and_a_stopped_thread_populates_nothing() -> None:
+    data = torch.arange(8 * MiB, dtype=torch.int64)  # 64 MiB, written: resident
     expect = data.clone()
     with Prefaulter([(data.data_ptr(), data.numel() * 8)], chunk_bytes=MiB) as p:
         p._thread.join()
-    assert torch.equal(data, expect)  # populating present pages leaves them as they are
+    assert torch.equal(data, expect)
+    whole = (data.data_ptr() + 64 * MiB) // PAGE_BYTES - -(-data.data_ptr() // PAGE_BYTES)
+    if _populate_supported():  # found resident (mincore): no populate call walked them
+        assert p.resident == whole * PAGE_BYTES and p.populated == 0, (p.resident, p.populated)
     stopped = Prefaulter([(torch.empty(64 * MiB, dtype=torch.uint8).data_ptr(), 64 * MiB)])
     stopped._stop.set()  # told to stop before its first call
     with stopped:
