@@ -136,17 +136,17 @@ class WarmHeap(Background):
     def start(self) -> bool:
         """Route every allocation to the heap, take the block, start faulting it in; False
         (nothing changed) where glibc's ``mallopt`` is missing or the block cannot be had."""
-        libc = self._libc
-        if libc is None or not all(hasattr(libc, f) for f in ("mallopt", "malloc", "free")):
+        c = self._libc
+        if c is None or not all(hasattr(c, f) for f in ("mallopt", "malloc", "free")):
             return False
-        libc.malloc.restype = ctypes.c_void_p
-        libc.malloc.argtypes = [ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
-        libc.mallopt(_M_MMAP_MAX, 0)
-        self._ptr = libc.malloc(self.nbytes)
+        c.malloc.restype = ctypes.c_void_p
+        c.malloc.argtypes = [ctypes.c_size_t]
+        c.free.argtypes = [ctypes.c_void_p]
+        c.mallopt(_M_MMAP_MAX, 0)
+        self._ptr = c.malloc(self.nbytes)
         self._fence = self._fence_above(self._ptr) if self._ptr else None
         if not self._fence:
-            libc.free(self._ptr)
+            c.free(self._ptr)
             self._ptr = None
             self._restore()
             return False
@@ -158,10 +158,10 @@ class WarmHeap(Background):
         not part of the top of the heap, which glibc trims past ``M_TRIM_THRESHOLD`` (an int:
         at most 2 GiB could be kept there). A small request is first served from the free
         chunks below (glibc's caches): sizes grow until one comes from above."""
-        libc, below, size = self._libc, [], 64
+        c, below, size = self._libc, [], 64
         try:
             while size <= 64 << 20:
-                fence = libc.malloc(size)
+                fence = c.malloc(size)
                 if not fence or fence > block:
                     return fence or None
                 below.append(fence)
@@ -169,7 +169,7 @@ class WarmHeap(Background):
             return None
         finally:
             for p in below:
-                libc.free(p)
+                c.free(p)
 
     def _run(self) -> None:
         if self._ptr is not None:
@@ -199,7 +199,7 @@ class WarmHeap(Background):
         self._closed = True
 
     def _restore(self) -> None:
-        libc = self._libc
-        libc.mallopt(_M_MMAP_MAX, DEFAULT_MMAP_MAX)
-        libc.mallopt(_M_MMAP_THRESHOLD, DYNAMIC_MMAP_THRESHOLD)
-        libc.mallopt(_M_TRIM_THRESHOLD, 2 * DYNAMIC_MMAP_THRESHOLD)
+        c = self._libc
+        c.mallopt(_M_MMAP_MAX, DEFAULT_MMAP_MAX)
+        c.mallopt(_M_MMAP_THRESHOLD, DYNAMIC_MMAP_THRESHOLD)
+        c.mallopt(_M_TRIM_THRESHOLD, 2 * DYNAMIC_MMAP_THRESHOLD)
