@@ -591,6 +591,14 @@ def gloo_bandwidth(sizes_mib: List[int], reps: int, timeout: float) -> Dict[str,
     }
 
 
+def adjacent_gloo(a: argparse.Namespace) -> Optional[float]:
+    """gloo's one-tensor send/recv of ``--adjacent-gloo-mib`` right before a run (3 reps,
+    median GB/s): a reference side by side with that run's heal; None with 0."""
+    if not a.adjacent_gloo_mib:
+        return None
+    return gloo_bandwidth([a.adjacent_gloo_mib], 3, timeout=300).get("reference_gbps")
+
+
 # ------------------------------------------------------------------ one supervised run
 
 
@@ -853,6 +861,9 @@ def summarize(runs: List[Dict[str, Any]], gloo: Dict[str, Any]) -> Dict[str, Any
         if run.get("status", "").startswith("skipped"):
             continue
         run["heal_vs_gloo"] = ratio(run.get("heal_gbps"), ref)
+        # Against gloo measured right before this run: the machine's speed drifts by
+        # 15% between minutes (4.1-5.3 GB/s in one session), the denominator with it.
+        run["heal_vs_gloo_adjacent"] = ratio(run.get("heal_gbps"), run.get("gloo_adjacent_gbps"))
         # For reference only: the transfer against gloo's one tensor into a fresh buffer (the
         # joiner's case before its warm heap, state/warm_heap.py).
         run["heal_transfer_vs_gloo_fresh"] = ratio(
@@ -889,7 +900,8 @@ def summary_line(runs: List[Dict[str, Any]], gloo: Dict[str, Any]) -> str:
         peak = max((m["peak_ratio"] for m in mem.values() if m.get("peak_ratio")), default=None)
         parts.append(
             f"{tag}: regroup {r.get('regroup_s')} s, heal {r.get('heal_s')} s "
-            f"({r.get('heal_gbps')} GB/s, x{r.get('heal_vs_gloo')} gloo), peak x{peak}"
+            f"({r.get('heal_gbps')} GB/s, x{r.get('heal_vs_gloo')} gloo, "
+            f"x{r.get('heal_vs_gloo_adjacent')} gloo before it), peak x{peak}"
         )
     return f"recovery_scale: gloo {gloo.get('reference_gbps')} GB/s; " + "; ".join(parts)
 
@@ -1116,6 +1128,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         "warm heap and without (--no-warm-heap), side by side; '' to skip",
     )
     p.add_argument("--warm-heap-ab-pairs", type=int, default=2)
+    p.add_argument(
+        "--adjacent-gloo-mib",
+        type=int,
+        default=1024,
+        help="gloo's one tensor of this size measured again right before each run (its "
+        "heal_vs_gloo_adjacent); 0 to skip",
+    )
     p.add_argument("--gloo-sizes-mib", default="512,1024")
     p.add_argument("--gloo-reps", type=int, default=3)
     p.add_argument("--megatron-lm-dir", default=None)
@@ -1136,7 +1155,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         gloo_worker(a.gloo_rank, a.gloo_port, sizes_mib, a.gloo_reps)
         return
     if a.quick:
-        sizes_mib, a.gloo_reps, a.warm_heap_ab = [256], 1, ""
+        sizes_mib, a.gloo_reps, a.warm_heap_ab, a.adjacent_gloo_mib = [256], 1, "", 0
     if a.warm_heap_ab and a.warm_heap_ab not in SIZES:
         raise SystemExit(
             f"recovery_scale: error: --warm-heap-ab {a.warm_heap_ab}: use one of "
@@ -1223,7 +1242,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                                  f"{a.memory_headroom} x the estimated {est:.1f} GiB (other "
                                  "jobs on the machine)"})  # fmt: skip
                     continue
-                run = {**base, "machine_before": machine, **scale_run(a, trainer, s, dp, tree)}
+                adjacent = adjacent_gloo(a)
+                run = {**base, "machine_before": machine, "gloo_adjacent_gbps": adjacent,
+                       **scale_run(a, trainer, s, dp, tree)}  # fmt: skip
                 runs.append(run)
                 print(f"recovery_scale: {trainer} DP{dp} {s} GiB: {run['status']}; "
                       f"total {run.get('total_s')} s, regroup {run.get('regroup_s')} s, heal "
@@ -1238,7 +1259,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(result["summary"])
 
 
-AB_KEYS = ("heal_s", "heal_gbps", "heal_vs_gloo", "heal_transfer_s", "heal_transfer_gbps",
+AB_KEYS = ("heal_s", "heal_gbps", "heal_vs_gloo", "gloo_adjacent_gbps", "heal_vs_gloo_adjacent",
+           "heal_transfer_s", "heal_transfer_gbps",
            "heal_page_faults", "heal_warm_bytes", "rejoin_build_s", "rejoin_s")  # fmt: skip
 
 
@@ -1260,7 +1282,9 @@ def warm_heap_ab(a: argparse.Namespace, size: str) -> Dict[str, Any]:
         machine = wait_for_machine(int(a.memory_headroom * est * GIB), a.quiet_cores,
                                    a.quiet_wait)  # fmt: skip
         flags = [] if mode == "warm" else ["--no-warm-heap"]
+        adjacent = adjacent_gloo(a)
         run = scale_run(a, "example", size, 2, None, flags, tag=f"_ab{i}_{mode}")
+        run["gloo_adjacent_gbps"] = adjacent
         summarize([run], a.gloo_result)
         kept = {k: run.get(k) for k in AB_KEYS}
         kept["status"], kept["machine_before"] = run["status"], machine
@@ -1270,8 +1294,9 @@ def warm_heap_ab(a: argparse.Namespace, size: str) -> Dict[str, Any]:
               f"{kept['heal_s']} s, transfer {kept['heal_transfer_s']} s, page faults "
               f"{kept['heal_page_faults']}", flush=True)  # fmt: skip
     for mode in ("warm", "cold"):
-        vals = [r["heal_s"] for r in out["runs"][mode] if r.get("heal_s")]
-        out[f"{mode}_heal_s_median"] = statistics.median(vals) if vals else None
+        for key in ("heal_s", "heal_vs_gloo_adjacent"):
+            vals = [r[key] for r in out["runs"][mode] if r.get(key)]
+            out[f"{mode}_{key}_median"] = statistics.median(vals) if vals else None
     w, c = out["warm_heal_s_median"], out["cold_heal_s_median"]
     out["cold_over_warm_heal_s"] = round(c / w, 3) if w and c else None
     return out
