@@ -72,7 +72,7 @@ from goodput import _read_jsonl  # noqa: E402  (a sibling script: complete JSON 
 from recovery_latency import _Tail  # noqa: E402
 from run_header import run_header  # noqa: E402
 
-from megatron_mecefo.recovery.state.memory import rss_bytes  # noqa: E402
+from megatron_mecefo.recovery.state.memory import mem_available, rss_bytes  # noqa: E402
 
 TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
 GIB = 1024**3
@@ -343,15 +343,6 @@ def _rss(pid: int) -> Optional[int]:
         return rss_bytes(str(pid)) or None  # a zombie has no VmRSS
     except OSError:
         return None
-
-
-def mem_available() -> int:
-    """The machine's ``MemAvailable`` in bytes (``/proc/meminfo``)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _busy_jiffies() -> int:
@@ -678,6 +669,7 @@ def scale_run(
            "--init-timeout", str(a.collective_timeout + 60), *supervisor_flags,
            "--", *_trainer_args(trainer, size, dp, iters, tree),
            "--mecefo-kill", f"1:{kill_it}:forward"]  # fmt: skip
+    adjacent = adjacent_gloo(a)  # side by side with this run's heal
     load0 = os.getloadavg()
     t0 = time.time()
     with open(log, "w") as out:
@@ -726,7 +718,8 @@ def scale_run(
     recs = [r for r in _read_jsonl(records) if r.get("type") == "recovery"]
     result: Dict[str, Any] = {
         "trainer": trainer, "size_gib": size, "dp": dp, "status": status,
-        "wall_s": round(wall, 1), "kill": f"1:{kill_it}:forward", "train_iters_cap": iters,
+        "gloo_adjacent_gbps": adjacent, "wall_s": round(wall, 1),
+        "kill": f"1:{kill_it}:forward", "train_iters_cap": iters,
         "loadavg_start_end": [load0, os.getloadavg()], "records": recs,
         "foreign_cpu_cores": sampler.foreign_cores(),
         "min_mem_available_gib": round((sampler.min_available or 0) / GIB, 2),
@@ -1242,9 +1235,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                                  f"{a.memory_headroom} x the estimated {est:.1f} GiB (other "
                                  "jobs on the machine)"})  # fmt: skip
                     continue
-                adjacent = adjacent_gloo(a)
-                run = {**base, "machine_before": machine, "gloo_adjacent_gbps": adjacent,
-                       **scale_run(a, trainer, s, dp, tree)}  # fmt: skip
+                run = {**base, "machine_before": machine, **scale_run(a, trainer, s, dp, tree)}
                 runs.append(run)
                 print(f"recovery_scale: {trainer} DP{dp} {s} GiB: {run['status']}; "
                       f"total {run.get('total_s')} s, regroup {run.get('regroup_s')} s, heal "
@@ -1282,9 +1273,7 @@ def warm_heap_ab(a: argparse.Namespace, size: str) -> Dict[str, Any]:
         machine = wait_for_machine(int(a.memory_headroom * est * GIB), a.quiet_cores,
                                    a.quiet_wait)  # fmt: skip
         flags = [] if mode == "warm" else ["--no-warm-heap"]
-        adjacent = adjacent_gloo(a)
         run = scale_run(a, "example", size, 2, None, flags, tag=f"_ab{i}_{mode}")
-        run["gloo_adjacent_gbps"] = adjacent
         summarize([run], a.gloo_result)
         kept = {k: run.get(k) for k in AB_KEYS}
         kept["status"], kept["machine_before"] = run["status"], machine

@@ -213,6 +213,11 @@ class RecoverySession:
         self.trim_after: Optional[int] = None
         """The iteration after which freed memory is given back once more (a new world's
         second step; :meth:`committed`)."""
+        self.warm_heap = (
+            config.warm_heap and self.backend == "gloo" and getattr(args, "device", "cpu") == "cpu"
+        )
+        """Whether this rank keeps a warm heap for its slot's joiners (:mod:`.state.warm_heap`):
+        CPU ranks only (a GPU's destinations take no page faults)."""
         self.warm: Optional[WarmHeap] = None
         """A joiner's heap block, faulted in while it waits for its world
         (:meth:`start_warm_heap`)."""
@@ -314,9 +319,8 @@ class RecoverySession:
     def start_warm_heap(self) -> None:
         """A CPU rank without trained state (a joiner, a spare): fault in a heap block of its
         slot's state size while it waits for its world (:mod:`.state.warm_heap`)."""
-        if self.warm is None and not self.valid and self.cfg.warm_heap and self.backend == "gloo":
-            if getattr(self.args, "device", "cpu") == "cpu":
-                self.warm = WarmHeap.for_slot(self.ms.store, self.slot)
+        if self.warm_heap and self.warm is None and not self.valid:
+            self.warm = WarmHeap.for_slot(self.ms.store, self.slot)
 
     def release_warm_heap(self) -> None:
         """Every member arrived: the block goes to the heap, for the model and the heal."""
@@ -727,10 +731,9 @@ class RecoverySession:
         self.boundary = boundary_snapshot(trainer)
         self.hooks_s.append(time.perf_counter() - t0)
         self.iterations_run += 1
-        if self.published_heap != self.generation and self.cfg.warm_heap:
-            self.published_heap = self.generation
-            if getattr(self.args, "device", "cpu") == "cpu":  # Adam's moments exist now
-                publish(self.ms.store, self.slot, trainer)
+        if self.warm_heap and self.published_heap != self.generation:
+            self.published_heap = self.generation  # once per world: Adam's moments exist now
+            publish(self.ms.store, self.slot, trainer)
         if self.trim_after is not None and trainer.iteration >= self.trim_after:
             self.trim_after = None
             release_unused()

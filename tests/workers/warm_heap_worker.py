@@ -57,7 +57,7 @@ def state_bytes() -> dict:
 
 
 def heap() -> dict:
-    from megatron_mecefo.recovery.state.memory import release_unused, rss_bytes
+    from megatron_mecefo.recovery.state.memory import mem_available, release_unused, rss_bytes
     from megatron_mecefo.recovery.state.warm_heap import KEY, WarmHeap
 
     out: dict = {}
@@ -95,9 +95,7 @@ def heap() -> dict:
     if capped is not None:
         capped._stop.set()  # do not fault in half the machine
         capped.close()
-    with open("/proc/meminfo") as f:
-        avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
-    out["mem_available"] = avail
+    out["mem_available"] = mem_available()
     return out
 
 

@@ -189,7 +189,17 @@ def mem_trace(slot: int, inc: int, point: str, iteration: int) -> None:
 
 def _status_bytes(field: str, pid: str = "self") -> int:
     """A ``/proc/<pid>/status`` field given in kB, in bytes (0 if absent)."""
-    with open(f"/proc/{pid}/status") as f:
+    return _kb_field(f"/proc/{pid}/status", field)
+
+
+def mem_available() -> int:
+    """The machine's ``MemAvailable`` in bytes (``/proc/meminfo``; 0 if absent)."""
+    return _kb_field("/proc/meminfo", "MemAvailable")
+
+
+def _kb_field(path: str, field: str) -> int:
+    """A ``FIELD: N kB`` line of a ``/proc`` file, in bytes (0 if absent)."""
+    with open(path) as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024

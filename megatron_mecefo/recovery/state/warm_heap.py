@@ -31,7 +31,13 @@ from typing import Any, Iterator, List, Optional
 
 import torch
 
-from megatron_mecefo.recovery.state.memory import PAGE_BYTES, Background, libc, populate
+from megatron_mecefo.recovery.state.memory import (
+    PAGE_BYTES,
+    Background,
+    libc,
+    mem_available,
+    populate,
+)
 
 KEY = "heap/{slot}"
 """Store key: the bytes of the slot's last process's state tensors (:func:`publish`)."""
@@ -91,14 +97,6 @@ def publish(store: Any, slot: int, trainer: Any) -> int:
     return nbytes
 
 
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 class WarmHeap(Background):
     """A block of the heap faulted in by a thread (module docstring).
 
@@ -129,7 +127,7 @@ class WarmHeap(Background):
             return None
         if not raw:
             return None
-        nbytes = min(int(raw), int(MAX_SHARE_OF_AVAILABLE * _mem_available()))
+        nbytes = min(int(raw), int(MAX_SHARE_OF_AVAILABLE * mem_available()))
         heap = cls(nbytes)
         return heap if nbytes >= PAGE_BYTES and heap.start() else None
 
