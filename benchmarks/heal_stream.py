@@ -10,7 +10,9 @@ same minutes of a noisy machine:
   joiner's optimizer moments and its weights built without initialisation are; the workers
   run with a fixed mmap threshold, so that every such buffer is a fresh mapping);
 * ``stream_warm``: the heal's :func:`send_tensors` / :func:`recv_tensors` (per-message
-  checksums, prefaulting) into touched tensors;
+  checksums, prefaulting, messages dealt over two groups: two gloo connections, as the heal
+  does with Megatron's two data-parallel groups) into touched tensors;
+* ``stream_warm_one_connection``: the same over one group;
 * ``stream_warm_no_checksum``: the same with the checksum replaced by a constant (what the
   checksum costs on two cores, where it competes with gloo's own copying);
 * ``stream_fresh``: into tensors allocated just before: the heal's case;
@@ -47,6 +49,7 @@ MODES = (
     "gloo_one_warm",
     "gloo_one_fresh",
     "stream_warm",
+    "stream_warm_one_connection",
     "stream_warm_no_checksum",
     "stream_fresh",
     "stream_fresh_no_prefault",
@@ -76,6 +79,7 @@ def worker(rank: int, port: int, mib: int, tensor_mib: int, reps: int) -> None:
     from megatron_mecefo.recovery.state import tensor_stream as ts
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    second = dist.new_group([0, 1], backend="gloo")  # a connection of its own
     count = max(1, mib // tensor_mib)
     numel = tensor_mib * MiB // 4
     total = count * numel * 4
@@ -91,17 +95,18 @@ def worker(rank: int, port: int, mib: int, tensor_mib: int, reps: int) -> None:
             ts.bytes_checksum = lambda data: torch.zeros(2, dtype=torch.int64)
         if mode == "stream_fresh_no_prefault":
             ts.Prefaulter = _NoPrefault
+        lanes = [] if mode == "stream_warm_one_connection" else [second]
         if mode.startswith("gloo_one"):
             if rank == 0:
                 dist.send(one, 1)
             else:
                 dist.recv(one if mode == "gloo_one_warm" else torch.empty(count * numel), 0)
         elif rank == 0:
-            ts.send_tensors(mine, [1], None, cfg)
+            ts.send_tensors(mine, [1], None, cfg, more_groups=lanes)
         else:
             fresh = mode.startswith("stream_fresh")
             dests = [torch.empty(numel) for _ in range(count)] if fresh else mine
-            ts.recv_tensors(dests, 0, None, cfg)
+            ts.recv_tensors(dests, 0, None, cfg, more_groups=lanes)
 
     times: Dict[str, List[float]] = {m: [] for m in MODES}
     for rep in range(reps + 1):  # the first round untimed: a warm-up

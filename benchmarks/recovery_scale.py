@@ -648,9 +648,11 @@ def scale_run(
     tree: Optional[Path],
     supervisor_flags: Sequence[str] = (),
     tag: str = "",
+    env: Optional[Dict[str, str]] = None,
 ) -> Dict[str, Any]:
     """One supervised run (see the module docstring) and its measurements; ``supervisor_flags``
-    are added to the supervisor's (``tag`` names the run's folder)."""
+    are added to the supervisor's, ``env`` to its environment (``tag`` names the run's
+    folder)."""
     run_dir = Path(a.workdir) / f"{trainer}_dp{dp}_{size}gib{tag}"
     run_dir.mkdir(parents=True, exist_ok=True)
     for f in run_dir.iterdir():
@@ -673,7 +675,7 @@ def scale_run(
     load0 = os.getloadavg()
     t0 = time.time()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out,
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**_env(), **(env or {})}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     sampler = RssSampler(proc.pid, a.sample_ms / 1000, int(a.memory_cap_gib * GIB),
                          int(a.memory_floor_gib * GIB))  # fmt: skip
@@ -787,6 +789,7 @@ def analyze(
         # still faulted in (state/warm_heap.py).
         out["heal_warm_bytes"] = heal.get("heal_warm_bytes")
         out["heal_page_faults"] = heal.get("heal_page_faults")
+        out["heal_link_gbps"] = heal.get("heal_link_gbps")  # with MECEFO_HEAL_LINK_PROBE only
         out["rejoin_build_s"] = heal.get("regroup_steps_s", {}).get("build")
     out["spurious_generations"] = spurious_generations(recs)
     if "store_spurious" in store:
@@ -1122,6 +1125,24 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     p.add_argument("--warm-heap-ab-pairs", type=int, default=2)
     p.add_argument(
+        "--connections-ab",
+        default="1.6",
+        metavar="SIZE",
+        help="after the matrix, the example trainer at DP2 and this size with the heal's "
+        "messages dealt over two connections and over one (MECEFO_HEAL_CONNECTIONS), side by "
+        "side; '' to skip",
+    )
+    p.add_argument("--connections-ab-pairs", type=int, default=2)
+    p.add_argument(
+        "--link-probe",
+        default="1.6",
+        metavar="SIZE",
+        help="after the matrix, the example trainer at DP2 and this size with gloo's one tensor "
+        "also measured between the sender and the joiner, in the job's processes, right before "
+        "the heal (MECEFO_HEAL_LINK_PROBE); '' to skip",
+    )
+    p.add_argument("--link-probe-runs", type=int, default=3)
+    p.add_argument(
         "--adjacent-gloo-mib",
         type=int,
         default=1024,
@@ -1149,11 +1170,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     if a.quick:
         sizes_mib, a.gloo_reps, a.warm_heap_ab, a.adjacent_gloo_mib = [256], 1, "", 0
-    if a.warm_heap_ab and a.warm_heap_ab not in SIZES:
-        raise SystemExit(
-            f"recovery_scale: error: --warm-heap-ab {a.warm_heap_ab}: use one of "
-            f"{', '.join(SIZES)}, or '' to skip"
-        )
+        a.link_probe = a.connections_ab = ""
+    for flag, value in (("--warm-heap-ab", a.warm_heap_ab), ("--link-probe", a.link_probe),
+                        ("--connections-ab", a.connections_ab)):  # fmt: skip
+        if value and value not in SIZES:
+            raise SystemExit(
+                f"recovery_scale: error: {flag} {value}: use one of {', '.join(SIZES)}, "
+                "or '' to skip"
+            )
     a.sizes = a.sizes or ("0.1,0.4" if a.quick else ",".join(SIZES))
     a.dps = a.dps or ("2" if a.quick else "2,4")
     a.trainers = a.trainers or ("example" if a.quick else "example,megatron-lm")
@@ -1245,7 +1269,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                       flush=True)  # fmt: skip
                 _write(result, runs, a)
     if a.warm_heap_ab:
-        result["warm_heap_ab"] = warm_heap_ab(a, a.warm_heap_ab)
+        result["warm_heap_ab"] = side_by_side(a, "warm_heap", a.warm_heap_ab,
+                                              a.warm_heap_ab_pairs)  # fmt: skip
+        _write(result, runs, a)
+    if a.connections_ab:
+        result["connections_ab"] = side_by_side(a, "connections", a.connections_ab,
+                                                a.connections_ab_pairs)  # fmt: skip
+        _write(result, runs, a)
+    if a.link_probe:
+        result["link_probe"] = link_probe(a, a.link_probe)
     _write(result, runs, a)
     print(result["summary"])
 
@@ -1255,39 +1287,85 @@ AB_KEYS = ("heal_s", "heal_gbps", "heal_vs_gloo", "gloo_adjacent_gbps", "heal_vs
            "heal_page_faults", "heal_warm_bytes", "rejoin_build_s", "rejoin_s")  # fmt: skip
 
 
-def ab_order(pairs: int) -> List[str]:
-    """``pairs`` pairs of runs with (``warm``) and without (``cold``), ABBA: a drift of the
+def ab_order(pairs: int, a_name: str = "warm", b_name: str = "cold") -> List[str]:
+    """``pairs`` pairs of runs with (``a_name``) and without (``b_name``), ABBA: a drift of the
     machine over the pairs weighs on both alike."""
-    return ["warm", "cold", "cold", "warm"] * (pairs // 2) + ["warm", "cold"] * (pairs % 2)
+    a, b = a_name, b_name
+    return [a, b, b, a] * (pairs // 2) + [a, b] * (pairs % 2)
 
 
-def warm_heap_ab(a: argparse.Namespace, size: str) -> Dict[str, Any]:
-    """The example trainer at DP2 and ``size``, with the joiner's warm heap and without
-    (``--no-warm-heap``), in the order ABBA (``--warm-heap-ab-pairs`` pairs): side by side."""
-    order = ab_order(a.warm_heap_ab_pairs)
+AB_MODES: Dict[str, Dict[str, Tuple[Tuple[str, ...], Dict[str, str]]]] = {
+    # name -> mode -> (supervisor flags, environment); the first mode is "with"
+    "warm_heap": {"warm": ((), {}), "cold": (("--no-warm-heap",), {})},
+    "connections": {"two": ((), {"MECEFO_HEAL_CONNECTIONS": "2"}),
+                    "one": ((), {"MECEFO_HEAL_CONNECTIONS": "1"})},
+}  # fmt: skip
+
+
+def side_by_side(a: argparse.Namespace, name: str, size: str, pairs: int) -> Dict[str, Any]:
+    """The example trainer at DP2 and ``size`` in the two modes of :data:`AB_MODES` ``name``
+    (the joiner's warm heap or not; the heal over two connections or one), in the order ABBA
+    (``pairs`` pairs): side by side."""
+    modes = AB_MODES[name]
+    first, second = modes
+    order = ab_order(pairs, first, second)
     params = example_params(*SIZES[size][:2])
     est = estimated_total_gib(STATE_BYTES_PER_PARAM * params / GIB, 2)
     out: Dict[str, Any] = {"trainer": "example", "dp": 2, "size_gib": size, "order": order,
-                           "runs": {"warm": [], "cold": []}}  # fmt: skip
+                           "runs": {first: [], second: []}}  # fmt: skip
     for i, mode in enumerate(order):
         machine = wait_for_machine(int(a.memory_headroom * est * GIB), a.quiet_cores,
                                    a.quiet_wait)  # fmt: skip
-        flags = [] if mode == "warm" else ["--no-warm-heap"]
-        run = scale_run(a, "example", size, 2, None, flags, tag=f"_ab{i}_{mode}")
+        flags, env = modes[mode]
+        run = scale_run(a, "example", size, 2, None, flags, tag=f"_{name}{i}_{mode}", env=env)
         summarize([run], a.gloo_result)
         kept = {k: run.get(k) for k in AB_KEYS}
         kept["status"], kept["machine_before"] = run["status"], machine
         kept["joiner_peak_ratio"] = (run.get("memory", {}).get("joiner") or {}).get("peak_ratio")
         out["runs"][mode].append(kept)
-        print(f"recovery_scale: warm heap A/B {i + 1}/{len(order)} ({mode}): heal "
+        print(f"recovery_scale: {name} A/B {i + 1}/{len(order)} ({mode}): heal "
               f"{kept['heal_s']} s, transfer {kept['heal_transfer_s']} s, page faults "
               f"{kept['heal_page_faults']}", flush=True)  # fmt: skip
-    for mode in ("warm", "cold"):
+    for mode in (first, second):
         for key in ("heal_s", "heal_vs_gloo_adjacent"):
             vals = [r[key] for r in out["runs"][mode] if r.get(key)]
-            out[f"{mode}_{key}_median"] = statistics.median(vals) if vals else None
-    w, c = out["warm_heal_s_median"], out["cold_heal_s_median"]
-    out["cold_over_warm_heal_s"] = round(c / w, 3) if w and c else None
+            out[f"{mode}_{key}_median"] = round(statistics.median(vals), 4) if vals else None
+    w, c = out[f"{first}_heal_s_median"], out[f"{second}_heal_s_median"]
+    out[f"{second}_over_{first}_heal_s"] = round(c / w, 3) if w and c else None
+    return out
+
+
+LINK_KEYS = AB_KEYS + ("heal_link_gbps",)
+
+
+def link_probe(a: argparse.Namespace, size: str) -> Dict[str, Any]:
+    """The example trainer at DP2 and ``size``, ``--link-probe-runs`` times, with gloo's one
+    tensor also measured in the job's own processes right before each heal
+    (``MECEFO_HEAL_LINK_PROBE``, ``state/link_probe.py``): the heal against the link as those
+    processes see it, beside the fresh processes' reference."""
+    params = example_params(*SIZES[size][:2])
+    est = estimated_total_gib(STATE_BYTES_PER_PARAM * params / GIB, 2)
+    out: Dict[str, Any] = {"trainer": "example", "dp": 2, "size_gib": size, "probe_reps": 3,
+                           "runs": []}  # fmt: skip
+    for i in range(a.link_probe_runs):
+        machine = wait_for_machine(int(a.memory_headroom * est * GIB), a.quiet_cores,
+                                   a.quiet_wait)  # fmt: skip
+        run = scale_run(a, "example", size, 2, None, (), tag=f"_link{i}",
+                        env={"MECEFO_HEAL_LINK_PROBE": "3"})  # fmt: skip
+        summarize([run], a.gloo_result)
+        kept = {k: run.get(k) for k in LINK_KEYS}
+        kept["status"], kept["machine_before"] = run["status"], machine
+        link = kept.get("heal_link_gbps")
+        kept["heal_vs_link"] = ratio(kept.get("heal_gbps"), link)
+        kept["link_vs_gloo_adjacent"] = ratio(link, kept.get("gloo_adjacent_gbps"))
+        out["runs"].append(kept)
+        print(f"recovery_scale: link probe {i + 1}/{a.link_probe_runs}: heal {kept['heal_s']} s "
+              f"({kept['heal_gbps']} GB/s); gloo in the job {link} GB/s, before the run "
+              f"{kept['gloo_adjacent_gbps']} GB/s", flush=True)  # fmt: skip
+    for key in ("heal_s", "heal_link_gbps", "gloo_adjacent_gbps", "heal_vs_link",
+                "heal_vs_gloo_adjacent", "link_vs_gloo_adjacent"):  # fmt: skip
+        vals = [r[key] for r in out["runs"] if r.get(key)]
+        out[f"{key}_median"] = round(statistics.median(vals), 3) if vals else None
     return out
 
 
@@ -1301,6 +1379,19 @@ def _write(result: Dict[str, Any], runs: List[Dict[str, Any]], a: argparse.Names
         result["summary"] += (
             f"; warm heap A/B at {ab['size_gib']} GiB DP2 (median heal s): "
             f"{ab['warm_heal_s_median']} with, {ab['cold_heal_s_median']} without"
+        )
+    ab = result.get("connections_ab")
+    if ab:
+        result["summary"] += (
+            f"; heal over two connections A/B at {ab['size_gib']} GiB DP2 (median heal s): "
+            f"{ab['two_heal_s_median']} over two, {ab['one_heal_s_median']} over one"
+        )
+    probe = result.get("link_probe")
+    if probe:
+        result["summary"] += (
+            f"; in the job's processes (DP2 {probe['size_gib']} GiB, medians) gloo "
+            f"{probe['heal_link_gbps_median']} GB/s, x{probe['link_vs_gloo_adjacent_median']} "
+            f"of gloo before the run; heal x{probe['heal_vs_link_median']} of it"
         )
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
     Path(a.output).write_text(json.dumps(result, indent=1) + "\n")

@@ -87,6 +87,9 @@ def build_record(
         # the pages their receive still had to fault in.
         rec["heal_warm_bytes"] = sum(int(t.get("warm_heap_bytes", 0)) for t in received)
         rec["heal_page_faults"] = sum(int(t.get("heal_page_faults", 0)) for t in received)
+        links = [float(t["heal_link_gbps"]) for t in received if "heal_link_gbps" in t]
+        if links:  # MECEFO_HEAL_LINK_PROBE (state/link_probe.py): gloo in the job's processes
+            rec["heal_link_gbps"] = min(links)
         transfer = max((t.get("heal_transfer_s", 0.0) for t in received), default=0.0)
         rec["heal_transfer_s"] = round(transfer, 4)
         if transfer > 0:  # bytes into one receiver per second of its transfer

@@ -48,6 +48,8 @@ from megatron_mecefo.recovery.state import heal as healing
 from megatron_mecefo.recovery.state.carry import boundary_snapshot, export_state, import_state
 from megatron_mecefo.recovery.state.checksum import state_checksum
 from megatron_mecefo.recovery.state.grad_buffers import GradBufferReuse, free, take_grad_buffers
+from megatron_mecefo.recovery.state.link_probe import probe_link
+from megatron_mecefo.recovery.state.link_probe import repetitions as link_probe_repetitions
 from megatron_mecefo.recovery.state.memory import mem_trace, release_unused, written_bytes
 from megatron_mecefo.recovery.state.tensor_stream import stream_config
 from megatron_mecefo.recovery.state.warm_heap import WarmHeap, publish
@@ -492,6 +494,12 @@ class RecoverySession:
             self.fatal(str(err))
         any_heal = [not (ok and it == target) for _, ok, it in infos]
         if any(any_heal):
+            # A benchmark's diagnostic (off by default): gloo's one tensor between the first
+            # sender and its joiner, in these processes, before the heal's clock starts.
+            link = probe_link(trainer, plans[tuple(dp_ranks)], dist.get_rank(), dp_group,
+                              link_probe_repetitions())  # fmt: skip
+            if link is not None:
+                self.times["heal_link_gbps"] = link
             self.times["heal_start"] = time.time()
             self._heal(trainer, plans, plans[tuple(dp_ranks)], target, dp_group)
             if self.args.use_distributed_optimizer:
@@ -653,11 +661,12 @@ class RecoverySession:
         config = stream_config(self.cfg.collective_timeout_s)
         prefix = f"heal/{self.generation}"
         t0, written = time.time(), written_bytes()
+        lanes = healing.stream_groups(dp_group, config)
         stats = None
         if me in mine:
             state = export_state(trainer, self.boundary or boundary_snapshot(trainer))
             report = healing.progress_reporter(self.ms.store, f"{prefix}/sent/{me}", 0.5)
-            stats = healing.send_state(state, mine[me], dp_group, config, report)
+            stats = healing.send_state(state, mine[me], dp_group, config, report, lanes)
             del state
             self.times["heal_role"] = "sender"
         else:
@@ -666,7 +675,7 @@ class RecoverySession:
                 self.injector.phase("heal", target + 1)
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 try:
-                    stats = healing.receive_state(trainer, src, dp_group, config)
+                    stats = healing.receive_state(trainer, src, dp_group, config, lanes)
                 except healing.ChecksumMismatch as err:
                     self.fatal(str(err))
                 # Pages made resident during the receive, by whichever thread: with the warm

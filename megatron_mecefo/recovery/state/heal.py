@@ -125,18 +125,23 @@ def send_state(
     group: Any,
     config: StreamConfig,
     on_progress: Optional[Callable[[int, int], None]] = None,
+    more_groups: Sequence[Any] = (),
 ) -> StreamStats:
-    """Send ``state`` (:func:`.carry.export_state`) to the global ranks ``dsts``."""
+    """Send ``state`` (:func:`.carry.export_state`) to the global ranks ``dsts``; the tensors'
+    messages are dealt over ``group`` and ``more_groups`` (:func:`stream_groups`)."""
     import torch.distributed as dist
 
     skeleton, tensors = split_tree(state, config.inline_bytes)
     for dst in dsts:
         dist.send_object_list([skeleton], dst=dst, group=group)
-    return send_tensors(tensors, dsts, group, config, on_progress)
+    return send_tensors(tensors, dsts, group, config, on_progress, more_groups)
 
 
-def receive_state(trainer: Any, src: int, group: Any, config: StreamConfig) -> StreamStats:
-    """Receive the state from global rank ``src`` into ``trainer`` and import it.
+def receive_state(
+    trainer: Any, src: int, group: Any, config: StreamConfig, more_groups: Sequence[Any] = ()
+) -> StreamStats:
+    """Receive the state from global rank ``src`` into ``trainer`` and import it (over the
+    sender's ``group`` and ``more_groups``).
 
     Raises:
         ChecksumMismatch: A message arrived changed (the message names it).
@@ -157,11 +162,33 @@ def receive_state(trainer: Any, src: int, group: Any, config: StreamConfig) -> S
     dests = destinations(skeleton, own, device)
     del own
     try:
-        stats = recv_tensors(dests, src, group, config)
+        stats = recv_tensors(dests, src, group, config, more_groups)
     except ChecksumMismatch as err:
         raise ChecksumMismatch(f"heal of rank {dist.get_rank()} from rank {src}: {err}") from None
     import_state(trainer, fill_tree(skeleton, dests))
     return stats
+
+
+def stream_groups(group: Any, config: StreamConfig) -> List[Any]:
+    """The groups beside ``group`` (a data-parallel group) that a heal's messages are also
+    dealt over, at most ``config.connections - 1``: Megatron's gloo data-parallel group, when
+    ``group`` is a gloo group too, over the same ranks (a second connection between each
+    sender and joiner, made when the world was built). None on NCCL, whose own channels
+    spread a transfer, or without Megatron's gloo groups. Every member computes the same."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if config.connections < 2 or dist.get_backend(group) != "gloo":
+        return []
+    try:
+        other = ps.get_data_parallel_group_gloo()
+    except (AssertionError, RuntimeError):  # built with create_gloo_process_groups=False
+        return []
+    if other is None or other is group or dist.get_backend(other) != "gloo":
+        return []
+    if dist.get_process_group_ranks(other) != dist.get_process_group_ranks(group):
+        return []
+    return [other]
 
 
 def wait_for_heals(
@@ -235,5 +262,6 @@ __all__ = [
     "progress_reporter",
     "receive_state",
     "send_state",
+    "stream_groups",
     "wait_for_heals",
 ]

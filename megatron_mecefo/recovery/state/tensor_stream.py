@@ -9,7 +9,9 @@ Small tensors share a staging bucket; a large one is sent from its own storage i
 the staging memory is one bucket per side (two on the sender, which overlaps a bucket's
 checksum with the previous bucket's send). Every message is waited on with its own deadline,
 so a transfer of any size is bounded per bucket, never as a whole (cf. torchft's process-group
-checkpoint transport, which also pickles only metadata).
+checkpoint transport, which also pickles only metadata). The messages are dealt round robin
+over up to :attr:`StreamConfig.connections` groups of the same ranks, each its own connection:
+one TCP connection's receive path runs on one core at a time.
 
 Each message has a checksum (:mod:`.checksum`), computed on the tensor's device on both sides;
 the sender sends its list at the end and the receiver compares bucket by bucket.
@@ -55,6 +57,15 @@ class StreamConfig:
     message once its receive is posted: measured on loopback, 1 GiB in 12 MiB messages went
     at 0.84-0.87 of one tensor's bandwidth with 4 in flight, 0.89-0.98 with 8."""
 
+    connections: int = 2
+    """Most groups over the same two ranks (each its own gloo connection) that the messages are
+    dealt over, round robin: one TCP connection's receive path runs on one core at a time, and
+    two keep both cores busy. Measured on loopback (``benchmarks/heal_stream.py``), 1 GiB in
+    12 MiB tensors with checksums went at 0.76 of gloo's one tensor over one connection and
+    0.93 over two; the 1.6 GiB heal in the job from 0.44 to 0.39 s (``recovery_scale.py``'s
+    A/B). The session passes Megatron's gloo data-parallel group beside its data-parallel group
+    (:func:`.heal.stream_groups`)."""
+
     bucket_timeout_s: float = 600.0
     """Deadline of one message; it starts anew with every message, so the whole transfer has
     no deadline from its size (the session passes ``--collective-timeout``)."""
@@ -65,12 +76,15 @@ class StreamConfig:
 
 
 def stream_config(bucket_timeout_s: float) -> StreamConfig:
-    """The configuration of a heal: ``MECEFO_HEAL_BUCKET_MB`` overrides the bucket size."""
+    """The configuration of a heal: ``MECEFO_HEAL_BUCKET_MB`` overrides the bucket size,
+    ``MECEFO_HEAL_CONNECTIONS`` the connections (a benchmark's A/B)."""
     mb = float(os.environ.get("MECEFO_HEAL_BUCKET_MB", "16"))
     delay = float(os.environ.get("MECEFO_TEST_HEAL_DELAY_S", "0"))
+    connections = max(1, int(os.environ.get("MECEFO_HEAL_CONNECTIONS", "2")))
     return StreamConfig(
-        bucket_bytes=max(1, int(mb * MiB)), bucket_timeout_s=bucket_timeout_s, delay_s=delay
-    )
+        bucket_bytes=max(1, int(mb * MiB)), bucket_timeout_s=bucket_timeout_s, delay_s=delay,
+        connections=connections,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -268,13 +282,16 @@ def send_tensors(
     group: Any,
     config: StreamConfig,
     on_progress: Optional[Callable[[int, int], None]] = None,
+    more_groups: Sequence[Any] = (),
 ) -> StreamStats:
     """Send ``tensors`` to every global rank of ``dsts``: each receives the same messages, in
-    turn per message, so that no receiver waits for another's whole transfer. The per-message
-    checksums are sent last."""
+    turn per message, so that no receiver waits for another's whole transfer. Message ``k``
+    goes over ``[group, *more_groups][k % n]`` (groups over the same ranks: connections of
+    their own); the per-message checksums go last, over ``group``."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
+    lanes = [group, *more_groups]
     views = [as_bytes(t) for t in tensors]
     plan = plan_messages([v.numel() for v in views], config.bucket_bytes, config.direct_bytes)
     stats = StreamStats()
@@ -312,7 +329,8 @@ def send_tensors(
                 buf[at : at + n].copy_(views[i][start : start + n])
                 at += n
             sums[k] = bytes_checksum(buf).cpu()
-        pending.append((bucket, [dist.isend(buf, dst, group=group) for dst in dsts]))
+        lane = lanes[k % len(lanes)]
+        pending.append((bucket, [dist.isend(buf, dst, group=lane) for dst in dsts]))
         stats.bytes += msg.nbytes * len(dsts)
         stats.messages += 1
         if on_progress is not None:
@@ -329,10 +347,15 @@ class ChecksumMismatch(RuntimeError):
 
 
 def recv_tensors(
-    dests: Sequence[torch.Tensor], src: int, group: Any, config: StreamConfig
+    dests: Sequence[torch.Tensor],
+    src: int,
+    group: Any,
+    config: StreamConfig,
+    more_groups: Sequence[Any] = (),
 ) -> StreamStats:
     """Receive the messages of :func:`send_tensors` from global rank ``src`` into ``dests``
-    and check each message's checksum against the sender's.
+    (over the same ``group`` and ``more_groups``) and check each message's checksum against
+    the sender's.
 
     Raises:
         ChecksumMismatch: Naming the first message that differs.
@@ -340,6 +363,7 @@ def recv_tensors(
     import torch.distributed as dist
 
     t0 = time.perf_counter()
+    lanes = [group, *more_groups]
     views = [as_bytes(t) for t in dests]
     plan = plan_messages([v.numel() for v in views], config.bucket_bytes, config.direct_bytes)
     stats = StreamStats()
@@ -358,13 +382,13 @@ def recv_tensors(
         if is_direct(k):  # straight into the destination
             i, start, n = msg.parts[0]
             buf = views[i][start : start + n]
-            return dist.irecv(buf, src, group=group), buf, False
+            return dist.irecv(buf, src, group=lanes[k % len(lanes)]), buf, False
         if staging is None:
             device = _staging_device(views[msg.parts[0][0]].device, group)
             staging = torch.empty(config.bucket_bytes, dtype=torch.uint8, device=device)
             stats.staging_bytes += config.bucket_bytes
         buf = staging[: msg.nbytes]
-        return dist.irecv(buf, src, group=group), buf, True
+        return dist.irecv(buf, src, group=lanes[k % len(lanes)]), buf, True
 
     posted: Deque[Tuple[Any, torch.Tensor, bool]] = deque()
     next_k = 0

@@ -167,7 +167,10 @@ def test_model_sizes_and_the_memory_estimate() -> None:
     assert rs.descendants(1, {2: 1, 3: 2, 4: 1, 5: 9}) == [2, 4, 3]
 
 
-def test_the_warm_heap_ab_runs_in_abba_order() -> None:
+def test_the_side_by_side_runs_go_in_abba_order() -> None:
     assert rs.ab_order(1) == ["warm", "cold"]
     assert rs.ab_order(2) == ["warm", "cold", "cold", "warm"]
     assert rs.ab_order(3) == ["warm", "cold", "cold", "warm", "warm", "cold"]
+    assert rs.ab_order(2, "two", "one") == ["two", "one", "one", "two"]
+    for modes in rs.AB_MODES.values():  # the first mode is the "with" of the A/B
+        assert len(modes) == 2

@@ -158,6 +158,44 @@ def test_one_sender_two_receivers_bytes_exact_and_bounded_staging() -> None:
         [t.numel() * t.element_size() for t in _state(0)], MiB))  # fmt: skip
 
 
+def _two_connections(rank: int) -> Any:
+    second = dist.new_group([0, 1, 2], backend="gloo")  # every rank creates it
+    lanes: list = []
+    real_isend, real_irecv = dist.isend, dist.irecv
+
+    def isend(buf: torch.Tensor, dst: int, group: Any = None) -> Any:
+        lanes.append(group is second)
+        return real_isend(buf, dst, group=group)
+
+    def irecv(buf: torch.Tensor, src: int, group: Any = None) -> Any:
+        lanes.append(group is second)
+        return real_irecv(buf, src, group=group)
+
+    dist.isend, dist.irecv = isend, irecv
+    try:
+        if rank == 0:
+            send_tensors(_state(0), [1, 2], None, CONFIG, more_groups=[second])
+            return {"lanes": lanes}
+        dests = [torch.zeros_like(t) for t in _state(1)]
+        recv_tensors(dests, 0, None, CONFIG, more_groups=[second])
+        same = all(torch.equal(a, b) for a, b in zip(dests, _state(0), strict=True))
+        return {"equal": same, "lanes": lanes}
+    finally:
+        dist.isend, dist.irecv = real_isend, real_irecv
+
+
+def test_messages_alternate_over_two_connections_and_arrive_exact() -> None:
+    got = _run(3, _two_connections)
+    n = len(plan_messages([t.numel() * t.element_size() for t in _state(0)], MiB))
+    assert n >= 4
+    assert got[1]["equal"] and got[2]["equal"], got
+    # Message k over the second group when k is odd, on both sides; the checksums (the last
+    # send and receive) over the first.
+    expected = [k % 2 == 1 for k in range(n)]
+    assert got[0]["lanes"] == [lane for lane in expected for _ in (1, 2)] + [False, False]
+    assert got[1]["lanes"] == expected + [False] and got[2]["lanes"] == expected + [False]
+
+
 def _corrupted(rank: int) -> Any:
     if rank == 0:
         send_tensors(_state(0), [1], None, CONFIG)
