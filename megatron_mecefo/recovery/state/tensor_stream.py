@@ -61,9 +61,9 @@ class StreamConfig:
     """Most groups over the same two ranks (each its own gloo connection) that the messages are
     dealt over, round robin: one TCP connection's receive path runs on one core at a time, and
     two keep both cores busy. Measured on loopback (``benchmarks/heal_stream.py``), 1 GiB in
-    12 MiB tensors with checksums went at 0.76 of gloo's one tensor over one connection and
-    0.93 over two; the 1.6 GiB heal in the job from 0.44 to 0.39 s (``recovery_scale.py``'s
-    A/B). The session passes Megatron's gloo data-parallel group beside its data-parallel group
+    12 MiB tensors with checksums went at 0.76-0.87 of gloo's one tensor over one connection
+    and 0.93-1.04 over two; the 1.6 GiB heal in the job from 0.44 to 0.40 s (medians of
+    ``recovery_scale.py``'s A/B). The session passes Megatron's gloo data-parallel group beside its data-parallel group
     (:func:`.heal.stream_groups`)."""
 
     bucket_timeout_s: float = 600.0
