@@ -1116,23 +1116,15 @@ def main(argv: Optional[List[str]] = None) -> None:
         default=180.0,
         help="... or after this many seconds (recorded either way)",
     )
-    p.add_argument(
-        "--warm-heap-ab",
-        default="1.6",
-        metavar="SIZE",
-        help="after the matrix, the example trainer at DP2 and this size with the joiner's "
-        "warm heap and without (--no-warm-heap), side by side; '' to skip",
-    )
-    p.add_argument("--warm-heap-ab-pairs", type=int, default=2)
-    p.add_argument(
-        "--connections-ab",
-        default="1.6",
-        metavar="SIZE",
-        help="after the matrix, the example trainer at DP2 and this size with the heal's "
-        "messages dealt over two connections and over one (MECEFO_HEAL_CONNECTIONS), side by "
-        "side; '' to skip",
-    )
-    p.add_argument("--connections-ab-pairs", type=int, default=2)
+    for name, what in AB_HELP.items():
+        p.add_argument(
+            f"--{name}-ab",
+            default="1.6",
+            metavar="SIZE",
+            help=f"after the matrix, the example trainer at DP2 and this size {what}, side by "
+            "side; '' to skip",
+        )
+        p.add_argument(f"--{name}-ab-pairs", type=int, default=2)
     p.add_argument(
         "--link-probe",
         default="1.6",
@@ -1169,10 +1161,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         gloo_worker(a.gloo_rank, a.gloo_port, sizes_mib, a.gloo_reps)
         return
     if a.quick:
-        sizes_mib, a.gloo_reps, a.warm_heap_ab, a.adjacent_gloo_mib = [256], 1, "", 0
-        a.link_probe = a.connections_ab = ""
-    for flag, value in (("--warm-heap-ab", a.warm_heap_ab), ("--link-probe", a.link_probe),
-                        ("--connections-ab", a.connections_ab)):  # fmt: skip
+        sizes_mib, a.gloo_reps, a.adjacent_gloo_mib, a.link_probe = [256], 1, 0, ""
+        for name in AB_MODES:
+            setattr(a, _ab_key(name), "")
+    checked = [(f"--{name}-ab", getattr(a, _ab_key(name))) for name in AB_MODES]
+    for flag, value in [*checked, ("--link-probe", a.link_probe)]:
         if value and value not in SIZES:
             raise SystemExit(
                 f"recovery_scale: error: {flag} {value}: use one of {', '.join(SIZES)}, "
@@ -1268,14 +1261,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                                   for k, v in run.get("memory", {}).items() if v["pids"]),
                       flush=True)  # fmt: skip
                 _write(result, runs, a)
-    if a.warm_heap_ab:
-        result["warm_heap_ab"] = side_by_side(a, "warm_heap", a.warm_heap_ab,
-                                              a.warm_heap_ab_pairs)  # fmt: skip
-        _write(result, runs, a)
-    if a.connections_ab:
-        result["connections_ab"] = side_by_side(a, "connections", a.connections_ab,
-                                                a.connections_ab_pairs)  # fmt: skip
-        _write(result, runs, a)
+    for name in AB_MODES:
+        key = _ab_key(name)
+        if getattr(a, key):
+            pairs = getattr(a, key + "_pairs")
+            result[key] = side_by_side(a, name, getattr(a, key), pairs)
+            _write(result, runs, a)
     if a.link_probe:
         result["link_probe"] = link_probe(a, a.link_probe)
     _write(result, runs, a)
@@ -1295,11 +1286,49 @@ def ab_order(pairs: int, a_name: str = "warm", b_name: str = "cold") -> List[str
 
 
 AB_MODES: Dict[str, Dict[str, Tuple[Tuple[str, ...], Dict[str, str]]]] = {
-    # name -> mode -> (supervisor flags, environment); the first mode is "with"
-    "warm_heap": {"warm": ((), {}), "cold": (("--no-warm-heap",), {})},
+    # name (its flag --NAME-ab) -> mode -> (supervisor flags, environment); the first is "with"
+    "warm-heap": {"warm": ((), {}), "cold": (("--no-warm-heap",), {})},
     "connections": {"two": ((), {"MECEFO_HEAL_CONNECTIONS": "2"}),
                     "one": ((), {"MECEFO_HEAL_CONNECTIONS": "1"})},
 }  # fmt: skip
+AB_HELP = {
+    "warm-heap": "with the joiner's warm heap and without (--no-warm-heap)",
+    "connections": "with the heal's messages dealt over two connections and over one "
+    "(MECEFO_HEAL_CONNECTIONS)",
+}
+
+
+def _ab_key(name: str) -> str:
+    """The JSON key and argparse attribute of the A/B ``name`` (``warm-heap`` ->
+    ``warm_heap_ab``)."""
+    return name.replace("-", "_") + "_ab"
+
+
+def _side_run(a: argparse.Namespace, size: str, flags: Sequence[str], env: Dict[str, str],
+              tag: str, keys: Sequence[str]) -> Dict[str, Any]:  # fmt: skip
+    """One run of the example trainer at DP2 and ``size`` after the matrix (an A/B's, the
+    link probe's), once the machine is quiet: ``keys`` of its measurements, its status, the
+    machine before it and the joiner's peak."""
+    params = example_params(*SIZES[size][:2])
+    est = estimated_total_gib(STATE_BYTES_PER_PARAM * params / GIB, 2)
+    machine = wait_for_machine(int(a.memory_headroom * est * GIB), a.quiet_cores, a.quiet_wait)
+    run = scale_run(a, "example", size, 2, None, flags, tag=tag, env=env)
+    summarize([run], a.gloo_result)
+    kept = {k: run.get(k) for k in keys}
+    kept["status"], kept["machine_before"] = run["status"], machine
+    kept["joiner_peak_ratio"] = (run.get("memory", {}).get("joiner") or {}).get("peak_ratio")
+    return kept
+
+
+def _medians(
+    rows: Sequence[Dict[str, Any]], keys: Sequence[str], prefix: str = ""
+) -> Dict[str, Any]:
+    """``{prefix}{key}_median`` of each of ``keys`` over ``rows`` (None without a value)."""
+    out: Dict[str, Any] = {}
+    for key in keys:
+        vals = [r[key] for r in rows if r.get(key)]
+        out[f"{prefix}{key}_median"] = round(statistics.median(vals), 4) if vals else None
+    return out
 
 
 def side_by_side(a: argparse.Namespace, name: str, size: str, pairs: int) -> Dict[str, Any]:
@@ -1309,27 +1338,17 @@ def side_by_side(a: argparse.Namespace, name: str, size: str, pairs: int) -> Dic
     modes = AB_MODES[name]
     first, second = modes
     order = ab_order(pairs, first, second)
-    params = example_params(*SIZES[size][:2])
-    est = estimated_total_gib(STATE_BYTES_PER_PARAM * params / GIB, 2)
     out: Dict[str, Any] = {"trainer": "example", "dp": 2, "size_gib": size, "order": order,
                            "runs": {first: [], second: []}}  # fmt: skip
     for i, mode in enumerate(order):
-        machine = wait_for_machine(int(a.memory_headroom * est * GIB), a.quiet_cores,
-                                   a.quiet_wait)  # fmt: skip
         flags, env = modes[mode]
-        run = scale_run(a, "example", size, 2, None, flags, tag=f"_{name}{i}_{mode}", env=env)
-        summarize([run], a.gloo_result)
-        kept = {k: run.get(k) for k in AB_KEYS}
-        kept["status"], kept["machine_before"] = run["status"], machine
-        kept["joiner_peak_ratio"] = (run.get("memory", {}).get("joiner") or {}).get("peak_ratio")
+        kept = _side_run(a, size, flags, env, f"_{_ab_key(name)}{i}_{mode}", AB_KEYS)
         out["runs"][mode].append(kept)
         print(f"recovery_scale: {name} A/B {i + 1}/{len(order)} ({mode}): heal "
               f"{kept['heal_s']} s, transfer {kept['heal_transfer_s']} s, page faults "
               f"{kept['heal_page_faults']}", flush=True)  # fmt: skip
     for mode in (first, second):
-        for key in ("heal_s", "heal_vs_gloo_adjacent"):
-            vals = [r[key] for r in out["runs"][mode] if r.get(key)]
-            out[f"{mode}_{key}_median"] = round(statistics.median(vals), 4) if vals else None
+        out.update(_medians(out["runs"][mode], ("heal_s", "heal_vs_gloo_adjacent"), f"{mode}_"))
     w, c = out[f"{first}_heal_s_median"], out[f"{second}_heal_s_median"]
     out[f"{second}_over_{first}_heal_s"] = round(c / w, 3) if w and c else None
     return out
@@ -1343,18 +1362,10 @@ def link_probe(a: argparse.Namespace, size: str) -> Dict[str, Any]:
     tensor also measured in the job's own processes right before each heal
     (``MECEFO_HEAL_LINK_PROBE``, ``state/link_probe.py``): the heal against the link as those
     processes see it, beside the fresh processes' reference."""
-    params = example_params(*SIZES[size][:2])
-    est = estimated_total_gib(STATE_BYTES_PER_PARAM * params / GIB, 2)
     out: Dict[str, Any] = {"trainer": "example", "dp": 2, "size_gib": size, "probe_reps": 3,
                            "runs": []}  # fmt: skip
     for i in range(a.link_probe_runs):
-        machine = wait_for_machine(int(a.memory_headroom * est * GIB), a.quiet_cores,
-                                   a.quiet_wait)  # fmt: skip
-        run = scale_run(a, "example", size, 2, None, (), tag=f"_link{i}",
-                        env={"MECEFO_HEAL_LINK_PROBE": "3"})  # fmt: skip
-        summarize([run], a.gloo_result)
-        kept = {k: run.get(k) for k in LINK_KEYS}
-        kept["status"], kept["machine_before"] = run["status"], machine
+        kept = _side_run(a, size, (), {"MECEFO_HEAL_LINK_PROBE": "3"}, f"_link{i}", LINK_KEYS)
         link = kept.get("heal_link_gbps")
         kept["heal_vs_link"] = ratio(kept.get("heal_gbps"), link)
         kept["link_vs_gloo_adjacent"] = ratio(link, kept.get("gloo_adjacent_gbps"))
@@ -1362,10 +1373,9 @@ def link_probe(a: argparse.Namespace, size: str) -> Dict[str, Any]:
         print(f"recovery_scale: link probe {i + 1}/{a.link_probe_runs}: heal {kept['heal_s']} s "
               f"({kept['heal_gbps']} GB/s); gloo in the job {link} GB/s, before the run "
               f"{kept['gloo_adjacent_gbps']} GB/s", flush=True)  # fmt: skip
-    for key in ("heal_s", "heal_link_gbps", "gloo_adjacent_gbps", "heal_vs_link",
-                "heal_vs_gloo_adjacent", "link_vs_gloo_adjacent"):  # fmt: skip
-        vals = [r[key] for r in out["runs"] if r.get(key)]
-        out[f"{key}_median"] = round(statistics.median(vals), 3) if vals else None
+    out.update(_medians(out["runs"], ("heal_s", "heal_link_gbps", "gloo_adjacent_gbps",
+                                      "heal_vs_link", "heal_vs_gloo_adjacent",
+                                      "link_vs_gloo_adjacent")))  # fmt: skip
     return out
 
 
@@ -1374,18 +1384,15 @@ def _write(result: Dict[str, Any], runs: List[Dict[str, Any]], a: argparse.Names
     result["cross_size"] = summarize(runs, result["gloo"])
     result["machine"]["loadavg_end"] = os.getloadavg()
     result["summary"] = summary_line(runs, result["gloo"])
-    ab = result.get("warm_heap_ab")
-    if ab:
-        result["summary"] += (
-            f"; warm heap A/B at {ab['size_gib']} GiB DP2 (median heal s): "
-            f"{ab['warm_heal_s_median']} with, {ab['cold_heal_s_median']} without"
-        )
-    ab = result.get("connections_ab")
-    if ab:
-        result["summary"] += (
-            f"; heal over two connections A/B at {ab['size_gib']} GiB DP2 (median heal s): "
-            f"{ab['two_heal_s_median']} over two, {ab['one_heal_s_median']} over one"
-        )
+    for name, modes in AB_MODES.items():
+        ab = result.get(_ab_key(name))
+        if ab:
+            first, second = modes
+            result["summary"] += (
+                f"; {name} A/B at {ab['size_gib']} GiB DP2 (median heal s): "
+                f"{ab[f'{first}_heal_s_median']} {first}, {ab[f'{second}_heal_s_median']} "
+                f"{second}"
+            )
     probe = result.get("link_probe")
     if probe:
         result["summary"] += (

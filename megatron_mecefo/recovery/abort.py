@@ -30,12 +30,14 @@ def release_megatron(chunks: Iterable[Any], ddp_models: Iterable[Any], config: A
     traverse), its bucket maps, and the hooks stored on the TransformerConfig."""
     import torch
 
+    from megatron_mecefo.recovery.state.grad_buffers import ddp_buffers
+
     for ddp in ddp_models:
         # The gradient buffers die with the world (nothing carries them), but an interrupted
         # backward's graph keeps DDP's hooks, and through them the buckets, alive past the
         # world's end (seen: a failure in the backward kept a whole gradient buffer resident
         # through the next generation). Free their memory now, whoever still refers to them.
-        for buffer in [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]:
+        for buffer in ddp_buffers([ddp]):
             grad_data = getattr(buffer, "grad_data", None)
             if isinstance(grad_data, torch.Tensor) and grad_data.untyped_storage().resizable():
                 grad_data.untyped_storage().resize_(0)

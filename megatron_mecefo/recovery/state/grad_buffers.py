@@ -23,7 +23,7 @@ faults, and an aborted NCCL kernel may still be writing into the old buffer.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional
+from typing import Any, Iterable, Iterator, List, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -44,6 +44,13 @@ def _whole(tensor: torch.Tensor) -> bool:
     )
 
 
+def ddp_buffers(ddp_models: Iterable[Any]) -> Iterator[Any]:
+    """The gradient buffers of Megatron DDP wrappers (dense, then expert-parallel)."""
+    for ddp in ddp_models:
+        yield from getattr(ddp, "buffers", None) or []
+        yield from getattr(ddp, "expert_parallel_buffers", None) or []
+
+
 def take_grad_buffers(ddp_models: Iterable[Any]) -> List[torch.Tensor]:
     """The CPU gradient buffers of ``ddp_models`` (Megatron DDP wrappers), for the next world's
     model (:class:`GradBufferReuse`). Each buffer's ``grad_data`` is detached from its buffer
@@ -51,14 +58,13 @@ def take_grad_buffers(ddp_models: Iterable[Any]) -> List[torch.Tensor]:
     The old buckets' and parameters' views still refer to the memory; nothing writes through
     them once the world is aborted (its backward never resumes)."""
     kept: List[torch.Tensor] = []
-    for ddp in ddp_models:
-        for buffer in [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]:
-            grad = getattr(buffer, "grad_data", None)
-            if getattr(buffer, "param_data", None) is not None:
-                continue  # the distributed optimizer: the layout depends on the world's size
-            if isinstance(grad, torch.Tensor) and grad.device.type == "cpu" and _whole(grad):
-                kept.append(grad.detach())
-                buffer.grad_data = None
+    for buffer in ddp_buffers(ddp_models):
+        grad = getattr(buffer, "grad_data", None)
+        if getattr(buffer, "param_data", None) is not None:
+            continue  # the distributed optimizer: the layout depends on the world's size
+        if isinstance(grad, torch.Tensor) and grad.device.type == "cpu" and _whole(grad):
+            kept.append(grad.detach())
+            buffer.grad_data = None
     return kept
 
 

@@ -24,6 +24,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from megatron_mecefo.recovery.state.grad_buffers import ddp_buffers
+
 ENV = "MECEFO_HEAL_LINK_PROBE"
 """Set to the number of repetitions (e.g. 3) to measure; unset or 0: no probe."""
 
@@ -39,12 +41,8 @@ def repetitions() -> int:
 def probe_buffer(trainer: Any) -> Optional[torch.Tensor]:
     """The largest CPU gradient buffer of ``trainer``'s model (megatron-core DDP's
     ``grad_data``), or None without one."""
-    found: List[torch.Tensor] = []
-    for ddp in getattr(trainer, "model", None) or []:
-        for buffer in getattr(ddp, "buffers", []) or []:
-            grad = getattr(buffer, "grad_data", None)
-            if isinstance(grad, torch.Tensor) and grad.device.type == "cpu":
-                found.append(grad)
+    grads = (getattr(b, "grad_data", None) for b in ddp_buffers(getattr(trainer, "model", [])))
+    found = [g for g in grads if isinstance(g, torch.Tensor) and g.device.type == "cpu"]
     return max(found, key=lambda t: t.numel() * t.element_size(), default=None)
 
 

@@ -63,8 +63,8 @@ class StreamConfig:
     two keep both cores busy. Measured on loopback (``benchmarks/heal_stream.py``), 1 GiB in
     12 MiB tensors with checksums went at 0.76-0.87 of gloo's one tensor over one connection
     and 0.93-1.04 over two; the 1.6 GiB heal in the job from 0.44 to 0.40 s (medians of
-    ``recovery_scale.py``'s A/B). The session passes Megatron's gloo data-parallel group beside its data-parallel group
-    (:func:`.heal.stream_groups`)."""
+    ``recovery_scale.py``'s A/B). The session passes Megatron's gloo data-parallel group
+    beside its data-parallel group (:func:`.heal.stream_groups`)."""
 
     bucket_timeout_s: float = 600.0
     """Deadline of one message; it starts anew with every message, so the whole transfer has

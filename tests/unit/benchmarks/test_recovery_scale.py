@@ -174,3 +174,11 @@ def test_the_side_by_side_runs_go_in_abba_order() -> None:
     assert rs.ab_order(2, "two", "one") == ["two", "one", "one", "two"]
     for modes in rs.AB_MODES.values():  # the first mode is the "with" of the A/B
         assert len(modes) == 2
+    assert set(rs.AB_HELP) == set(rs.AB_MODES)  # each A/B has its flag
+    assert rs._ab_key("warm-heap") == "warm_heap_ab"  # the JSON key the docs name
+
+
+def test_medians_skip_runs_without_the_value() -> None:
+    rows = [{"heal_s": 0.4}, {"heal_s": None}, {"heal_s": 0.5}, {"heal_s": 0.3}, {}]
+    assert rs._medians(rows, ["heal_s", "x"], "two_") == {"two_heal_s_median": 0.4,
+                                                          "two_x_median": None}  # fmt: skip
