@@ -30,7 +30,7 @@ import os
 import resource
 import time
 from collections import deque
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict
 from typing import Any, Deque, Dict, Iterator, List, Optional
 
@@ -50,7 +50,12 @@ from megatron_mecefo.recovery.state.checksum import state_checksum
 from megatron_mecefo.recovery.state.grad_buffers import GradBufferReuse, free, take_grad_buffers
 from megatron_mecefo.recovery.state.link_probe import probe_link
 from megatron_mecefo.recovery.state.link_probe import repetitions as link_probe_repetitions
-from megatron_mecefo.recovery.state.memory import mem_trace, release_unused, written_bytes
+from megatron_mecefo.recovery.state.memory import (
+    mapped_allocations,
+    mem_trace,
+    release_unused,
+    written_bytes,
+)
 from megatron_mecefo.recovery.state.tensor_stream import stream_config
 from megatron_mecefo.recovery.state.warm_heap import WarmHeap, publish
 from megatron_mecefo.recovery.step_hooks import install_commit_vote
@@ -417,11 +422,16 @@ class RecoverySession:
         """Around the construction of the model's DDP wrappers: their gradient buffers reuse
         the last world's (same model, same sizes) instead of fresh ``torch.zeros``, whose page
         faults and the old buffers' unmapping grew a survivor's regroup with the model
-        (:mod:`.state.grad_buffers`). Nothing to reuse: a no-op."""
-        if not self.grad_buffers:
-            return nullcontext()
-        kept, self.grad_buffers = self.grad_buffers, []
-        return self._reusing(kept)
+        (:mod:`.state.grad_buffers`). A survivor's new parameters, replaced by the carried
+        storage at once, are mapped on their own (:func:`.state.memory.mapped_allocations`), so
+        they leave no holes in the heap."""
+        stack = ExitStack()
+        if self.carry is not None and not self.takeover_pending:
+            stack.enter_context(mapped_allocations())
+        if self.grad_buffers:
+            kept, self.grad_buffers = self.grad_buffers, []
+            stack.enter_context(self._reusing(kept))
+        return stack
 
     @contextmanager
     def _reusing(self, kept: List[Any]) -> Iterator[None]:

@@ -32,22 +32,18 @@ from typing import Any, Iterator, List, Optional
 import torch
 
 from megatron_mecefo.recovery.state.memory import (
+    M_MMAP_MAX,
     PAGE_BYTES,
     Background,
     libc,
     mem_available,
     populate,
+    training_thresholds,
 )
 
 KEY = "heap/{slot}"
 """Store key: the bytes of the slot's last process's state tensors (:func:`publish`)."""
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
-DYNAMIC_MMAP_THRESHOLD = 32 << 20
-"""Where glibc's dynamic mmap threshold ends in a training process (its maximum on 64-bit:
-any freed mapped chunk of up to 32 MiB raises it to that size), restored by
-:meth:`WarmHeap.close`: a ``mallopt`` turns the dynamic rule off for good."""
-DEFAULT_MMAP_MAX = 65536
 MAX_SHARE_OF_AVAILABLE = 0.5
 """The block never takes more than this share of the machine's MemAvailable."""
 
@@ -140,7 +136,7 @@ class WarmHeap(Background):
         c.malloc.restype = ctypes.c_void_p
         c.malloc.argtypes = [ctypes.c_size_t]
         c.free.argtypes = [ctypes.c_void_p]
-        c.mallopt(_M_MMAP_MAX, 0)
+        c.mallopt(M_MMAP_MAX, 0)
         self._ptr = c.malloc(self.nbytes)
         self._fence = self._fence_above(self._ptr) if self._ptr else None
         if not self._fence:
@@ -186,7 +182,7 @@ class WarmHeap(Background):
 
     def close(self) -> None:
         """:meth:`release`, then the allocator's thresholds back (mapped chunks above
-        :data:`DYNAMIC_MMAP_THRESHOLD`) and the unused rest of the heap to the OS."""
+        :data:`.memory.DYNAMIC_MMAP_THRESHOLD`) and the unused rest of the heap to the OS."""
         if self._closed:
             return
         self.release()
@@ -197,7 +193,4 @@ class WarmHeap(Background):
         self._closed = True
 
     def _restore(self) -> None:
-        c = self._libc
-        c.mallopt(_M_MMAP_MAX, DEFAULT_MMAP_MAX)
-        c.mallopt(_M_MMAP_THRESHOLD, DYNAMIC_MMAP_THRESHOLD)
-        c.mallopt(_M_TRIM_THRESHOLD, 2 * DYNAMIC_MMAP_THRESHOLD)
+        training_thresholds(self._libc)

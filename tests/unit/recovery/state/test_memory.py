@@ -1,11 +1,13 @@
 """The heal's prefaulting thread (``recovery/state/memory.py``): it makes a fresh tensor's pages
-resident ahead of the bytes, leaves resident ones (and the data) alone, and stops when told."""
+resident ahead of the bytes, leaves resident ones (and the data) alone, and stops when told.
+The allocations a survivor's rebuild maps on their own (``mapped_allocations``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from megatron_mecefo.recovery.state.memory import PAGE_BYTES, Prefaulter, rss_bytes
+from megatron_mecefo.recovery.state.memory import PAGE_BYTES, Prefaulter, libc, rss_bytes
 
 MiB = 1 << 20
 
@@ -49,3 +51,58 @@ def test_resident_pages_are_skipped_and_a_stopped_thread_populates_nothing() -> 
     with stopped:
         pass
     assert stopped.populated == 0 and not stopped._thread.is_alive()
+
+
+MAPPED_CHILD = """
+import ctypes, json, torch
+from megatron_mecefo.recovery.state.memory import libc, mapped_allocations
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+c = libc()
+c.mallinfo2.restype = Info
+mapped = lambda: c.mallinfo2().hblkhd
+mib = 1 << 20
+first = torch.empty(16 * mib, dtype=torch.uint8)
+del first  # a freed mapped chunk raises the threshold
+base = mapped()
+before = torch.empty(4 * mib, dtype=torch.uint8)
+out = {"before": mapped() - base}
+with mapped_allocations() as ok:
+    parts = [torch.empty(4 * mib, dtype=torch.uint8) for _ in range(8)]
+    out["inside"] = mapped() - base
+    heap = c.mallinfo2().arena
+    del parts
+out.update(ok=ok, freed=mapped() - base, heap_grew=c.mallinfo2().arena - heap)
+small = torch.empty(4 * mib, dtype=torch.uint8)
+out["small_after"] = mapped() - base
+big = torch.empty(40 * mib, dtype=torch.uint8)
+out["big_after"] = mapped() - base
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_inside_mapped_allocations_large_tensors_are_mapped_and_freed_to_the_os() -> None:
+    """A survivor's new model is built in :func:`mapped_allocations`: its parameters, replaced
+    by the carried storage at once, must not stay behind as holes in the heap. In a child (the
+    allocator's settings are per process), with glibc's dynamic threshold raised first as a
+    training process has it: outside the block a 4 MiB tensor comes from the heap; inside it
+    is mapped, and freed it is unmapped; after the block the thresholds are a training
+    process's (4 MiB from the heap, 40 MiB mapped)."""
+    import json
+    import subprocess
+    import sys
+
+    c = libc()
+    if c is None or not hasattr(c, "mallinfo2") or not hasattr(c, "mallopt"):
+        pytest.skip("needs glibc 2.33+ (mallopt, mallinfo2)")
+    out = subprocess.run(
+        [sys.executable, "-c", MAPPED_CHILD], capture_output=True, text=True, timeout=120
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, out.stdout[-2000:] + out.stderr[-4000:]
+    r = json.loads(lines[-1][len("RESULT ") :])
+    assert r["ok"] and r["before"] == 0, r  # the heap's, as in a training process
+    assert r["inside"] >= 8 * 4 * MiB, r  # each mapped on its own
+    assert r["freed"] == 0 and r["heap_grew"] <= MiB, r  # back to the OS, no hole left
+    assert r["small_after"] == 0 and r["big_after"] >= 40 * MiB, r
