@@ -30,11 +30,11 @@ MODEL = [
     "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "6",
     "--lr", "1e-4", "--lr-decay-style", "constant", "--split", "90,10,0",
     "--make-vocab-size-divisible-by", "256", "--eval-iters", "0", "--log-interval", "1",
-    "--train-iters", "16", "--mecefo", "--mecefo-rank", "16",
+    "--train-iters", "20", "--mecefo", "--mecefo-rank", "16",
 ]  # fmt: skip
 STATE_BYTES = 16 * 75_510_784  # about: parameters x (weights, gradients, two Adam moments)
-KILL_ITERATION = 6
-ITERS = 16
+KILL_ITERATION = 10
+ITERS = 20
 PEAK_BOUND = 1.15
 AFTER_BOUND = 1.05
 
@@ -111,8 +111,11 @@ def test_the_joiner_heals_into_the_heap_it_faulted_in_while_waiting(
 
 def _steady(sampler: RssSampler, key: tuple, killed_at: float) -> float:
     """A survivor's steady state: the high-water mark of its steps before the kill
-    (iterations 2-5; Adam's moments exist from the first step). A step's own peak is part of
-    what a rank must hold, so peaks are compared with a peak."""
+    (iterations 2-9; Adam's moments exist from the first step). A step's own peak is part of
+    what a rank must hold, so peaks are compared with a peak. The window is that long because
+    glibc's heap is still growing into its plateau over the first steps (``mallinfo2``: the
+    heap 1,002 -> 1,101 MiB over iterations 1-5 in one run, with the same bytes in use; a
+    survivor's high-water mark 1,709 MiB over iterations 2-5 and 1,739 over 2-8 in another)."""
     return float(max(sampler.window(key, 2, KILL_ITERATION - 1, before=killed_at)))
 
 
@@ -171,7 +174,9 @@ def test_survivors_back_within_1_05x_two_iterations_after_the_heal(
     frames until the next failure; after that fix, 0.98 to 1.07 over 20 runs (3 over the
     bound), the rest being the heap's layout: a survivor's discarded new parameters left holes
     among its live tensors, which later steps' temporaries spread over. Built mapped on their
-    own (``state.memory.mapped_allocations``), 0.99 to 1.045 over 13 runs."""
+    own (``state.memory.mapped_allocations``), 0.99 to 1.052 over 25 runs (one over); with the
+    steady state taken over iterations 2-9 instead of 2-5 (:func:`_steady`), 0.98 to 1.035
+    over 9. The heap's layout moves both figures by a few percent from run to run."""
     report = _memory_report(scale_run)
     for slot in (0, 2):
         assert report[slot]["after"] <= AFTER_BOUND, report
