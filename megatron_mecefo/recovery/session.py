@@ -403,6 +403,12 @@ class RecoverySession:
         self.snapshots.prepare()
         return self.snapshots
 
+    @property
+    def imports_carry(self) -> bool:
+        """Whether the model built now takes the carried state, tensor by tensor (a survivor's
+        regroup; a snapshot roll-back takes its state from the snapshots instead)."""
+        return self.carry is not None and not self.takeover_pending
+
     def initializes_model(self) -> bool:
         """Whether the trainer must initialise the weights of the model it builds now: not when
         the carried state or a peer's (the heal) overwrites every one of them. Built without
@@ -410,10 +416,10 @@ class RecoverySession:
         untouched until the carry replaces or fills them, tensor by tensor (:mod:`.state.carry`),
         so a survivor never holds two copies of its weights. The same rule as
         :meth:`on_built`'s ``valid``."""
+        if self.imports_carry:
+            return False
         if self.takeover_pending:  # a snapshot roll-back: keep the plain path
             return True
-        if self.carry is not None:
-            return False
         if self.gen is not None and self.gen.number == 0 and self.inc == 0:
             return True
         return self.ms.get_str("progress") is None  # nothing committed: all start from the seed
@@ -426,7 +432,7 @@ class RecoverySession:
         storage at once, are mapped on their own (:func:`.state.memory.mapped_allocations`), so
         they leave no holes in the heap."""
         stack = ExitStack()
-        if self.carry is not None and not self.takeover_pending:
+        if self.imports_carry:
             stack.enter_context(mapped_allocations())
         if self.grad_buffers:
             kept, self.grad_buffers = self.grad_buffers, []
@@ -466,7 +472,7 @@ class RecoverySession:
             self._drop_prepared("a snapshot roll-back redoes it")
         if self.carry is not None and self.takeover_pending:
             take_over_from_snapshot(self, trainer)
-        elif self.carry is not None:
+        elif self.imports_carry:
             boundary = self.carry["boundary"]
             # Consumes the carried weights as it copies; what it could not free is recorded.
             self.times["carry_kept_bytes"] = import_state(trainer, self.carry)

@@ -142,7 +142,7 @@ class WarmHeap(Background):
         if not self._fence:
             c.free(self._ptr)
             self._ptr = None
-            self._restore()
+            training_thresholds(c)
             return False
         self._thread.start()
         return True
@@ -188,9 +188,6 @@ class WarmHeap(Background):
         self.release()
         self._libc.free(self._fence)
         self._fence = None
-        self._restore()
+        training_thresholds(self._libc)
         self._libc.malloc_trim(0)
         self._closed = True
-
-    def _restore(self) -> None:
-        training_thresholds(self._libc)
