@@ -784,6 +784,7 @@ def analyze(
         # The joiner's own transfer (state/tensor_stream.py: its receive loop, checksums in).
         out["heal_transfer_s"] = heal.get("heal_transfer_s")
         out["heal_transfer_gbps"] = heal.get("heal_gbps")
+        out["heal_steps_s"] = heal.get("heal_steps_s")  # the slowest member per step
         out["heal_written_bytes"] = heal.get("heal_written_bytes")
         # The joiner's heap faulted in before its world formed, and the pages its receive
         # still faulted in (state/warm_heap.py).

@@ -90,6 +90,15 @@ def build_record(
         links = [float(t["heal_link_gbps"]) for t in received if "heal_link_gbps" in t]
         if links:  # MECEFO_HEAL_LINK_PROBE (state/link_probe.py): gloo in the job's processes
             rec["heal_link_gbps"] = min(links)
+        # Where the heal's time went: the slowest member's duration of each step (the
+        # sender's export and structure, a joiner's transfer and import, anyone's wait).
+        steps = [t["heal_steps_s"] for t in times.values() if t.get("heal_steps_s")]
+        if steps:
+            rec["heal_steps_s"] = {
+                name: round(max(s[name] for s in steps if name in s), 4)
+                for name in ("export", "structure", "transfer", "import", "wait")
+                if any(name in s for s in steps)
+            }
         transfer = max((t.get("heal_transfer_s", 0.0) for t in received), default=0.0)
         rec["heal_transfer_s"] = round(transfer, 4)
         if transfer > 0:  # bytes into one receiver per second of its transfer

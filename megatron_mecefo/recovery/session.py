@@ -176,7 +176,7 @@ class RecoverySession:
         """The last world's CPU gradient buffers, for the next model (:meth:`building_model`)."""
         self.boundary: Optional[Dict[str, Any]] = None
         self.schedule: Optional[MembershipSchedule] = None
-        self.times: Dict[str, float] = {}
+        self.times: Dict[str, Any] = {}
         self.record_pending = False
         self.redone = False
         # Timings of the last TIMINGS_KEPT iterations (bounded: a run may be long).
@@ -679,8 +679,11 @@ class RecoverySession:
         t0, written = time.time(), written_bytes()
         lanes = healing.stream_groups(dp_group, config)
         stats = None
+        steps: Dict[str, float] = {}  # where this member's heal time went (records.py)
         if me in mine:
+            t_export = time.perf_counter()
             state = export_state(trainer, self.boundary or boundary_snapshot(trainer))
+            steps["export"] = time.perf_counter() - t_export
             report = healing.progress_reporter(self.ms.store, f"{prefix}/sent/{me}", 0.5)
             stats = healing.send_state(state, mine[me], dp_group, config, report, lanes)
             del state
@@ -708,12 +711,17 @@ class RecoverySession:
         if stats is not None:
             self.times["heal_bytes"] = stats.bytes
             self.times["heal_transfer_s"] = stats.seconds
+            steps.update(structure=stats.structure_s, transfer=stats.seconds)
+            if stats.import_s:
+                steps["import"] = stats.import_s
         receivers = sorted(r for plan in plans.values() for dsts in plan.values() for r in dsts)
         sources = sorted(s for plan in plans.values() for s in plan)
         self.times["heal_wait_s"] = healing.wait_for_heals(
             self.ms.store, prefix, receivers, sources, stall_s=self.cfg.collective_timeout_s,
             poll_s=self.cfg.poll_interval_s, abort_check=self._heal_abort_reason,
         )  # fmt: skip
+        steps["wait"] = self.times["heal_wait_s"]
+        self.times["heal_steps_s"] = steps
         self.times["heal_s"] = time.time() - t0
         mem_trace(self.slot, self.inc, f"heal-{self.times['heal_role']}", target)
         release_unused()

@@ -131,10 +131,14 @@ def send_state(
     messages are dealt over ``group`` and ``more_groups`` (:func:`stream_groups`)."""
     import torch.distributed as dist
 
+    t0 = time.perf_counter()
     skeleton, tensors = split_tree(state, config.inline_bytes)
     for dst in dsts:
         dist.send_object_list([skeleton], dst=dst, group=group)
-    return send_tensors(tensors, dsts, group, config, on_progress, more_groups)
+    structure_s = time.perf_counter() - t0
+    stats = send_tensors(tensors, dsts, group, config, on_progress, more_groups)
+    stats.structure_s = structure_s
+    return stats
 
 
 def receive_state(
@@ -148,24 +152,29 @@ def receive_state(
     """
     import torch.distributed as dist
 
-    got: List[Any] = [None]
-    dist.recv_object_list(got, src=src, group=group)
-    skeleton = got[0]
+    t0 = time.perf_counter()
     # The receiver's own state is where the bytes land (its parameters, its optimizer's
-    # moments when it has them); the rest is allocated once, at its final place.
+    # moments when it has them); the rest is allocated once, at its final place. Gathered
+    # before the structure arrives: the sender is exporting and pickling meanwhile.
     own = {"model": [chunk.state_dict() for chunk in trainer.model_chunks]}
     try:
         own["optimizer"] = trainer.optimizer.state_dict()
     except AssertionError:  # megatron's DistributedOptimizer before its first step
         pass
+    got: List[Any] = [None]
+    dist.recv_object_list(got, src=src, group=group)
+    skeleton = got[0]
     device = next(p.device for c in trainer.model_chunks for p in c.parameters())
     dests = destinations(skeleton, own, device)
     del own
+    structure_s = time.perf_counter() - t0
     try:
         stats = recv_tensors(dests, src, group, config, more_groups)
     except ChecksumMismatch as err:
         raise ChecksumMismatch(f"heal of rank {dist.get_rank()} from rank {src}: {err}") from None
-    import_state(trainer, fill_tree(skeleton, dests))
+    t0 = time.perf_counter()
+    import_state(trainer, fill_tree(skeleton, dests, device))
+    stats.structure_s, stats.import_s = structure_s, time.perf_counter() - t0
     return stats
 
 

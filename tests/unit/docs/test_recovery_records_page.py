@@ -64,7 +64,9 @@ def _records_from_the_code() -> Dict[str, Dict[str, Any]]:
         slot: {**{k: 100.0 + i + slot / 10 for i, k in enumerate(steps)}, "destroy_pg": 0.1,
                "gc": 0.05, "carry_kept_bytes": 0, "grad_buffers_reused": 1, "heal_role": role,
                "heal_bytes": 1 << 20,
-               "heal_transfer_s": 0.5, "heal_written_bytes": 1 << 20}
+               "heal_transfer_s": 0.5, "heal_written_bytes": 1 << 20,
+               "heal_steps_s": {"export": 0.01, "structure": 0.02, "transfer": 0.5,
+                                "import": 0.01, "wait": 0.03}}
         for slot, role in ((0, "sender"), (1, "joiner"), (2, "bystander"))
     }  # fmt: skip
     failure = Generation(number=1, replicas=(0, 1), members={0: 0, 1: 1, 2: 0}, joined=(1,),
@@ -87,7 +89,7 @@ def _fields() -> Dict[str, Set[str]]:
     recovery |= _takeover_info_keys()
     for rec in built.values():
         recovery |= set(rec)
-        for key in ("regroup_steps_s", "release_split_s"):
+        for key in ("regroup_steps_s", "release_split_s", "heal_steps_s"):
             recovery |= set(rec.get(key, {}))
     armed = _written_keys(_function(RECOVERY / "reporting.py", "armed_cost"))
     cost = _written_keys(_function(RECOVERY / "cost_account.py", "record"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp
 
 from megatron_mecefo.recovery.state.tensor_stream import (
     ChecksumMismatch,
+    InlineTensor,
     MiB,
     StreamConfig,
     TensorSlot,
@@ -55,7 +57,7 @@ def test_structure_round_trip_with_aliases_inline_tensors_and_metadata() -> None
     assert [t.data_ptr() for t in tensors] == [big.data_ptr(), other.data_ptr()]
     assert isinstance(skeleton["model"][0]["tied"], TensorSlot)
     assert skeleton["model"][0]["tied"].alias_of == 0
-    assert isinstance(skeleton["model"][0]["b"], torch.Tensor)  # 12 bytes: pickled inline
+    assert isinstance(skeleton["model"][0]["b"], InlineTensor)  # 12 bytes: pickled inline
     assert skeleton["model"][0]._metadata == {"": {"version": 1}}
     assert [s.index for s in slots_of(skeleton)] == [0, 1]
     out = fill_tree(skeleton, [t.clone() for t in tensors])
@@ -64,6 +66,34 @@ def test_structure_round_trip_with_aliases_inline_tensors_and_metadata() -> None
     )
     assert torch.equal(out["pair"][0], other) and out["pair"][1] == "x" and out["iteration"] == 7
     assert isinstance(out["model"][0], OrderedDict) and out["model"][0]._metadata
+
+
+def test_small_tensors_travel_as_their_bytes_and_come_back_equal() -> None:
+    """Every dtype and layout a state holds comes back equal, in its own writable storage,
+    and the pickled structure holds no torch storage (torch.save per tensor); a subclass
+    (a Parameter) keeps torch's own pickling."""
+    small = {
+        "bf16": torch.randn(5, 3).to(torch.bfloat16),
+        "mask": torch.tensor([True, False, True]),
+        "step": torch.tensor(12.0),
+        "ids": torch.arange(7, dtype=torch.int64),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.randn(6, 4).t(),
+        "rng": torch.get_rng_state(),
+    }
+    param = torch.nn.Parameter(torch.randn(4))
+    skeleton, tensors = split_tree({**small, "param": param}, inline_bytes=64 * 1024)
+    assert tensors == [] and isinstance(skeleton["param"], torch.nn.Parameter)
+    assert all(isinstance(skeleton[k], InlineTensor) for k in small)
+    assert b"_rebuild_tensor" not in pickle.dumps({k: skeleton[k] for k in small})
+    out = fill_tree(pickle.loads(pickle.dumps(skeleton)), [])
+    for key, sent in small.items():
+        got = out[key]
+        assert got.dtype == sent.dtype and got.shape == sent.shape, key
+        assert torch.equal(got, sent) and got.device.type == "cpu", key
+    out["step"] += 1  # writable, and not shared with another tensor of the structure
+    assert float(out["step"]) == 13.0 and float(small["step"]) == 12.0
+    assert torch.equal(out["param"], param)
 
 
 def test_destinations_are_the_receivers_own_tensors_where_they_fit() -> None:
