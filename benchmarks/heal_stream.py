@@ -83,7 +83,7 @@ def worker(rank: int, port: int, mib: int, tensor_mib: int, reps: int) -> None:
     count = max(1, mib // tensor_mib)
     numel = tensor_mib * MiB // 4
     total = count * numel * 4
-    cfg = ts.StreamConfig()
+    cfg = ts.stream_config(600.0)  # the heal's own: MECEFO_HEAL_BUCKET_MB applies
     mine = [torch.ones(numel) if rank == 0 else torch.zeros(numel) for _ in range(count)]
     one = torch.ones(count * numel) if rank == 0 else torch.zeros(count * numel)
     checksum, prefaulter = ts.bytes_checksum, ts.Prefaulter
@@ -174,7 +174,7 @@ def main() -> None:
         "tensor_mib": a.tensor_mib,
         "reps": a.reps,
         "order": "each repetition runs every mode once, in turn; medians",
-        "bucket_mib": 16,
+        "bucket_mib": float(os.environ.get("MECEFO_HEAL_BUCKET_MB", "16")),
         "malloc_mmap_threshold": "1 MiB (fixed: every fresh buffer is a new mapping)",
     }
     out.update(measure(a.mib, a.tensor_mib, a.reps, a.timeout))

@@ -1052,6 +1052,10 @@ def _git(args: List[str]) -> str:
         return "unknown"
 
 
+def _raise_on_term(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Parse the flags, measure gloo, run the matrix, write the JSON, the plot and the line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -1157,6 +1161,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--gloo-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    # A SIGTERM (a CI step's timeout, kill) unwinds like Ctrl-C: the runs' ``finally`` blocks
+    # end their supervisors and ranks by process group, which the default action would orphan.
+    signal.signal(signal.SIGTERM, _raise_on_term)
     sizes_mib = [int(x) for x in a.gloo_sizes_mib.split(",")]
     if a.gloo_worker:
         gloo_worker(a.gloo_rank, a.gloo_port, sizes_mib, a.gloo_reps)

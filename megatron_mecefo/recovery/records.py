@@ -96,7 +96,7 @@ def build_record(
         if steps:
             rec["heal_steps_s"] = {
                 name: round(max(s[name] for s in steps if name in s), 4)
-                for name in ("export", "structure", "transfer", "import", "wait")
+                for name in ("export", "structure", "transfer", "import", "wait", "release")
                 if any(name in s for s in steps)
             }
         transfer = max((t.get("heal_transfer_s", 0.0) for t in received), default=0.0)

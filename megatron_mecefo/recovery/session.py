@@ -724,7 +724,9 @@ class RecoverySession:
         self.times["heal_steps_s"] = steps
         self.times["heal_s"] = time.time() - t0
         mem_trace(self.slot, self.inc, f"heal-{self.times['heal_role']}", target)
+        t_release = time.perf_counter()
         release_unused()
+        steps["release"] = time.perf_counter() - t_release
 
     def _heal_abort_reason(self) -> Optional[str]:
         """Why a member waiting for the heals stops: a newer generation, or a fatal error."""

@@ -66,7 +66,7 @@ def _records_from_the_code() -> Dict[str, Dict[str, Any]]:
                "heal_bytes": 1 << 20,
                "heal_transfer_s": 0.5, "heal_written_bytes": 1 << 20,
                "heal_steps_s": {"export": 0.01, "structure": 0.02, "transfer": 0.5,
-                                "import": 0.01, "wait": 0.03}}
+                                "import": 0.01, "wait": 0.03, "release": 0.001}}
         for slot, role in ((0, "sender"), (1, "joiner"), (2, "bystander"))
     }  # fmt: skip
     failure = Generation(number=1, replicas=(0, 1), members={0: 0, 1: 1, 2: 0}, joined=(1,),
