@@ -6,7 +6,8 @@ ranks), ``--iters`` iterations each. Without the clock the 3-rank run steps fast
 in total on the same cores); with it both last the emulated step, 2 x (forward + backward) +
 optimizer. Recorded per run: the step times of iterations 2..N, their mean against the emulated
 step, and the clock's overruns in total and per phase (forward, backward, optimizer: a phase
-overruns when its CPU work took longer than its emulated time). The goals
+overruns when the host reached its end after its emulated end; within a step the phases lie end
+to end, so the host's work between them counts in the next one's time). The goals
 (``tests/integration/benchmarks/test_device_clock_agreement.py`` asserts them): the two means
 within 2% of each other and of the emulated step; after the first step, no overrun.
 

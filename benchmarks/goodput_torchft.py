@@ -239,6 +239,8 @@ def main(argv: List[str] | None = None) -> None:
             break
         it = share(step)
         loss_sum = 0.0
+        if clock is not None:  # after the quorum (recovery stays real): the step's phases
+            clock.begin_step()
         for _ in range(n_micro):
             t_fwd = time.perf_counter()
             loss = _loss(model, next(it)) / n_micro

@@ -5,10 +5,15 @@ faster, so a degraded run could look better than a failure-free one. Under the d
 each rank's forward (per micro-batch), backward (per micro-batch) and optimizer phase (the
 gradient sync left after the last backward plus the optimizer step) lasts the time that
 :class:`~megatron_mecefo.planner.step_cost_model.StepCostModel` gives for a named GPU shape:
-the rank does its CPU work, then sleeps out the rest. The step time then depends on the
-emulated device, not on how many ranks share the cores, as long as the CPU work fits; every
-phase records whether it overran. Recovery costs (detection, regroup, heal, restart) are not
-emulated: they stay real. Figures made this way are *emulated*.
+the rank does its CPU work, then sleeps out the rest. Within a step the phases lie end to end
+on the emulated device: a phase ends its emulated time after the previous one ended, so the
+host's work between phases (the loss all-reduce, the bookkeeping before the optimizer, a late
+wake-up) runs in the next phase's time, as a GPU's host runs ahead of its queued kernels. The
+step time then depends on the emulated device, not on how many ranks share the cores, as long
+as the CPU work fits; every phase records whether the host reached its end late (an overrun).
+The work before a step's first phase and after its last stays outside, and so do recovery
+costs (detection, regroup, heal, restart): a failure aborts the step, and the redone step
+begins a new chain. Figures made this way are *emulated*.
 
 Shapes (``SHAPES``): FLOPs ``6 N T`` per micro-batch (forward ``2 N T``, backward ``4 N T``;
 the attention score term is left out) at a stated MFU of the GPU's dense BF16 peak; the
@@ -99,6 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class DeviceClock:
     """Pads each phase to its emulated time and counts the phases whose CPU work overran.
 
+    Between :meth:`begin_step` and :meth:`end_step` the phases are chained: each one ends its
+    emulated time after the previous one's end (or when the host reaches its end, if later).
+    Outside a step each phase is timed from its own start.
+
     Args:
         shape: The emulated shape.
         log_path: JSON lines, one per optimizer step (this rank's phases), or None.
@@ -116,22 +125,38 @@ class DeviceClock:
             p: {"n": 0, "overruns": 0, "overrun_s": 0.0, "cpu_s": 0.0} for p in self.target
         }
         self._open: Optional[tuple] = None  # (phase, start) of a phase that ends later
+        self._in_step = False
+        # Where the step's previous phase ended on the emulated device (None: no phase yet).
+        self._device_end: Optional[float] = None
         self._step: List[Dict[str, float]] = []
         self._log = open(log_path, "a", buffering=1) if log_path else None
 
+    def begin_step(self) -> None:
+        """Start chaining phases: the next one is timed from its own start, later ones from
+        the end of the one before."""
+        self._in_step = True
+        self._device_end = None
+
     def pad(self, phase: str, start: float) -> None:
-        """End ``phase`` begun at ``start``: sleep out the rest of its emulated time."""
-        busy = time.perf_counter() - start
+        """End ``phase`` whose CPU work began at ``start``: sleep until its emulated end (in a
+        step, the previous phase's end plus this phase's time; else ``start`` plus it)."""
+        now = time.perf_counter()
+        busy = now - start
         target = self.target[phase]
+        chained = self._in_step and self._device_end is not None
+        end = (self._device_end if chained else start) + target
+        late = now - end
         s = self.stats[phase]
         s["n"] += 1
         s["cpu_s"] += busy
-        if busy > target:
+        if late > 0:
             s["overruns"] += 1
-            s["overrun_s"] += busy - target
+            s["overrun_s"] += late
         else:
-            time.sleep(target - busy)
-        self._step.append({"phase": phase, "busy_s": round(busy, 4), "over": busy > target})
+            time.sleep(-late)
+        # The device cannot end the phase before the host has issued all of its work.
+        self._device_end = max(end, now)
+        self._step.append({"phase": phase, "busy_s": round(busy, 4), "over": late > 0})
 
     def _close_open(self) -> None:
         if self._open is not None:
@@ -148,6 +173,7 @@ class DeviceClock:
         def run(*, forward_step_func: Callable[..., Any], **kw: Any) -> Any:
             if kw.get("forward_only", False):  # evaluation is not part of the step time
                 return fwd_bwd(forward_step_func=forward_step_func, **kw)
+            self.begin_step()  # also drops the chain of a step that a failure cut short
 
             @functools.wraps(forward_step_func)
             def forward_step(*a: Any, **k: Any) -> Any:
@@ -179,7 +205,9 @@ class DeviceClock:
         return run
 
     def end_step(self) -> None:
-        """One log line with this step's phases."""
+        """End the step's chain; one log line with its phases."""
+        self._in_step = False
+        self._device_end = None
         if self._log is not None and self._step:
             over = sum(1 for p in self._step if p["over"])
             busy = [p["busy_s"] for p in self._step]

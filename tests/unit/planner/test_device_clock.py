@@ -51,6 +51,91 @@ def test_pad_sleeps_out_the_phase_and_counts_an_overrun(tmp_path: Path) -> None:
                                             "max_busy_s": line["busy_s"][0]}  # fmt: skip
 
 
+class _FakeTime:
+    """``time`` for the clock: ``perf_counter`` reads a counter that ``sleep`` and ``work``
+    advance, so phase ends are exact and no load on the machine moves them."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        assert s >= 0
+        self.now += s
+
+    work = sleep
+
+
+def test_phases_of_a_step_lie_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a step, host work between two phases runs in the next phase's time: the backward ends
+    one backward time after the forward's end, not after its own start. Host work past a
+    phase's end is an overrun and pushes the chain; outside a step a phase is timed from its
+    own start (the work before a step's first phase is not absorbed)."""
+    import megatron_mecefo.planner.device_clock as dc
+
+    t = _FakeTime()
+    monkeypatch.setattr(dc, "time", t)
+    clock = DeviceClock(SHAPES["llama-1b-h100"])
+    f, b, o = (clock.target[k] for k in ("forward", "backward", "optimizer"))
+    clock.begin_step()
+    t0 = t.now
+    t.work(0.01)
+    clock.pad("forward", t0)
+    assert t.now == pytest.approx(t0 + f)
+    t.work(0.05)  # between the phases: the schedule's bookkeeping, a late wake-up
+    start = t.now
+    t.work(0.02)
+    clock.pad("backward", start)
+    assert t.now == pytest.approx(t0 + f + b)
+    t.work(o + 0.03)  # the gap alone outlasts the optimizer phase: an overrun, no sleep
+    start = t.now
+    clock.pad("optimizer", start)
+    assert t.now == pytest.approx(t0 + f + b + o + 0.03)
+    clock.end_step()
+    assert [clock.stats[k]["overruns"] for k in ("forward", "backward", "optimizer")] == [0, 0, 1]
+    assert clock.stats["optimizer"]["overrun_s"] == pytest.approx(0.03)
+    t.work(0.05)  # after the step: not in any phase's time
+    start = t.now
+    clock.pad("forward", start)
+    assert t.now == pytest.approx(start + f)
+
+
+def test_a_step_cut_short_leaves_no_chain_for_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure aborts a step in its backward; recovery takes seconds; the redone step's
+    forward-backward begins a new chain, so its first forward lasts a whole forward time
+    (timed from the old chain, it would be late and free), and the optimizer step after the
+    loss's all-reduce ends one optimizer time after the last backward."""
+    import megatron_mecefo.planner.device_clock as dc
+
+    t = _FakeTime()
+    monkeypatch.setattr(dc, "time", t)
+    clock = DeviceClock(SHAPES["llama-1b-h100"])
+    f, b = clock.target["forward"], clock.target["backward"]
+    fail = [True]
+
+    def fwd_bwd(*, forward_step_func: Any, num_microbatches: int, **kw: Any) -> None:
+        for _ in range(num_microbatches):
+            forward_step_func()
+            t.work(0.01)  # the backward's CPU work
+            if fail[0]:
+                raise RuntimeError("a peer died")
+
+    run = clock.wrap_forward_backward(fwd_bwd)
+    with pytest.raises(RuntimeError):
+        run(forward_step_func=lambda: t.work(0.01), num_microbatches=2)
+    t.work(5.0)  # regroup and redo: real time, outside the clock
+    fail[0] = False
+    t0 = t.now
+    run(forward_step_func=lambda: t.work(0.01), num_microbatches=2)
+    assert t.now == pytest.approx(t0 + 2 * (f + b))
+    t.work(0.03)  # the loss's all-reduce, between the schedule and the optimizer step
+    clock.wrap_optimizer_step(lambda: t.work(0.01))()
+    assert t.now == pytest.approx(t0 + 2 * (f + b) + clock.target["optimizer"])
+    assert sum(s["overruns"] for s in clock.stats.values()) == 0
+
+
 # The CPU profile's micro-batch costs at the demo widths (results/planner_profile.json): a
 # takeover micro-batch is cheaper than an exact one on the CPU, which the clock does not charge.
 CPU_COSTS = dict(
