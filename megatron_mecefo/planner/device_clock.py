@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class DeviceClock:
-    """Pads each phase to its emulated time and counts the phases whose CPU work overran.
+    """Pads each phase to its emulated time and counts the phases the host ended late (overruns).
 
     Between :meth:`begin_step` and :meth:`end_step` the phases are chained: each one ends its
     emulated time after the previous one's end (or when the host reaches its end, if later).
