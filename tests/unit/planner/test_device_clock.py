@@ -68,15 +68,22 @@ class _FakeTime:
     work = sleep
 
 
-def test_phases_of_a_step_lie_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In a step, host work between two phases runs in the next phase's time: the backward ends
-    one backward time after the forward's end, not after its own start. Host work past a
-    phase's end is an overrun and pushes the chain; outside a step a phase is timed from its
-    own start (the work before a step's first phase is not absorbed)."""
+@pytest.fixture
+def fake_time(monkeypatch: pytest.MonkeyPatch) -> _FakeTime:
+    """The device clock's ``time``, replaced by a :class:`_FakeTime`."""
     import megatron_mecefo.planner.device_clock as dc
 
     t = _FakeTime()
     monkeypatch.setattr(dc, "time", t)
+    return t
+
+
+def test_phases_of_a_step_lie_end_to_end(fake_time: _FakeTime) -> None:
+    """In a step, host work between two phases runs in the next phase's time: the backward ends
+    one backward time after the forward's end, not after its own start. Host work past a
+    phase's end is an overrun and pushes the chain; outside a step a phase is timed from its
+    own start (the work before a step's first phase is not absorbed)."""
+    t = fake_time
     clock = DeviceClock(SHAPES["llama-1b-h100"])
     f, b, o = (clock.target[k] for k in ("forward", "backward", "optimizer"))
     clock.begin_step()
@@ -102,15 +109,12 @@ def test_phases_of_a_step_lie_end_to_end(monkeypatch: pytest.MonkeyPatch) -> Non
     assert t.now == pytest.approx(start + f)
 
 
-def test_a_step_cut_short_leaves_no_chain_for_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_cut_short_leaves_no_chain_for_the_next(fake_time: _FakeTime) -> None:
     """A failure aborts a step in its backward; recovery takes seconds; the redone step's
     forward-backward begins a new chain, so its first forward lasts a whole forward time
     (timed from the old chain, it would be late and free), and the optimizer step after the
     loss's all-reduce ends one optimizer time after the last backward."""
-    import megatron_mecefo.planner.device_clock as dc
-
-    t = _FakeTime()
-    monkeypatch.setattr(dc, "time", t)
+    t = fake_time
     clock = DeviceClock(SHAPES["llama-1b-h100"])
     f, b = clock.target["forward"], clock.target["backward"]
     fail = [True]
