@@ -277,9 +277,11 @@ def measured_points() -> Dict[str, Any]:
     ``results/commit_at_scale.json`` (the N-dependent part: every rank's requests to one
     store)."""
     scale = _read("results/recovery_scale.json")
+    # Per configuration: the median over its runs (recovery_scale.py --reps), or its one run.
+    rows = scale.get("cross_size", {}).get("configs") or scale["runs"]
     regroups = {
         f"{r['trainer']} dp{r['dp']} {r['size_gib']} GiB": r["regroup_s"]
-        for r in scale["runs"]
+        for r in rows
         if r.get("regroup_s") is not None
     }
     lat = _read("results/recovery_latency_dp4.json")

@@ -270,9 +270,12 @@ def goal_checks(run: Dict[str, Any], gloo_gbps: Optional[float]) -> Dict[str, Op
     afters = [mem.get(r, {}).get("after_ratio") for r in ("sender", "joiner", "bystander")
               if mem.get(r, {}).get("pids")]  # fmt: skip
     heal = run.get("heal_gbps")
+    same = run.get("gloo_same_size_gbps")
     checks: Dict[str, Optional[bool]] = {
         "heal_vs_gloo": None if heal is None or not gloo_gbps else
         heal / gloo_gbps >= GOALS["heal_vs_gloo_min"],
+        "heal_vs_gloo_same_size": None if heal is None or not same else
+        heal / same >= GOALS["heal_vs_gloo_min"],
         "peak_sender_joiner_bystander": None if not peaks or None in peaks else
         max(peaks) <= GOALS["peak_over_steady_max"],
         "survivor_regroup_peak": at_most(mem.get("survivor", {}).get("peak_ratio"),
@@ -493,7 +496,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def gloo_worker(rank: int, port: int, sizes_mib: List[int], reps: int) -> None:
+GLOO_OPS = ("send_recv", "broadcast", "send_recv_fresh")
+
+
+def gloo_worker(
+    rank: int, port: int, sizes_mib: List[int], reps: int, ops: Sequence[str] = GLOO_OPS
+) -> None:
     """One of the two processes of :func:`gloo_bandwidth` (rank 0 prints the JSON)."""
     import torch
     import torch.distributed as dist
@@ -503,7 +511,7 @@ def gloo_worker(rank: int, port: int, sizes_mib: List[int], reps: int) -> None:
     for mib in sizes_mib:
         n = mib * 1024 * 1024 // 4
         t = torch.ones(n) if rank == 0 else torch.zeros(n)  # the pages faulted in
-        res: Dict[str, List[float]] = {"send_recv": [], "broadcast": [], "send_recv_fresh": []}
+        res: Dict[str, List[float]] = {op: [] for op in ops}
         for rep in range(reps + 1):  # the first round untimed: a warm-up
             for op in res:
                 # send_recv_fresh: into a buffer allocated just before, its pages not yet
@@ -556,12 +564,16 @@ def run_pair(cmd: List[str], rank_flag: str, env: Dict[str, str], timeout: float
                 p.wait()
 
 
-def gloo_bandwidth(sizes_mib: List[int], reps: int, timeout: float) -> Dict[str, Any]:
-    """gloo between two processes on loopback: one float32 tensor per size, sent with
-    send/recv and with broadcast, ``reps`` times each; GB/s (1e9 bytes) of the median."""
+def gloo_bandwidth(
+    sizes_mib: List[int], reps: int, timeout: float, ops: Sequence[str] = GLOO_OPS
+) -> Dict[str, Any]:
+    """gloo between two processes on loopback: one float32 tensor per size, sent with each of
+    ``ops`` (:data:`GLOO_OPS`: send/recv, broadcast, send/recv into a fresh buffer), ``reps``
+    times each; GB/s (1e9 bytes) of the median."""
     port = _free_port()
     cmd = [sys.executable, __file__, "--gloo-worker", "--gloo-port", str(port),
-           "--gloo-sizes-mib", ",".join(map(str, sizes_mib)), "--gloo-reps", str(reps)]  # fmt: skip
+           "--gloo-sizes-mib", ",".join(map(str, sizes_mib)), "--gloo-reps", str(reps),
+           "--gloo-ops", ",".join(ops)]  # fmt: skip
     try:
         outs = run_pair(cmd, "--gloo-rank", _env(), timeout)
     except subprocess.TimeoutExpired:
@@ -577,17 +589,54 @@ def gloo_bandwidth(sizes_mib: List[int], reps: int, timeout: float) -> Dict[str,
         "per_size": per_size,
         "reference_gbps": largest["send_recv"]["gbps"],
         "reference": f"send/recv of {max(sizes_mib)} MiB",
-        "reference_fresh_gbps": largest["send_recv_fresh"]["gbps"],
+        "reference_fresh_gbps": largest.get("send_recv_fresh", {}).get("gbps"),
         "reference_fresh": f"send/recv of {max(sizes_mib)} MiB into a fresh buffer",
     }
 
 
-def adjacent_gloo(a: argparse.Namespace) -> Optional[float]:
-    """gloo's one-tensor send/recv of ``--adjacent-gloo-mib`` right before a run (3 reps,
-    median GB/s): a reference side by side with that run's heal; None with 0."""
-    if not a.adjacent_gloo_mib:
+SAME_SIZE_CAP_MIB = 1024
+"""Largest one tensor of the same-size reference: beyond 1 GiB gloo's loopback bandwidth no
+longer grows with the size, and a larger tensor would cost the machine memory for nothing."""
+
+
+def same_size_mib(trainer: str, size: str) -> int:
+    """MiB of the one tensor that a run's heal is compared with: the heal's own bytes
+    (:data:`HEAL_BYTES_PER_PARAM` per parameter), at most :data:`SAME_SIZE_CAP_MIB`."""
+    layers, hidden, _ = SIZES[size]
+    params = example_params(layers, hidden) if trainer == "example" else mlm_params(
+        layers, hidden, 32)  # fmt: skip
+    return max(1, min(SAME_SIZE_CAP_MIB, round(HEAL_BYTES_PER_PARAM * params / 2**20)))
+
+
+def adjacent_gloo(a: argparse.Namespace, sizes_mib: Sequence[int]) -> Dict[str, Any]:
+    """gloo's one-tensor send/recv of each of ``sizes_mib`` (0s dropped) between two fresh
+    processes, ``--same-size-gloo-reps`` times each (3 if 0): measured right before a run
+    and right after it, side by side with its heal; empty with no size."""
+    sizes = sorted({m for m in sizes_mib if m})
+    if not sizes:
+        return {}
+    return gloo_bandwidth(sizes, a.same_size_gloo_reps or 3, timeout=300, ops=("send_recv",))
+
+
+def same_size_reference(
+    mib: int, before: Dict[str, Any], after: Dict[str, Any]
+) -> Optional[Dict[str, Any]]:
+    """The same-size reference of a run: gloo's one tensor of the heal's bytes (``mib``),
+    the seconds measured right before and right after the run, and the GB/s of their
+    median; None without a sample."""
+
+    def secs(g: Dict[str, Any]) -> List[float]:
+        return g.get("per_size", {}).get(str(mib), {}).get("send_recv", {}).get("seconds", [])
+
+    both = secs(before) + secs(after)
+    if not mib or not both:
         return None
-    return gloo_bandwidth([a.adjacent_gloo_mib], 3, timeout=300).get("reference_gbps")
+    return {
+        "mib": mib,
+        "seconds_before": secs(before),
+        "seconds_after": secs(after),
+        "gbps": round(mib * 2**20 / statistics.median(both) / 1e9, 3),
+    }
 
 
 # ------------------------------------------------------------------ one supervised run
@@ -671,7 +720,12 @@ def scale_run(
            "--init-timeout", str(a.collective_timeout + 60), *supervisor_flags,
            "--", *_trainer_args(trainer, size, dp, iters, tree),
            "--mecefo-kill", f"1:{kill_it}:forward"]  # fmt: skip
-    adjacent = adjacent_gloo(a)  # side by side with this run's heal
+    # Side by side with this run's heal: gloo's one tensor of 1 GiB and of the heal's own
+    # bytes right before it, and of the heal's bytes again right after it.
+    same_mib = same_size_mib(trainer, size) if a.same_size_gloo_reps else 0
+    before = adjacent_gloo(a, [a.adjacent_gloo_mib, same_mib])
+    adjacent = (before.get("per_size", {}).get(str(a.adjacent_gloo_mib), {})
+                .get("send_recv", {}).get("gbps"))  # fmt: skip
     load0 = os.getloadavg()
     t0 = time.time()
     with open(log, "w") as out:
@@ -717,10 +771,12 @@ def scale_run(
         sampler.join()
         tail.poll()
     wall = time.time() - t0
+    same = same_size_reference(same_mib, before, adjacent_gloo(a, [same_mib]))
     recs = [r for r in _read_jsonl(records) if r.get("type") == "recovery"]
     result: Dict[str, Any] = {
         "trainer": trainer, "size_gib": size, "dp": dp, "status": status,
-        "gloo_adjacent_gbps": adjacent, "wall_s": round(wall, 1),
+        "gloo_adjacent_gbps": adjacent, "gloo_same_size": same,
+        "gloo_same_size_gbps": same and same["gbps"], "wall_s": round(wall, 1),
         "kill": f"1:{kill_it}:forward", "train_iters_cap": iters,
         "loadavg_start_end": [load0, os.getloadavg()], "records": recs,
         "foreign_cpu_cores": sampler.foreign_cores(),
@@ -861,46 +917,109 @@ def summarize(runs: List[Dict[str, Any]], gloo: Dict[str, Any]) -> Dict[str, Any
         # Against gloo measured right before this run: the machine's speed drifts by
         # 15% between minutes (4.1-5.3 GB/s in one session), the denominator with it.
         run["heal_vs_gloo_adjacent"] = ratio(run.get("heal_gbps"), run.get("gloo_adjacent_gbps"))
+        # Against gloo's one tensor of the heal's own bytes, right before and after the run:
+        # gloo's own bandwidth falls with the size (fixed costs per transfer), and drifts.
+        run["heal_vs_gloo_same_size"] = ratio(run.get("heal_gbps"), run.get("gloo_same_size_gbps"))
         # For reference only: the transfer against gloo's one tensor into a fresh buffer (the
         # joiner's case before its warm heap, state/warm_heap.py).
         run["heal_transfer_vs_gloo_fresh"] = ratio(
             run.get("heal_transfer_gbps"), gloo.get("reference_fresh_gbps")
         )
         run["goals"] = goal_checks(run, ref)
+    configs = per_config(runs)
     cross = {}
-    for run in runs:
-        if run["size_gib"] != "1.6" or run.get("regroup_s") is None:
+    for conf in configs:
+        if conf["size_gib"] != "1.6" or conf.get("regroup_s") is None:
             continue
-        base = next((r for r in runs if r["trainer"] == run["trainer"] and r["dp"] == run["dp"]
-                     and r["size_gib"] == "0.1" and r.get("regroup_s")), None)  # fmt: skip
+        base = next((c for c in configs if c["trainer"] == conf["trainer"]
+                     and c["dp"] == conf["dp"] and c["size_gib"] == "0.1"
+                     and c.get("regroup_s")), None)  # fmt: skip
         if base:
-            rr = round(run["regroup_s"] / base["regroup_s"], 3)
-            cross[f"{run['trainer']}_dp{run['dp']}"] = {
+            rr = round(conf["regroup_s"] / base["regroup_s"], 3)
+            cross[f"{conf['trainer']}_dp{conf['dp']}"] = {
                 "regroup_1.6_over_0.1": rr,
                 "pass": rr <= GOALS["regroup_1.6_over_0.1_max"],
             }
-            run.setdefault("goals", {})["regroup_1.6_over_0.1"] = (
-                rr <= GOALS["regroup_1.6_over_0.1_max"]
-            )
-    return {"regroup_scaling": cross}
+            conf["goals"]["regroup_1.6_over_0.1"] = rr <= GOALS["regroup_1.6_over_0.1_max"]
+    return {"regroup_scaling": cross, "configs": configs}
+
+
+CONFIG_MEDIANS = ("heal_s", "heal_gbps", "heal_transfer_s", "heal_vs_gloo",
+                  "heal_vs_gloo_same_size", "heal_vs_gloo_adjacent", "gloo_same_size_gbps",
+                  "gloo_adjacent_gbps", "regroup_s", "total_s")  # fmt: skip
+"""The values of a configuration's repetitions that :func:`per_config` gives the median of."""
+
+
+def per_config(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per configuration (trainer, DP, size) over its measured repetitions: the medians of
+    :data:`CONFIG_MEDIANS`, the range of the same-size ratio, the largest peak and after
+    ratios per role, the spurious generations of every repetition, and the goals: the heal's
+    on the medians (against gloo's one tensor of the same bytes and against the run's 1 GiB
+    reference), memory and spurious generations in every repetition."""
+    out: List[Dict[str, Any]] = []
+    keys = sorted({(r["trainer"], r["dp"], r["size_gib"]) for r in runs},
+                  key=lambda k: (k[0], k[1], float(k[2])))  # fmt: skip
+    for trainer, dp, size in keys:
+        rows = [r for r in runs if (r["trainer"], r["dp"], r["size_gib"]) == (trainer, dp, size)]
+        done = [r for r in rows if r.get("status") == "measured"]
+        conf: Dict[str, Any] = {
+            "trainer": trainer, "dp": dp, "size_gib": size, "runs": len(rows),
+            "measured": len(done), "statuses": sorted({r.get("status", "") for r in rows}),
+        }  # fmt: skip
+        if not done:
+            out.append(conf)
+            continue
+        for key in CONFIG_MEDIANS:
+            vals = [r[key] for r in done if r.get(key) is not None]
+            conf[key] = round(statistics.median(vals), 4) if vals else None
+        same = [r["heal_vs_gloo_same_size"] for r in done if r.get("heal_vs_gloo_same_size")]
+        conf["heal_vs_gloo_same_size_range"] = [min(same), max(same)] if same else None
+        conf["memory"] = {}
+        for role in ROLES:
+            per = [r.get("memory", {}).get(role) or {} for r in done]
+            if not any(m.get("pids") for m in per):
+                continue
+            conf["memory"][role] = {
+                k: max((m[k] for m in per if m.get(k) is not None), default=None)
+                for k in ("peak_ratio", "copy_peak_ratio", "after_ratio")
+            }
+        conf["spurious_generations"] = sum(len(r.get("spurious_generations") or []) for r in done)
+
+        def every(goal: str, rows: List[Dict[str, Any]] = done) -> Optional[bool]:
+            vals = [r.get("goals", {}).get(goal) for r in rows]
+            return None if None in vals else all(vals)
+
+        least = GOALS["heal_vs_gloo_min"]
+        conf["goals"] = {
+            "heal_vs_gloo_same_size": None if conf["heal_vs_gloo_same_size"] is None else
+            conf["heal_vs_gloo_same_size"] >= least,
+            "heal_vs_gloo": None if conf["heal_vs_gloo"] is None else conf["heal_vs_gloo"] >= least,
+            **{g: every(g) for g in ("peak_sender_joiner_bystander", "survivor_regroup_peak",
+                                     "after_heal", "spurious_generations")},
+        }  # fmt: skip
+        out.append(conf)
+    return out
 
 
 def summary_line(runs: List[Dict[str, Any]], gloo: Dict[str, Any]) -> str:
-    """One line: per run, heal s and GB/s, peak ratios, regroup s; gloo's reference."""
+    """One line: per configuration, the medians over its repetitions of regroup and heal
+    seconds, heal GB/s and its ratios to gloo's one tensor of the same bytes (before and after
+    the run) and to the run's 1 GiB reference, and the largest peak ratio."""
     parts = []
-    for r in runs:
-        tag = f"{r['trainer'][:3]} dp{r['dp']} {r['size_gib']}G"
-        if r["status"] != "measured":
-            parts.append(f"{tag}: {r['status']}")
+    for c in per_config(runs):
+        tag = f"{c['trainer'][:3]} dp{c['dp']} {c['size_gib']}G"
+        if not c["measured"]:
+            parts.append(f"{tag}: {'; '.join(c['statuses'])}")
             continue
-        mem = r.get("memory", {})
+        mem = c.get("memory", {})
         peak = max((m["peak_ratio"] for m in mem.values() if m.get("peak_ratio")), default=None)
         parts.append(
-            f"{tag}: regroup {r.get('regroup_s')} s, heal {r.get('heal_s')} s "
-            f"({r.get('heal_gbps')} GB/s, x{r.get('heal_vs_gloo')} gloo, "
-            f"x{r.get('heal_vs_gloo_adjacent')} gloo before it), peak x{peak}"
+            f"{tag} ({c['measured']}/{c['runs']} runs, medians): regroup {c.get('regroup_s')} s, "
+            f"heal {c.get('heal_s')} s ({c.get('heal_gbps')} GB/s, "
+            f"x{c.get('heal_vs_gloo_same_size')} gloo same bytes, x{c.get('heal_vs_gloo')} "
+            f"gloo 1 GiB), peak x{peak}"
         )
-    return f"recovery_scale: gloo {gloo.get('reference_gbps')} GB/s; " + "; ".join(parts)
+    return f"recovery_scale: gloo {gloo.get('reference_gbps')} GB/s (1 GiB); " + "; ".join(parts)
 
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
@@ -911,9 +1030,9 @@ COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
 def plot_panels(result: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The plot's three panels as data: per panel its title, series (label, style, points)
     and horizontal reference lines (label, y)."""
-    runs = [r for r in result["runs"] if r.get("status") == "measured"]
+    runs = [c for c in per_config(result["runs"]) if c.get("measured")]  # medians per config
     panels: List[Dict[str, Any]] = [
-        {"title": "heal bandwidth (GB/s)", "series": [], "hlines": []},
+        {"title": "heal bandwidth (GB/s, medians)", "series": [], "hlines": []},
         {"title": "regroup and heal (s)", "series": [], "hlines": []},
         {"title": "peak RSS / steady RSS", "series": [], "hlines": []},
     ]
@@ -927,6 +1046,8 @@ def plot_panels(result: Dict[str, Any]) -> List[Dict[str, Any]]:
             return [(float(r["size_gib"]), v) for r in rs if (v := get(r)) is not None]
 
         panels[0]["series"].append((label, "-", pts(lambda r: r.get("heal_gbps"))))
+        panels[0]["series"].append((f"{label}: gloo, one tensor of the same bytes", ":",
+                                    pts(lambda r: r.get("gloo_same_size_gbps"))))  # fmt: skip
         panels[1]["series"].append((f"{label} regroup", "-", pts(lambda r: r.get("regroup_s"))))
         panels[1]["series"].append((f"{label} heal", "--", pts(lambda r: r.get("heal_s"))))
         for role in ROLES:
@@ -935,7 +1056,7 @@ def plot_panels(result: Dict[str, Any]) -> List[Dict[str, Any]]:
                 panels[2]["series"].append((f"{label} {role}", "-", p))
     ref = result["gloo"].get("reference_gbps")
     if ref:
-        panels[0]["hlines"] += [("gloo send/recv", ref),
+        panels[0]["hlines"] += [("gloo send/recv, 1 GiB", ref),
                                 ("goal: 0.7 x gloo", GOALS["heal_vs_gloo_min"] * ref)]  # fmt: skip
     panels[2]["hlines"] += [("goal 1.15", GOALS["peak_over_steady_max"]),
                             ("goal (survivor) 1.25",
@@ -1146,7 +1267,22 @@ def main(argv: Optional[List[str]] = None) -> None:
         help="gloo's one tensor of this size measured again right before each run (its "
         "heal_vs_gloo_adjacent); 0 to skip",
     )
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=3,
+        help="runs per configuration, in rounds over the matrix (a drift of the machine "
+        "weighs on every configuration alike); the goals are judged on their medians",
+    )
+    p.add_argument(
+        "--same-size-gloo-reps",
+        type=int,
+        default=3,
+        help="gloo's one tensor of the heal's own bytes measured this many times right before "
+        "and right after each run (its heal_vs_gloo_same_size); 0 to skip",
+    )
     p.add_argument("--gloo-sizes-mib", default="512,1024")
+    p.add_argument("--gloo-ops", default=",".join(GLOO_OPS), help=argparse.SUPPRESS)
     p.add_argument("--gloo-reps", type=int, default=3)
     p.add_argument("--megatron-lm-dir", default=None)
     p.add_argument("--output", default=str(REPO / "results" / "recovery_scale.json"))
@@ -1166,13 +1302,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     signal.signal(signal.SIGTERM, _raise_on_term)
     sizes_mib = [int(x) for x in a.gloo_sizes_mib.split(",")]
     if a.gloo_worker:
-        gloo_worker(a.gloo_rank, a.gloo_port, sizes_mib, a.gloo_reps)
+        gloo_worker(a.gloo_rank, a.gloo_port, sizes_mib, a.gloo_reps, a.gloo_ops.split(","))
         return
     if a.quick:
         sizes_mib, a.gloo_reps, a.adjacent_gloo_mib, a.link_probe = [256], 1, 0, ""
+        a.reps, a.same_size_gloo_reps = 1, 1
         for name in AB_MODES:
             setattr(a, _ab_key(name), "")
     checked = [(f"--{name}-ab", getattr(a, _ab_key(name))) for name in AB_MODES]
+    if a.reps < 1:
+        raise SystemExit(f"recovery_scale: error: --reps {a.reps}: use 1 or more")
     for flag, value in [*checked, ("--link-probe", a.link_probe)]:
         if value and value not in SIZES:
             raise SystemExit(
@@ -1204,6 +1343,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         "global_batch_size": "DP (one micro-batch per replica)",
         "data": "--mock-data", "state_bytes_per_parameter": STATE_BYTES_PER_PARAM,
         "heal_bytes_per_parameter_if_not_recorded": HEAL_BYTES_PER_PARAM,
+        "reps": a.reps, "same_size_gloo_reps": a.same_size_gloo_reps,
+        "same_size_cap_mib": SAME_SIZE_CAP_MIB,
     }  # fmt: skip
     for s in sizes:
         layers, hidden, heads = SIZES[s]
@@ -1233,42 +1374,44 @@ def main(argv: Optional[List[str]] = None) -> None:
 
         tree = rl.megatron_lm_tree(Path(a.workdir), a.megatron_lm_dir)
     runs: List[Dict[str, Any]] = []
-    for trainer in trainers:
-        for dp in dps:
-            for s in sizes:
-                if trainer == "megatron-lm" and s not in a.mlm_sizes.split(","):
-                    continue
-                params = config["sizes"][s]["params"][trainer]
-                state_gib = STATE_BYTES_PER_PARAM * params / GIB
-                est = estimated_total_gib(state_gib, dp)
-                base = {"trainer": trainer, "size_gib": s, "dp": dp,
-                        "state_gib": round(state_gib, 3), "params": params,
-                        "estimated_total_gib": round(est, 2)}  # fmt: skip
-                if est > a.memory_limit_gib:
-                    runs.append({**base, "status": f"skipped: estimated resident total "
-                                 f"{est:.1f} GiB ({dp} ranks and a joiner at "
-                                 f"{RESIDENT_PER_STATE} x {state_gib:.2f} GiB) exceeds "
-                                 f"--memory-limit-gib {a.memory_limit_gib}"})  # fmt: skip
-                    print(f"recovery_scale: {trainer} DP{dp} {s} GiB: {runs[-1]['status']}")
-                    continue
-                need = int(a.memory_headroom * est * GIB)
-                machine = wait_for_machine(need, a.quiet_cores, a.quiet_wait)
-                print(f"recovery_scale: {trainer} DP{dp} {s} GiB ... ({machine})", flush=True)
-                if not machine["memory_ok"]:
-                    runs.append({**base, "machine_before": machine, "status": "skipped: "
-                                 f"MemAvailable {machine['mem_available_gib']} GiB < "
-                                 f"{a.memory_headroom} x the estimated {est:.1f} GiB (other "
-                                 "jobs on the machine)"})  # fmt: skip
-                    continue
-                run = {**base, "machine_before": machine, **scale_run(a, trainer, s, dp, tree)}
-                runs.append(run)
-                print(f"recovery_scale: {trainer} DP{dp} {s} GiB: {run['status']}; "
-                      f"total {run.get('total_s')} s, regroup {run.get('regroup_s')} s, heal "
-                      f"{run.get('heal_s')} s ({run.get('heal_gbps')} GB/s), memory "
-                      + ", ".join(f"{k} x{v.get('peak_ratio')}/x{v.get('after_ratio')}"
-                                  for k, v in run.get("memory", {}).items() if v["pids"]),
-                      flush=True)  # fmt: skip
-                _write(result, runs, a)
+    matrix = [(trainer, dp, s) for trainer in trainers for dp in dps for s in sizes
+              if trainer != "megatron-lm" or s in a.mlm_sizes.split(",")]  # fmt: skip
+    for rep in range(a.reps):  # rounds over the matrix
+        for trainer, dp, s in matrix:
+            params = config["sizes"][s]["params"][trainer]
+            state_gib = STATE_BYTES_PER_PARAM * params / GIB
+            est = estimated_total_gib(state_gib, dp)
+            base = {"trainer": trainer, "size_gib": s, "dp": dp, "rep": rep,
+                    "state_gib": round(state_gib, 3), "params": params,
+                    "estimated_total_gib": round(est, 2)}  # fmt: skip
+            if est > a.memory_limit_gib:
+                runs.append({**base, "status": f"skipped: estimated resident total "
+                             f"{est:.1f} GiB ({dp} ranks and a joiner at "
+                             f"{RESIDENT_PER_STATE} x {state_gib:.2f} GiB) exceeds "
+                             f"--memory-limit-gib {a.memory_limit_gib}"})  # fmt: skip
+                print(f"recovery_scale: {trainer} DP{dp} {s} GiB: {runs[-1]['status']}")
+                continue
+            need = int(a.memory_headroom * est * GIB)
+            machine = wait_for_machine(need, a.quiet_cores, a.quiet_wait)
+            print(f"recovery_scale: round {rep + 1}/{a.reps}: {trainer} DP{dp} {s} GiB ... "
+                  f"({machine})", flush=True)  # fmt: skip
+            if not machine["memory_ok"]:
+                runs.append({**base, "machine_before": machine, "status": "skipped: "
+                             f"MemAvailable {machine['mem_available_gib']} GiB < "
+                             f"{a.memory_headroom} x the estimated {est:.1f} GiB (other "
+                             "jobs on the machine)"})  # fmt: skip
+                continue
+            run = {**base, "machine_before": machine,
+                   **scale_run(a, trainer, s, dp, tree, tag=f"_r{rep}")}  # fmt: skip
+            runs.append(run)
+            print(f"recovery_scale: {trainer} DP{dp} {s} GiB: {run['status']}; "
+                  f"total {run.get('total_s')} s, regroup {run.get('regroup_s')} s, heal "
+                  f"{run.get('heal_s')} s ({run.get('heal_gbps')} GB/s; gloo same bytes "
+                  f"{run.get('gloo_same_size_gbps')} GB/s), memory "
+                  + ", ".join(f"{k} x{v.get('peak_ratio')}/x{v.get('after_ratio')}"
+                              for k, v in run.get("memory", {}).items() if v["pids"]),
+                  flush=True)  # fmt: skip
+            _write(result, runs, a)
     for name in AB_MODES:
         key = _ab_key(name)
         if getattr(a, key):
@@ -1282,6 +1425,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 AB_KEYS = ("heal_s", "heal_gbps", "heal_vs_gloo", "gloo_adjacent_gbps", "heal_vs_gloo_adjacent",
+           "gloo_same_size_gbps", "heal_vs_gloo_same_size",
            "heal_transfer_s", "heal_transfer_gbps",
            "heal_page_faults", "heal_warm_bytes", "rejoin_build_s", "rejoin_s")  # fmt: skip
 

@@ -146,13 +146,18 @@ def test_goal_checks() -> None:
     }
     assert rs.goal_checks(run, gloo_gbps=1.0) == {
         "heal_vs_gloo": True,
+        "heal_vs_gloo_same_size": None,  # no same-size reference in this run
         "peak_sender_joiner_bystander": True,
         "survivor_regroup_peak": True,
         "after_heal": False,
         "spurious_generations": True,
     }
+    assert (
+        rs.goal_checks({**run, "gloo_same_size_gbps": 1.2}, 1.0)["heal_vs_gloo_same_size"] is False
+    )
     assert rs.goal_checks({"spurious_generations": [3]}, None) == {
         "heal_vs_gloo": None,
+        "heal_vs_gloo_same_size": None,
         "peak_sender_joiner_bystander": None,
         "survivor_regroup_peak": None,
         "after_heal": None,
@@ -182,3 +187,55 @@ def test_medians_skip_runs_without_the_value() -> None:
     rows = [{"heal_s": 0.4}, {"heal_s": None}, {"heal_s": 0.5}, {"heal_s": 0.3}, {}]
     assert rs._medians(rows, ["heal_s", "x"], "two_") == {"two_heal_s_median": 0.4,
                                                           "two_x_median": None}  # fmt: skip
+
+
+def test_the_same_size_reference_is_the_heals_bytes_before_and_after_the_run() -> None:
+    assert rs.same_size_mib("example", "0.1") == round(12 * 7_376_256 / 2**20)  # 84 MiB
+    assert rs.same_size_mib("example", "3.2") == rs.SAME_SIZE_CAP_MIB
+    before = {"per_size": {"84": {"send_recv": {"seconds": [0.05, 0.07, 0.06]}},
+                           "1024": {"send_recv": {"seconds": [0.5]}}}}  # fmt: skip
+    after = {"per_size": {"84": {"send_recv": {"seconds": [0.09, 0.08, 0.04]}}}}
+    ref = rs.same_size_reference(84, before, after)
+    assert ref == {"mib": 84, "seconds_before": [0.05, 0.07, 0.06],
+                   "seconds_after": [0.09, 0.08, 0.04],
+                   "gbps": round(84 * 2**20 / 0.065 / 1e9, 3)}  # fmt: skip
+    assert rs.same_size_reference(84, {}, {}) is None  # no sample: no reference
+    assert rs.same_size_reference(0, before, after) is None  # skipped
+
+
+def _run(rep: int, heal_gbps: float, same: float, peak: float, spurious: list) -> dict:
+    run = {"trainer": "example", "dp": 2, "size_gib": "1.6", "rep": rep, "status": "measured",
+           "heal_s": 1.0, "heal_gbps": heal_gbps, "gloo_same_size_gbps": same,
+           "regroup_s": 0.2 + rep, "spurious_generations": spurious,
+           "memory": {"sender": {"pids": [1], "peak_ratio": peak, "after_ratio": 1.0},
+                      "joiner": {"pids": [2], "peak_ratio": 1.0, "after_ratio": 1.0},
+                      "bystander": {"pids": []}}}  # fmt: skip
+    return run
+
+
+def test_a_configuration_is_judged_on_its_medians_and_on_every_repetitions_memory() -> None:
+    # Same-size ratios 0.5, 0.8, 0.9: the median passes though one repetition does not.
+    runs = [_run(0, 1.0, 2.0, 1.01, []), _run(1, 1.6, 2.0, 1.02, []),
+            _run(2, 1.8, 2.0, 1.03, []),
+            {"trainer": "example", "dp": 4, "size_gib": "3.2", "rep": 0,
+             "status": "skipped: too large"}]  # fmt: skip
+    rs.summarize(runs, {"reference_gbps": 3.0})
+    conf, skipped = rs.per_config(runs)
+    assert conf["measured"] == 3 and conf["heal_vs_gloo_same_size"] == 0.8
+    assert conf["heal_vs_gloo_same_size_range"] == [0.5, 0.9]
+    assert conf["heal_vs_gloo"] == round(1.6 / 3.0, 3) and conf["regroup_s"] == 1.2
+    assert conf["memory"]["sender"] == {"peak_ratio": 1.03, "copy_peak_ratio": None,
+                                        "after_ratio": 1.0}  # fmt: skip
+    assert "bystander" not in conf["memory"]
+    assert conf["goals"] == {"heal_vs_gloo_same_size": True, "heal_vs_gloo": False,
+                             "peak_sender_joiner_bystander": True, "survivor_regroup_peak": None,
+                             "after_heal": True, "spurious_generations": True}  # fmt: skip
+    assert skipped == {"trainer": "example", "dp": 4, "size_gib": "3.2", "runs": 1,
+                       "measured": 0, "statuses": ["skipped: too large"]}  # fmt: skip
+    # One repetition over the memory bound or with a spurious generation fails the goal.
+    runs[2] = _run(2, 1.8, 2.0, 1.2, [5])
+    rs.summarize(runs, {"reference_gbps": 3.0})
+    goals = rs.per_config(runs)[0]["goals"]
+    assert goals["peak_sender_joiner_bystander"] is False
+    assert goals["spurious_generations"] is False
+    assert rs.per_config(runs)[0]["spurious_generations"] == 1
