@@ -618,6 +618,12 @@ def adjacent_gloo(a: argparse.Namespace, sizes_mib: Sequence[int]) -> Dict[str, 
     return gloo_bandwidth(sizes, a.same_size_gloo_reps or 3, timeout=300, ops=("send_recv",))
 
 
+def _send_recv(g: Dict[str, Any], mib: int) -> Dict[str, Any]:
+    """The send/recv entry (``seconds``, ``gbps``) of ``mib`` in a :func:`gloo_bandwidth`
+    result; empty if it was not measured."""
+    return g.get("per_size", {}).get(str(mib), {}).get("send_recv", {})
+
+
 def same_size_reference(
     mib: int, before: Dict[str, Any], after: Dict[str, Any]
 ) -> Optional[Dict[str, Any]]:
@@ -626,7 +632,7 @@ def same_size_reference(
     median; None without a sample."""
 
     def secs(g: Dict[str, Any]) -> List[float]:
-        return g.get("per_size", {}).get(str(mib), {}).get("send_recv", {}).get("seconds", [])
+        return _send_recv(g, mib).get("seconds", [])
 
     both = secs(before) + secs(after)
     if not mib or not both:
@@ -724,8 +730,7 @@ def scale_run(
     # bytes right before it, and of the heal's bytes again right after it.
     same_mib = same_size_mib(trainer, size) if a.same_size_gloo_reps else 0
     before = adjacent_gloo(a, [a.adjacent_gloo_mib, same_mib])
-    adjacent = (before.get("per_size", {}).get(str(a.adjacent_gloo_mib), {})
-                .get("send_recv", {}).get("gbps"))  # fmt: skip
+    adjacent = _send_recv(before, a.adjacent_gloo_mib).get("gbps")
     load0 = os.getloadavg()
     t0 = time.time()
     with open(log, "w") as out:
@@ -1001,12 +1006,12 @@ def per_config(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
-def summary_line(runs: List[Dict[str, Any]], gloo: Dict[str, Any]) -> str:
-    """One line: per configuration, the medians over its repetitions of regroup and heal
-    seconds, heal GB/s and its ratios to gloo's one tensor of the same bytes (before and after
-    the run) and to the run's 1 GiB reference, and the largest peak ratio."""
+def summary_line(configs: List[Dict[str, Any]], gloo: Dict[str, Any]) -> str:
+    """One line: per configuration (:func:`per_config`), the medians over its runs of regroup
+    and heal seconds, heal GB/s and its ratios to gloo's one tensor of the same bytes (before
+    and after the run) and to the run's 1 GiB reference, and the largest peak ratio."""
     parts = []
-    for c in per_config(runs):
+    for c in configs:
         tag = f"{c['trainer'][:3]} dp{c['dp']} {c['size_gib']}G"
         if not c["measured"]:
             parts.append(f"{tag}: {'; '.join(c['statuses'])}")
@@ -1030,7 +1035,7 @@ COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
 def plot_panels(result: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The plot's three panels as data: per panel its title, series (label, style, points)
     and horizontal reference lines (label, y)."""
-    runs = [c for c in per_config(result["runs"]) if c.get("measured")]  # medians per config
+    runs = [c for c in result["cross_size"]["configs"] if c.get("measured")]  # medians
     panels: List[Dict[str, Any]] = [
         {"title": "heal bandwidth (GB/s, medians)", "series": [], "hlines": []},
         {"title": "regroup and heal (s)", "series": [], "hlines": []},
@@ -1535,7 +1540,7 @@ def _write(result: Dict[str, Any], runs: List[Dict[str, Any]], a: argparse.Names
     result["runs"] = runs
     result["cross_size"] = summarize(runs, result["gloo"])
     result["machine"]["loadavg_end"] = os.getloadavg()
-    result["summary"] = summary_line(runs, result["gloo"])
+    result["summary"] = summary_line(result["cross_size"]["configs"], result["gloo"])
     for name, modes in AB_MODES.items():
         ab = result.get(_ab_key(name))
         if ab:
