@@ -271,11 +271,14 @@ def goal_checks(run: Dict[str, Any], gloo_gbps: Optional[float]) -> Dict[str, Op
               if mem.get(r, {}).get("pids")]  # fmt: skip
     heal = run.get("heal_gbps")
     same = run.get("gloo_same_size_gbps")
+    link = run.get("heal_link_gbps")
     checks: Dict[str, Optional[bool]] = {
         "heal_vs_gloo": None if heal is None or not gloo_gbps else
         heal / gloo_gbps >= GOALS["heal_vs_gloo_min"],
         "heal_vs_gloo_same_size": None if heal is None or not same else
         heal / same >= GOALS["heal_vs_gloo_min"],
+        "heal_vs_link": None if heal is None or not link else
+        heal / link >= GOALS["heal_vs_gloo_min"],
         "peak_sender_joiner_bystander": None if not peaks or None in peaks else
         max(peaks) <= GOALS["peak_over_steady_max"],
         "survivor_regroup_peak": at_most(mem.get("survivor", {}).get("peak_ratio"),
@@ -802,6 +805,17 @@ def scale_run(
     return result
 
 
+def probed_heal_s(store: Dict[str, Any], generation: Optional[int]) -> Optional[float]:
+    """The heal of ``generation`` over its sender and joiners alone, as the record counts a
+    member's (``heal_start`` to ``healed`` in the store's per-member times; the longest), or
+    None where the store lacks them."""
+    times = store.get("generations", {}).get(str(generation), {}).get("times", {})
+    spans = [t["healed"] - t["heal_start"] for t in times.values()
+             if t.get("heal_role") in ("sender", "joiner") and "healed" in t
+             and "heal_start" in t]  # fmt: skip
+    return round(max(spans), 4) if spans else None
+
+
 def analyze(
     tail: LogTail,
     recs: List[Dict[str, Any]],
@@ -836,12 +850,18 @@ def analyze(
         out["redo_s"] = failure.get("redo_s")
     if heal:
         out["heal_s"] = heal.get("heal_s")
+        if heal.get("heal_link_gbps") and roles.get("bystander"):
+            # The link probe runs between the sender and a joiner before their heal begins; a
+            # bystander's heal (its wait) begins at once, so its span holds the probe too.
+            probed = probed_heal_s(store, roles["heal_generation"])
+            if probed:
+                out["heal_s_every_member"], out["heal_s"] = out["heal_s"], probed
         out["rejoin_switch_s"] = heal.get("regroup_s")
         out["rejoin_s"] = heal.get("rejoin_s")
         nbytes, source = heal_bytes(heal, params)
         out["heal_bytes"], out["heal_bytes_source"] = nbytes, source
-        if nbytes and heal.get("heal_s"):
-            out["heal_gbps"] = round(nbytes / heal["heal_s"] / 1e9, 3)
+        if nbytes and out["heal_s"]:
+            out["heal_gbps"] = round(nbytes / out["heal_s"] / 1e9, 3)
         # The joiner's own transfer (state/tensor_stream.py: its receive loop, checksums in).
         out["heal_transfer_s"] = heal.get("heal_transfer_s")
         out["heal_transfer_gbps"] = heal.get("heal_gbps")
@@ -925,6 +945,12 @@ def summarize(runs: List[Dict[str, Any]], gloo: Dict[str, Any]) -> Dict[str, Any
         # Against gloo's one tensor of the heal's own bytes, right before and after the run:
         # gloo's own bandwidth falls with the size (fixed costs per transfer), and drifts.
         run["heal_vs_gloo_same_size"] = ratio(run.get("heal_gbps"), run.get("gloo_same_size_gbps"))
+        # With --link-probe-every-run: against gloo's one tensor between this run's own sender
+        # and joiner, in the job's processes, right before the heal (state/link_probe.py).
+        run["heal_vs_link"] = ratio(run.get("heal_gbps"), run.get("heal_link_gbps"))
+        run["link_vs_gloo_same_size"] = ratio(
+            run.get("heal_link_gbps"), run.get("gloo_same_size_gbps")
+        )
         # For reference only: the transfer against gloo's one tensor into a fresh buffer (the
         # joiner's case before its warm heap, state/warm_heap.py).
         run["heal_transfer_vs_gloo_fresh"] = ratio(
@@ -951,7 +977,8 @@ def summarize(runs: List[Dict[str, Any]], gloo: Dict[str, Any]) -> Dict[str, Any
 
 CONFIG_MEDIANS = ("heal_s", "heal_gbps", "heal_transfer_s", "heal_vs_gloo",
                   "heal_vs_gloo_same_size", "heal_vs_gloo_adjacent", "gloo_same_size_gbps",
-                  "gloo_adjacent_gbps", "regroup_s", "total_s")  # fmt: skip
+                  "gloo_adjacent_gbps", "heal_link_gbps", "heal_vs_link",
+                  "link_vs_gloo_same_size", "regroup_s", "total_s")  # fmt: skip
 """The values of a configuration's repetitions that :func:`per_config` gives the median of."""
 
 
@@ -999,6 +1026,7 @@ def per_config(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             "heal_vs_gloo_same_size": None if conf["heal_vs_gloo_same_size"] is None else
             conf["heal_vs_gloo_same_size"] >= least,
             "heal_vs_gloo": None if conf["heal_vs_gloo"] is None else conf["heal_vs_gloo"] >= least,
+            "heal_vs_link": None if conf["heal_vs_link"] is None else conf["heal_vs_link"] >= least,
             **{g: every(g) for g in ("peak_sender_joiner_bystander", "survivor_regroup_peak",
                                      "after_heal", "spurious_generations")},
         }  # fmt: skip
@@ -1018,11 +1046,12 @@ def summary_line(configs: List[Dict[str, Any]], gloo: Dict[str, Any]) -> str:
             continue
         mem = c.get("memory", {})
         peak = max((m["peak_ratio"] for m in mem.values() if m.get("peak_ratio")), default=None)
+        link = f", x{c['heal_vs_link']} gloo in the job" if c.get("heal_vs_link") else ""
         parts.append(
             f"{tag} ({c['measured']}/{c['runs']} runs, medians): regroup {c.get('regroup_s')} s, "
             f"heal {c.get('heal_s')} s ({c.get('heal_gbps')} GB/s, "
             f"x{c.get('heal_vs_gloo_same_size')} gloo same bytes, x{c.get('heal_vs_gloo')} "
-            f"gloo 1 GiB), peak x{peak}"
+            f"gloo 1 GiB{link}), peak x{peak}"
         )
     return f"recovery_scale: gloo {gloo.get('reference_gbps')} GB/s (1 GiB); " + "; ".join(parts)
 
@@ -1266,6 +1295,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     p.add_argument("--link-probe-runs", type=int, default=3)
     p.add_argument(
+        "--link-probe-every-run",
+        type=int,
+        default=0,
+        metavar="N",
+        help="in every run of the matrix, gloo's one tensor also sent N times between the "
+        "heal's sender and its joiner in the job's processes right before the heal "
+        "(MECEFO_HEAL_LINK_PROBE; heal_vs_link); 0: not",
+    )
+    p.add_argument(
         "--adjacent-gloo-mib",
         type=int,
         default=1024,
@@ -1317,6 +1355,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     checked = [(f"--{name}-ab", getattr(a, _ab_key(name))) for name in AB_MODES]
     if a.reps < 1:
         raise SystemExit(f"recovery_scale: error: --reps {a.reps}: use 1 or more")
+    if a.link_probe_every_run < 0:
+        raise SystemExit(f"recovery_scale: error: --link-probe-every-run "
+                         f"{a.link_probe_every_run}: use 0 (no probe) or more")  # fmt: skip
     for flag, value in [*checked, ("--link-probe", a.link_probe)]:
         if value and value not in SIZES:
             raise SystemExit(
@@ -1349,7 +1390,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "data": "--mock-data", "state_bytes_per_parameter": STATE_BYTES_PER_PARAM,
         "heal_bytes_per_parameter_if_not_recorded": HEAL_BYTES_PER_PARAM,
         "reps": a.reps, "same_size_gloo_reps": a.same_size_gloo_reps,
-        "same_size_cap_mib": SAME_SIZE_CAP_MIB,
+        "same_size_cap_mib": SAME_SIZE_CAP_MIB, "link_probe_every_run": a.link_probe_every_run,
     }  # fmt: skip
     for s in sizes:
         layers, hidden, heads = SIZES[s]
@@ -1406,8 +1447,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                              f"{a.memory_headroom} x the estimated {est:.1f} GiB (other "
                              "jobs on the machine)"})  # fmt: skip
                 continue
+            probe = (
+                {LINK_PROBE_ENV: str(a.link_probe_every_run)} if a.link_probe_every_run else None
+            )
             run = {**base, "machine_before": machine,
-                   **scale_run(a, trainer, s, dp, tree, tag=f"_r{rep}")}  # fmt: skip
+                   **scale_run(a, trainer, s, dp, tree, tag=f"_r{rep}", env=probe)}  # fmt: skip
             runs.append(run)
             print(f"recovery_scale: {trainer} DP{dp} {s} GiB: {run['status']}; "
                   f"total {run.get('total_s')} s, regroup {run.get('regroup_s')} s, heal "
@@ -1512,6 +1556,8 @@ def side_by_side(a: argparse.Namespace, name: str, size: str, pairs: int) -> Dic
 
 
 LINK_KEYS = AB_KEYS + ("heal_link_gbps",)
+LINK_PROBE_ENV = "MECEFO_HEAL_LINK_PROBE"
+"""Repetitions of the job's own gloo probe (``state/link_probe.py``'s ``ENV``)."""
 
 
 def link_probe(a: argparse.Namespace, size: str) -> Dict[str, Any]:
@@ -1522,7 +1568,7 @@ def link_probe(a: argparse.Namespace, size: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {"trainer": "example", "dp": 2, "size_gib": size, "probe_reps": 3,
                            "runs": []}  # fmt: skip
     for i in range(a.link_probe_runs):
-        kept = _side_run(a, size, (), {"MECEFO_HEAL_LINK_PROBE": "3"}, f"_link{i}", LINK_KEYS)
+        kept = _side_run(a, size, (), {LINK_PROBE_ENV: "3"}, f"_link{i}", LINK_KEYS)
         link = kept.get("heal_link_gbps")
         kept["heal_vs_link"] = ratio(kept.get("heal_gbps"), link)
         kept["link_vs_gloo_adjacent"] = ratio(link, kept.get("gloo_adjacent_gbps"))

@@ -147,6 +147,7 @@ def test_goal_checks() -> None:
     assert rs.goal_checks(run, gloo_gbps=1.0) == {
         "heal_vs_gloo": True,
         "heal_vs_gloo_same_size": None,  # no same-size reference in this run
+        "heal_vs_link": None,  # no link probe in this run
         "peak_sender_joiner_bystander": True,
         "survivor_regroup_peak": True,
         "after_heal": False,
@@ -155,9 +156,12 @@ def test_goal_checks() -> None:
     assert (
         rs.goal_checks({**run, "gloo_same_size_gbps": 1.2}, 1.0)["heal_vs_gloo_same_size"] is False
     )
+    assert rs.goal_checks({**run, "heal_link_gbps": 1.1}, 1.0)["heal_vs_link"] is True
+    assert rs.goal_checks({**run, "heal_link_gbps": 1.2}, 1.0)["heal_vs_link"] is False
     assert rs.goal_checks({"spurious_generations": [3]}, None) == {
         "heal_vs_gloo": None,
         "heal_vs_gloo_same_size": None,
+        "heal_vs_link": None,
         "peak_sender_joiner_bystander": None,
         "survivor_regroup_peak": None,
         "after_heal": None,
@@ -228,8 +232,9 @@ def test_a_configuration_is_judged_on_its_medians_and_on_every_repetitions_memor
                                         "after_ratio": 1.0}  # fmt: skip
     assert "bystander" not in conf["memory"]
     assert conf["goals"] == {"heal_vs_gloo_same_size": True, "heal_vs_gloo": False,
-                             "peak_sender_joiner_bystander": True, "survivor_regroup_peak": None,
-                             "after_heal": True, "spurious_generations": True}  # fmt: skip
+                             "heal_vs_link": None, "peak_sender_joiner_bystander": True,
+                             "survivor_regroup_peak": None, "after_heal": True,
+                             "spurious_generations": True}  # fmt: skip
     assert skipped == {"trainer": "example", "dp": 4, "size_gib": "3.2", "runs": 1,
                        "measured": 0, "statuses": ["skipped: too large"]}  # fmt: skip
     # One repetition over the memory bound or with a spurious generation fails the goal.
@@ -239,3 +244,29 @@ def test_a_configuration_is_judged_on_its_medians_and_on_every_repetitions_memor
     assert goals["peak_sender_joiner_bystander"] is False
     assert goals["spurious_generations"] is False
     assert rs.per_config(runs)[0]["spurious_generations"] == 1
+
+
+def test_a_configuration_with_the_link_probe_is_judged_on_the_heal_over_the_jobs_gloo() -> None:
+    # Heal 1.0, 1.6, 1.8 GB/s; gloo in the job's processes 2.0, 2.0, 3.0 GB/s right before
+    # each heal: ratios 0.5, 0.8, 0.6, median 0.6 (below 0.7, though one run is above).
+    runs = [_run(i, heal, 2.0, 1.01, []) for i, heal in enumerate((1.0, 1.6, 1.8))]
+    for run, link in zip(runs, (2.0, 2.0, 3.0), strict=True):
+        run["heal_link_gbps"] = link
+    rs.summarize(runs, {"reference_gbps": 3.0})
+    assert [r["heal_vs_link"] for r in runs] == [0.5, 0.8, 0.6]
+    assert [r["link_vs_gloo_same_size"] for r in runs] == [1.0, 1.0, 1.5]
+    conf = rs.per_config(runs)[0]
+    assert conf["heal_vs_link"] == 0.6 and conf["heal_link_gbps"] == 2.0
+    assert conf["goals"]["heal_vs_link"] is False
+    assert "x0.6 gloo in the job" in rs.summary_line([conf], {"reference_gbps": 3.0})
+
+
+def test_with_the_link_probe_the_heal_spans_the_sender_and_joiners_alone() -> None:
+    # The bystanders' heal began while the sender and the joiner were still probing the link.
+    store = {"generations": {"2": {"times": {
+        "0": {"heal_role": "sender", "heal_start": 11.0, "healed": 12.19},
+        "1": {"heal_role": "joiner", "heal_start": 11.0, "healed": 12.3},
+        "2": {"heal_role": "bystander", "heal_start": 10.0, "healed": 12.24},
+        "3": {"membership": 1.0}}}}}  # fmt: skip
+    assert rs.probed_heal_s(store, 2) == 1.3
+    assert rs.probed_heal_s(store, 3) is None and rs.probed_heal_s({}, 2) is None
