@@ -72,6 +72,7 @@ from goodput import _read_jsonl  # noqa: E402  (a sibling script: complete JSON 
 from recovery_latency import _Tail  # noqa: E402
 from run_header import run_header  # noqa: E402
 
+from megatron_mecefo.recovery.records import _heal_seconds  # noqa: E402
 from megatron_mecefo.recovery.state.memory import mem_available, rss_bytes  # noqa: E402
 
 TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
@@ -258,6 +259,11 @@ def role_memory(
     return out
 
 
+HEAL_RATIO_GOALS = ("heal_vs_gloo", "heal_vs_gloo_same_size", "heal_vs_link")
+"""The heal's bandwidth over each reference (the 1 GiB tensor before the runs, gloo of the same
+bytes, gloo in the job's processes), each held to ``GOALS["heal_vs_gloo_min"]``."""
+
+
 def goal_checks(run: Dict[str, Any], gloo_gbps: Optional[float]) -> Dict[str, Optional[bool]]:
     """Pass/fail of the per-run goals (:data:`GOALS`); ``None`` where unmeasured."""
     mem = run.get("memory", {})
@@ -270,15 +276,10 @@ def goal_checks(run: Dict[str, Any], gloo_gbps: Optional[float]) -> Dict[str, Op
     afters = [mem.get(r, {}).get("after_ratio") for r in ("sender", "joiner", "bystander")
               if mem.get(r, {}).get("pids")]  # fmt: skip
     heal = run.get("heal_gbps")
-    same = run.get("gloo_same_size_gbps")
-    link = run.get("heal_link_gbps")
+    refs = (gloo_gbps, run.get("gloo_same_size_gbps"), run.get("heal_link_gbps"))
     checks: Dict[str, Optional[bool]] = {
-        "heal_vs_gloo": None if heal is None or not gloo_gbps else
-        heal / gloo_gbps >= GOALS["heal_vs_gloo_min"],
-        "heal_vs_gloo_same_size": None if heal is None or not same else
-        heal / same >= GOALS["heal_vs_gloo_min"],
-        "heal_vs_link": None if heal is None or not link else
-        heal / link >= GOALS["heal_vs_gloo_min"],
+        **{goal: None if heal is None or not ref else heal / ref >= GOALS["heal_vs_gloo_min"]
+           for goal, ref in zip(HEAL_RATIO_GOALS, refs, strict=True)},
         "peak_sender_joiner_bystander": None if not peaks or None in peaks else
         max(peaks) <= GOALS["peak_over_steady_max"],
         "survivor_regroup_peak": at_most(mem.get("survivor", {}).get("peak_ratio"),
@@ -806,13 +807,12 @@ def scale_run(
 
 
 def probed_heal_s(store: Dict[str, Any], generation: Optional[int]) -> Optional[float]:
-    """The heal of ``generation`` over its sender and joiners alone, as the record counts a
-    member's (``heal_start`` to ``healed`` in the store's per-member times; the longest), or
-    None where the store lacks them."""
+    """The heal of ``generation`` over its sender and joiners alone, each member's counted as
+    the record counts it (``records._heal_seconds`` over the store's per-member times; the
+    longest), or None where the store lacks them."""
     times = store.get("generations", {}).get(str(generation), {}).get("times", {})
-    spans = [t["healed"] - t["heal_start"] for t in times.values()
-             if t.get("heal_role") in ("sender", "joiner") and "healed" in t
-             and "heal_start" in t]  # fmt: skip
+    spans = _heal_seconds({s: t for s, t in times.items()
+                           if t.get("heal_role") in ("sender", "joiner")})  # fmt: skip
     return round(max(spans), 4) if spans else None
 
 
@@ -1023,10 +1023,7 @@ def per_config(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
         least = GOALS["heal_vs_gloo_min"]
         conf["goals"] = {
-            "heal_vs_gloo_same_size": None if conf["heal_vs_gloo_same_size"] is None else
-            conf["heal_vs_gloo_same_size"] >= least,
-            "heal_vs_gloo": None if conf["heal_vs_gloo"] is None else conf["heal_vs_gloo"] >= least,
-            "heal_vs_link": None if conf["heal_vs_link"] is None else conf["heal_vs_link"] >= least,
+            **{g: None if conf[g] is None else conf[g] >= least for g in HEAL_RATIO_GOALS},
             **{g: every(g) for g in ("peak_sender_joiner_bystander", "survivor_regroup_peak",
                                      "after_heal", "spurious_generations")},
         }  # fmt: skip

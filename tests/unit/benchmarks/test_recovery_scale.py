@@ -264,9 +264,9 @@ def test_a_configuration_with_the_link_probe_is_judged_on_the_heal_over_the_jobs
 def test_with_the_link_probe_the_heal_spans_the_sender_and_joiners_alone() -> None:
     # The bystanders' heal began while the sender and the joiner were still probing the link.
     store = {"generations": {"2": {"times": {
-        "0": {"heal_role": "sender", "heal_start": 11.0, "healed": 12.19},
-        "1": {"heal_role": "joiner", "heal_start": 11.0, "healed": 12.3},
-        "2": {"heal_role": "bystander", "heal_start": 10.0, "healed": 12.24},
+        "0": {"heal_role": "sender", "constructed": 9.0, "heal_start": 11.0, "healed": 12.19},
+        "1": {"heal_role": "joiner", "constructed": 9.0, "heal_start": 11.0, "healed": 12.3},
+        "2": {"heal_role": "bystander", "constructed": 9.0, "heal_start": 10.0, "healed": 12.24},
         "3": {"membership": 1.0}}}}}  # fmt: skip
     assert rs.probed_heal_s(store, 2) == 1.3
     assert rs.probed_heal_s(store, 3) is None and rs.probed_heal_s({}, 2) is None
