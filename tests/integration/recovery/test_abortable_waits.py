@@ -52,8 +52,8 @@ def _rank(rank: int, port: int, mode: str, out: str) -> None:
     store.wait(["ready0", "ready1"])
     if rank == 1:
         # The waits alone (no socket shutdown, which may wake some gloo operations itself).
+        t0 = time.monotonic()  # before the timer starts: released_s >= 0.5 under any load
         threading.Timer(0.5, STATE.abort).start()
-        t0 = time.monotonic()
         try:
             if mode == "send":
                 dist.send(torch.ones(1000), 0)  # rank 0 never receives
