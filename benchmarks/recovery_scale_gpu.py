@@ -44,17 +44,22 @@ from run_header import run_header  # noqa: E402
 
 MEM_LINE = re.compile(
     r"\[mecefo-mem\] slot=(\d+) inc=(\d+) point=(\S+) iteration=(-?\d+) kind=(\w+) "
-    r"peak=(\d+) now=(\d+)"
+    r"peak=(\d+) now=(\d+)((?: \w+=\d+)*)"
 )
 
 
 def parse_mem(log: str) -> List[Dict[str, Any]]:
-    """The ``[mecefo-mem]`` lines of a run's log, in order."""
+    """The ``[mecefo-mem]`` lines of a run's log, in order, with the allocator's figures where
+    the line has them (``heap_in_use``, ``heap_free``, ``mmapped``: CPU ranks on glibc)."""
     out = []
     for m in MEM_LINE.finditer(log):
-        slot, inc, point, it, kind, peak, now = m.groups()
-        out.append({"slot": int(slot), "inc": int(inc), "point": point, "iteration": int(it),
-                    "kind": kind, "peak": int(peak), "now": int(now)})  # fmt: skip
+        slot, inc, point, it, kind, peak, now, extra = m.groups()
+        row = {"slot": int(slot), "inc": int(inc), "point": point, "iteration": int(it),
+               "kind": kind, "peak": int(peak), "now": int(now)}  # fmt: skip
+        for pair in extra.split():
+            key, value = pair.split("=")
+            row[key] = int(value)
+        out.append(row)
     return out
 
 

@@ -14,7 +14,7 @@ import ctypes.util
 import os
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 _LIBC: Optional[ctypes.CDLL] = None
 
@@ -224,11 +224,38 @@ def mem_trace(slot: int, inc: int, point: str, iteration: int) -> None:
         except OSError:
             pass
         kind = "rss"
+    heap = heap_stats() if kind == "rss" else None
+    extra = "" if heap is None else "".join(f" {k}={v}" for k, v in heap.items())
     print(
         f"[mecefo-mem] slot={slot} inc={inc} point={point} iteration={iteration} kind={kind} "
-        f"peak={peak} now={now}",
+        f"peak={peak} now={now}{extra}",
         flush=True,
     )
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33+): every field a ``size_t``."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")  # fmt: skip
+    ]
+
+
+def heap_stats() -> Optional[Dict[str, int]]:
+    """What glibc's allocator holds, over all its arenas (``mallinfo2``), in bytes:
+    ``heap_in_use`` (allocated chunks in the arenas), ``heap_free`` (free chunks in them, which
+    stay resident once touched until ``malloc_trim``) and ``mmapped`` (chunks mapped on their
+    own). ``heap_in_use + mmapped`` is the memory the process's C/C++ code holds, whatever
+    the heap's layout; None without glibc 2.33+."""
+    c = libc()
+    fn = getattr(c, "mallinfo2", None) if c is not None else None
+    if fn is None:
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return {"heap_in_use": info.uordblks, "heap_free": info.fordblks, "mmapped": info.hblkhd}
 
 
 def _status_bytes(field: str, pid: str = "self") -> int:

@@ -1,13 +1,21 @@
 """The heal's prefaulting thread (``recovery/state/memory.py``): it makes a fresh tensor's pages
 resident ahead of the bytes, leaves resident ones (and the data) alone, and stops when told.
-The allocations a survivor's rebuild maps on their own (``mapped_allocations``)."""
+The allocations a survivor's rebuild maps on their own (``mapped_allocations``). glibc's own
+figures in the memory trace (``heap_stats``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_mecefo.recovery.state.memory import PAGE_BYTES, Prefaulter, libc, rss_bytes
+from megatron_mecefo.recovery.state.memory import (
+    PAGE_BYTES,
+    Prefaulter,
+    heap_stats,
+    libc,
+    mem_trace,
+    rss_bytes,
+)
 
 MiB = 1 << 20
 
@@ -106,3 +114,35 @@ def test_inside_mapped_allocations_large_tensors_are_mapped_and_freed_to_the_os(
     assert r["inside"] >= 8 * 4 * MiB, r  # each mapped on its own
     assert r["freed"] == 0 and r["heap_grew"] <= MiB, r  # back to the OS, no hole left
     assert r["small_after"] == 0 and r["big_after"] >= 40 * MiB, r
+
+
+def _live() -> int:
+    stats = heap_stats()
+    assert stats is not None
+    return stats["heap_in_use"] + stats["mmapped"]
+
+
+def test_heap_stats_count_a_tensor_wherever_glibc_puts_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``heap_in_use + mmapped`` rises by a tensor's bytes when it is made, in the heap (1 MiB)
+    or mapped on its own (64 MiB), and falls by them when it is freed; the trace line carries
+    the three figures."""
+    if heap_stats() is None:
+        pytest.skip("no mallinfo2 (glibc before 2.33, or not glibc)")
+    for n in (MiB, 64 * MiB):
+        before = _live()
+        t = torch.ones(n, dtype=torch.uint8)
+        grown = _live() - before
+        del t
+        shrunk = before + grown - _live()
+        # The allocator's own bookkeeping adds a few hundred bytes around the block.
+        assert n <= grown <= n + 64 * 1024, (n, grown)
+        assert n <= shrunk <= n + 64 * 1024, (n, shrunk)
+    monkeypatch.setenv("MECEFO_MEM_TRACE", "1")
+    mem_trace(3, 1, "iteration", 7)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[mecefo-mem] slot=3 inc=1 point=iteration iteration=7 kind=rss ")
+    fields = dict(kv.split("=") for kv in line.split()[1:])
+    assert {"heap_in_use", "heap_free", "mmapped"} <= set(fields)
+    assert int(fields["heap_in_use"]) > 0
