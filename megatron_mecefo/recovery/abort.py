@@ -110,9 +110,28 @@ class WorldAborter:
                 dist.destroy_process_group()
             except Exception:
                 pass
+        if not dist.is_initialized():
+            reset_group_names()
         t0 = time.time()
         gc.collect()  # close the sockets now: this releases the peers still blocked
         self.last_split = {"destroy_pg": t0 - t_pg, "gc": time.time() - t0}
+
+
+def reset_group_names() -> None:
+    """Name the next world's groups from the start, as every rank of it will.
+
+    torch names each group, the default one included, after a per-process counter, and resets
+    it only when ``destroy_process_group`` runs to its end. A world that failed inside
+    ``init_process_group`` (its rendezvous timed out, or was aborted) has nothing to destroy,
+    so the counter kept that attempt: the ranks whose world failed later, and was destroyed,
+    then named the next world's groups differently, and each waited for keys the others never
+    wrote, in that world and in every later one (seen under Slurm: 18 generations in a row
+    with no rank lost)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = getattr(c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def _socket_inodes() -> Dict[int, int]:
