@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
+from spawned import run_ranks
 
 TIMEOUT_S = 60.0
 
@@ -87,21 +87,8 @@ def _rank(rank: int, port: int, mode: str, out: str) -> None:
 @pytest.mark.parametrize("mode", ["send", "all_reduce"])
 def test_a_blocked_wait_is_released_by_abort(tmp_path: Path, mode: str) -> None:
     port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, port, mode, str(tmp_path))) for r in (0, 1)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(TIMEOUT_S + 40)
-        assert [p.exitcode for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    r0, r1 = run_ranks(_rank, [(r, port, mode, str(tmp_path)) for r in (0, 1)],
+                       TIMEOUT_S + 40, tmp_path)  # fmt: skip
     assert r0["sum"] == r1["sum"] == [3.0, 3.0, 3.0]
     assert r1["peer"] == [6.0, 6.0, 6.0]
     assert r1["error"] is not None and "failure ended this world" in r1["error"]

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing as mp
 import os
 from pathlib import Path
 
 from conftest import free_port
+from spawned import run_ranks
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -66,20 +66,6 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 def test_a_failed_init_leaves_the_next_world_formable(tmp_path: Path) -> None:
     port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path))) for r in (0, 1)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        assert [p.exitcode for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r0, r1 = run_ranks(_rank, [(r, port, str(tmp_path)) for r in (0, 1)], 120, tmp_path)
     assert r1["w0"].startswith("failed") and r1["initialized_after_w0"] is False, r1
     assert r0.get("w1_sum") == r1.get("w1_sum") == [3.0, 3.0], (r0, r1)
