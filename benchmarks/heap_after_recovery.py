@@ -63,10 +63,12 @@ def slot_phases(
     boundaries, the highest peak, and each over the steady phase of the slot's first
     incarnation."""
     rows: Dict[str, Dict[str, Any]] = {}
-    its = [m for m in mem if m["point"] == "iteration"]
-    for m in its:
-        if "heap_in_use" in m:
-            m["live"] = m["heap_in_use"] + m.get("mmapped", 0)
+    # ``live`` derived per line, without writing into the caller's parsed trace.
+    its = [
+        {**m, "live": m["heap_in_use"] + m.get("mmapped", 0)} if "heap_in_use" in m else m
+        for m in mem
+        if m["point"] == "iteration"
+    ]
     for slot, inc in sorted({(m["slot"], m["inc"]) for m in its}):
         mine = [m for m in its if (m["slot"], m["inc"]) == (slot, inc)]
         row: Dict[str, Any] = {}
@@ -99,7 +101,9 @@ def summarize(rows: Dict[str, Dict[str, Any]], kill_slot: int = 1) -> Dict[str, 
     joiners: the highest peak, boundary RSS and live memory over steady, and the largest growth
     of free heap."""
     out: Dict[str, Any] = {}
-    names = sorted({n for row in rows.values() for n in row if n != "steady"})
+    # In cycle order ("after 10" after "after 9", not after "after 1").
+    names = sorted({n for row in rows.values() for n in row if n != "steady"},
+                   key=lambda n: int(n.split()[-1]))  # fmt: skip
     for name in names:
         for group in ("survivors", "joiners"):
             phs = [

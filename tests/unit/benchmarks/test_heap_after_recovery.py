@@ -52,7 +52,9 @@ def _trace() -> List[Dict[str, Any]]:
 
 
 def test_slot_phases_and_summary_separate_free_heap_from_live_memory() -> None:
-    rows = har.slot_phases(_trace(), har.phases([8], [10], 20))
+    trace = _trace()
+    rows = har.slot_phases(trace, har.phases([8], [10], 20))
+    assert all("live" not in m for m in trace)  # the parsed trace is left as it was
     survivor = rows["0.0"]["after 1"]
     assert survivor["iterations"] == [12, 20] and survivor["points"] == 9
     assert survivor["peak_over_steady"] == round(990 / 900, 4)
@@ -63,6 +65,9 @@ def test_slot_phases_and_summary_separate_free_heap_from_live_memory() -> None:
     assert joiner["peak_over_steady"] == round(1010 / 1000, 4)
     assert joiner["heap_free_growth_mib"] == 10.0
     summary = har.summarize(rows)
+    # Cycles in their order, past nine too.
+    many = {"0.0": {f"after {j}": {"peak_over_steady": 1.0} for j in (10, 2, 1)}}
+    assert list(har.summarize(many)) == ["after 1", "after 2", "after 10"]
     assert summary["after 1"]["survivors"]["live_over_steady"] == round(603 / 600, 4)
     assert summary["after 1"]["survivors"]["heap_free_growth_mib"] == 90.0
     assert summary["after 1"]["joiners"]["peak_over_steady"] == round(1010 / 1000, 4)
