@@ -17,6 +17,11 @@ same process all along; each joiner (a new incarnation of slot 1) is compared wi
 first incarnation. Per phase: the medians of the boundary figures and the highest peak; their
 ratios to steady.
 
+The control (``--control``, on by default): the same job with no kill, run first in the same
+invocation, its figures taken over the failure run's phases. A training process's heap drifts
+on its own (glibc's free space grows as a step's temporaries land in other places), so what a
+recovery leaves behind is the failure run's figure against the control's, not against steady.
+
 Usage::
 
     python benchmarks/heap_after_recovery.py --size 0.4 --dp 4 --kills 8,20,32
@@ -126,15 +131,19 @@ def summarize(rows: Dict[str, Dict[str, Any]], kill_slot: int = 1) -> Dict[str, 
     return out
 
 
-def summary_line(a: argparse.Namespace, summary: Dict[str, Any]) -> str:
-    """One line: per cycle, the survivors' peak RSS and live memory over steady, and the free
-    heap's growth."""
+def summary_line(
+    a: argparse.Namespace, summary: Dict[str, Any], control: Optional[Dict[str, Any]] = None
+) -> str:
+    """One line: per cycle, the survivors' peak RSS and live memory over steady and the free
+    heap's growth; with a control, its survivors' peak RSS over steady in brackets."""
     parts = []
     for name, groups in summary.items():
         s = groups.get("survivors") or {}
+        c = ((control or {}).get(name) or {}).get("survivors") or {}
+        ctl = f" (no failure x{c.get('peak_over_steady')})" if control is not None else ""
         parts.append(
-            f"{name}: peak RSS x{s.get('peak_over_steady')}, live x{s.get('live_over_steady')}, "
-            f"free heap +{s.get('heap_free_growth_mib')} MiB"
+            f"{name}: peak RSS x{s.get('peak_over_steady')}{ctl}, "
+            f"live x{s.get('live_over_steady')}, free heap +{s.get('heap_free_growth_mib')} MiB"
         )
     return (f"heap_after_recovery: example DP{a.dp} {a.size} GiB, rank 1 killed at {a.kills}; "
             f"survivors (max over slots) " + "; ".join(parts))  # fmt: skip
@@ -183,6 +192,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         help="iterations at which rank 1 is SIGKILLed (its forward), comma-separated",
     )
     p.add_argument("--iterations", type=int, default=44)
+    p.add_argument(
+        "--control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first run the same job without a kill, as the reference for the heap's own drift",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole job")
     p.add_argument("--output", default=str(REPO / "results" / "heap_after_recovery.json"))
     p.add_argument("--workdir", default=str(REPO / "results" / "heap_after_recovery"))
@@ -211,23 +226,35 @@ def main(argv: Optional[List[str]] = None) -> None:
         "iterations": a.iterations, "layers_hidden_heads": rs.SIZES[a.size],
         "figures": "RSS now/peak (/proc), heap_in_use + mmapped = live, heap_free (mallinfo2)",
     }  # fmt: skip
+    # The control first, so that a machine growing busier over the invocation does not
+    # favour the failure run.
+    ctl_job = run_job(a, [], Path(a.workdir) / "control") if a.control else None
     job = run_job(a, kills, Path(a.workdir))
     rejoins = [r["iteration"] for r in job["records"] if r.get("kind") == "rejoin"]
     ranges = phases(kills, rejoins, a.iterations)
     rows = slot_phases(parse_mem(job["log"]), ranges)
     summary = summarize(rows)
+    control = None
+    if ctl_job is not None:
+        ctl_rows = slot_phases(parse_mem(ctl_job["log"]), ranges)
+        control = {"status": ctl_job["status"], "wall_s": ctl_job["wall_s"],
+                   "slots": ctl_rows, "per_cycle": summarize(ctl_rows)}  # fmt: skip
     result.update({
         "status": job["status"], "wall_s": job["wall_s"], "rejoin_iterations": rejoins,
         "phases": ranges, "slots": rows, "per_cycle": summary,
         "recoveries": [{k: r.get(k) for k in ("kind", "generation", "iteration", "ranks_lost",
                                               "ranks_joined", "total_s", "heal_s")}
                        for r in job["records"]],
+        "control": control,
     })  # fmt: skip
-    result["summary"] = summary_line(a, summary)
+    result["summary"] = summary_line(a, summary, control and control["per_cycle"])
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(result["summary"])
+    if ctl_job is not None and ctl_job["status"] != "finished":
+        raise SystemExit(f"heap_after_recovery: the control {ctl_job['status']} "
+                         f"(see {Path(a.workdir) / 'control' / 'log.txt'})")  # fmt: skip
     if job["status"] != "finished" or len(rejoins) != len(kills):
         raise SystemExit(f"heap_after_recovery: {job['status']}; {len(rejoins)} of {len(kills)} "
                          f"rejoins (see {Path(a.workdir) / 'log.txt'})")  # fmt: skip

@@ -83,3 +83,26 @@ def test_parse_mem_keeps_the_allocator_fields_and_reads_lines_without_them() -> 
     assert rows[0]["heap_in_use"] == 7 and rows[0]["heap_free"] == 2 and rows[0]["mmapped"] == 1
     assert rows[1] == {"slot": 0, "inc": 1, "point": "built", "iteration": -1, "kind": "cuda",
                        "peak": 4, "now": 3}  # fmt: skip
+
+
+def test_the_control_is_read_over_the_failure_runs_phases_and_quoted_beside_it() -> None:
+    """A run with no kill, taken over the failure run's phases: its slot 1 is the first
+    incarnation all along (no joiner), and the summary line quotes its survivors' peak."""
+    control = [
+        _line(slot, 0, it, 900 + (30 if slot == 0 and it >= 12 else 0), 600, 40)
+        for it in range(1, 21)
+        for slot in (0, 1)
+    ]
+    ranges = har.phases([8], [10], 20)
+    rows = har.slot_phases(control, ranges)
+    assert set(rows) == {"0.0", "1.0"}
+    assert rows["0.0"]["after 1"]["peak_over_steady"] == round(930 / 900, 4)
+    assert rows["1.0"]["after 1"]["peak_over_steady"] == 1.0
+    ctl = har.summarize(rows)
+    assert ctl["after 1"]["survivors"]["peak_over_steady"] == round(930 / 900, 4)
+    assert ctl["after 1"]["joiners"]["peak_over_steady"] == 1.0  # slot 1, never killed
+    a = type("A", (), {"dp": 2, "size": "0.4", "kills": [8]})()
+    failure = har.summarize(har.slot_phases(_trace(), ranges))
+    line = har.summary_line(a, failure, ctl)
+    assert f"after 1: peak RSS x{round(990 / 900, 4)} (no failure x{round(930 / 900, 4)})" in line
+    assert "no failure" not in har.summary_line(a, failure)
