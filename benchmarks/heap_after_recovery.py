@@ -139,8 +139,10 @@ def summary_line(
     parts = []
     for name, groups in summary.items():
         s = groups.get("survivors") or {}
-        c = ((control or {}).get(name) or {}).get("survivors") or {}
-        ctl = f" (no failure x{c.get('peak_over_steady')})" if control is not None else ""
+        ctl = ""
+        if control is not None:
+            c = (control.get(name) or {}).get("survivors") or {}
+            ctl = f" (no failure x{c.get('peak_over_steady')})"
         parts.append(
             f"{name}: peak RSS x{s.get('peak_over_steady')}{ctl}, "
             f"live x{s.get('live_over_steady')}, free heap +{s.get('heap_free_growth_mib')} MiB"
@@ -229,6 +231,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     # The control first, so that a machine growing busier over the invocation does not
     # favour the failure run.
     ctl_job = run_job(a, [], Path(a.workdir) / "control") if a.control else None
+    if ctl_job is not None and ctl_job["status"] != "finished":  # no reference: stop here
+        raise SystemExit(f"heap_after_recovery: the control {ctl_job['status']} "
+                         f"(see {Path(a.workdir) / 'control' / 'log.txt'})")  # fmt: skip
     job = run_job(a, kills, Path(a.workdir))
     rejoins = [r["iteration"] for r in job["records"] if r.get("kind") == "rejoin"]
     ranges = phases(kills, rejoins, a.iterations)
@@ -237,6 +242,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     control = None
     if ctl_job is not None:
         ctl_rows = slot_phases(parse_mem(ctl_job["log"]), ranges)
+        # Its "joiners" are slot 1's first process: never killed in this run.
         control = {"status": ctl_job["status"], "wall_s": ctl_job["wall_s"],
                    "slots": ctl_rows, "per_cycle": summarize(ctl_rows)}  # fmt: skip
     result.update({
@@ -252,9 +258,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(result["summary"])
-    if ctl_job is not None and ctl_job["status"] != "finished":
-        raise SystemExit(f"heap_after_recovery: the control {ctl_job['status']} "
-                         f"(see {Path(a.workdir) / 'control' / 'log.txt'})")  # fmt: skip
     if job["status"] != "finished" or len(rejoins) != len(kills):
         raise SystemExit(f"heap_after_recovery: {job['status']}; {len(rejoins)} of {len(kills)} "
                          f"rejoins (see {Path(a.workdir) / 'log.txt'})")  # fmt: skip
