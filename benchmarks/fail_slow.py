@@ -53,7 +53,7 @@ for path in (BENCH, REPO):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from run_header import run_header  # noqa: E402
+from run_header import plot_path, run_header  # noqa: E402
 
 from megatron_mecefo.failslow.duty_cycle import DutyCycle  # noqa: E402
 from megatron_mecefo.failslow.rebalance import plan_rebalance  # noqa: E402
@@ -301,7 +301,7 @@ def resummarise(a: argparse.Namespace) -> None:
                 t["loadavg"] = loads.get(round(t["samples_per_s"], 6))
         result["cases"][key] = _case(case["layout"], case["microbatches"], tries)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, Path(a.plot))
+    plot(result, Path(a.plot) if a.plot else plot_path(Path(a.out)))
 
 
 def main() -> None:
@@ -312,7 +312,8 @@ def main() -> None:
                    help="Iterations per run, per layout (LAYOUT=N).")  # fmt: skip
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--out", default=str(REPO / "results" / "fail_slow.json"))
-    p.add_argument("--plot", default=str(REPO / "results" / "plots" / "fail_slow.png"))
+    p.add_argument("--plot", default=None, help="default: results/plots/<--out's name>.png for "
+                   "an --out in results/, else --out's path with .png")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="Rounds; each round runs every "
                    "mitigation once, in an order rotated from round to round; the median "
                    "samples/s is reported (every run is in the JSON).")  # fmt: skip
@@ -358,7 +359,7 @@ def main() -> None:
     result["machine"]["loadavg_end"] = os.getloadavg()
     result["wall_s"] = time.time() - t0
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, Path(a.plot))
+    plot(result, Path(a.plot) if a.plot else plot_path(Path(a.out)))
     for k, c in result["cases"].items():
         r = c["relative"]
         print(

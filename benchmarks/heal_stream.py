@@ -19,8 +19,14 @@ same minutes of a noisy machine:
 * ``stream_fresh_no_prefault``: the same without :class:`.memory.Prefaulter` (the heal before
   it).
 
+Each process also counts the CPU it spent on every mode (``time.process_time``: all its
+threads, gloo's send and receive loops included). On loopback the link is the machine's cores,
+so the CPU a mode spends per GB, against gloo's one tensor, says how close to gloo it can get
+on a machine whose cores are all busy with it (and with the job's other processes, in a heal).
+
 Writes ``results/heal_stream.json`` (``--output``) and prints a one-line summary: each mode's
-median seconds and GB/s (1e9 bytes), and its ratio to ``gloo_one_warm``.
+median seconds and GB/s (1e9 bytes), its ratio to ``gloo_one_warm``, the CPU seconds of both
+processes per GB and that CPU's ratio to ``gloo_one_warm``'s.
 
 Usage (repo root)::
 
@@ -86,7 +92,14 @@ def worker(rank: int, port: int, mib: int, tensor_mib: int, reps: int) -> None:
     cfg = ts.stream_config(600.0)  # the heal's own: MECEFO_HEAL_BUCKET_MB applies
     mine = [torch.ones(numel) if rank == 0 else torch.zeros(numel) for _ in range(count)]
     one = torch.ones(count * numel) if rank == 0 else torch.zeros(count * numel)
-    checksum, prefaulter = ts.bytes_checksum, ts.Prefaulter
+    prefaulter, real_checksum = ts.Prefaulter, ts.bytes_checksum
+    in_checksum = [0.0]  # this process's CPU seconds inside the checksum, in the current mode
+
+    def checksum(data: torch.Tensor) -> torch.Tensor:
+        c0 = time.thread_time()  # the calling thread's own CPU (the heal's main thread)
+        out = real_checksum(data)
+        in_checksum[0] += time.thread_time() - c0
+        return out
 
     def run(mode: str) -> None:
         ts.bytes_checksum = checksum
@@ -109,16 +122,22 @@ def worker(rank: int, port: int, mib: int, tensor_mib: int, reps: int) -> None:
             ts.recv_tensors(dests, 0, None, cfg, more_groups=lanes)
 
     times: Dict[str, List[float]] = {m: [] for m in MODES}
+    cpu: Dict[str, List[float]] = {m: [] for m in MODES}
+    cpu_checksum: Dict[str, List[float]] = {m: [] for m in MODES}
     for rep in range(reps + 1):  # the first round untimed: a warm-up
         for mode in MODES:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0, in_checksum[0] = time.perf_counter(), time.process_time(), 0.0
             run(mode)
             dist.barrier()  # both ends done
             if rep:
                 times[mode].append(time.perf_counter() - t0)
+                cpu[mode].append(time.process_time() - c0)  # every thread: gloo's loops too
+                cpu_checksum[mode].append(in_checksum[0])
+    result = {"rank": rank, "cpu_s": cpu, "checksum_cpu_s": cpu_checksum}
     if rank == 0:
-        print("HEAL_STREAM_JSON " + json.dumps({"bytes": total, "seconds": times}), flush=True)
+        result.update(bytes=total, seconds=times)
+    print("HEAL_STREAM_JSON " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 
 
@@ -133,21 +152,58 @@ def measure(mib: int, tensor_mib: int, reps: int, timeout: float) -> Dict[str, A
     cmd = [sys.executable, __file__, "--worker", "--port", str(port), "--mib", str(mib),
            "--tensor-mib", str(tensor_mib), "--reps", str(reps)]  # fmt: skip
     outs = run_pair(cmd, "--rank", env, timeout)
-    line = next((ln for ln in outs[0].splitlines() if ln.startswith("HEAL_STREAM_JSON ")), None)
-    if line is None:
+    lines = [
+        next((ln for ln in out.splitlines() if ln.startswith("HEAL_STREAM_JSON ")), None)
+        for out in outs
+    ]
+    if None in lines:
         raise RuntimeError(f"the workers printed no result:\n{outs[0][-3000:]}{outs[1][-2000:]}")
-    raw = json.loads(line.split(" ", 1)[1])
-    nbytes = raw["bytes"]
-    median: Callable[[str], float] = lambda m: statistics.median(raw["seconds"][m])  # noqa: E731
+    raw, other = (json.loads(ln.split(" ", 1)[1]) for ln in lines)  # type: ignore[union-attr]
+    return summarize(
+        raw["bytes"], raw["seconds"], [raw["cpu_s"], other["cpu_s"]],
+        [raw["checksum_cpu_s"], other["checksum_cpu_s"]],
+    )  # fmt: skip
+
+
+def summarize(
+    nbytes: int,
+    seconds: Dict[str, List[float]],
+    cpu_s: List[Dict[str, List[float]]],
+    checksum_cpu_s: List[Dict[str, List[float]]],
+) -> Dict[str, Any]:
+    """Per mode: the seconds, the median's GB/s and its ratio to ``gloo_one_warm``; and the CPU
+    that both processes spent on it (every thread, gloo's included), per GB and in cores, and
+    the part of it inside the per-message checksums.
+
+    On loopback the link is the machine's cores: a mode that spends ``cpu_s_per_gb`` CPU
+    seconds per GB cannot move more than ``cores / cpu_s_per_gb`` GB/s on a machine with
+    ``cores`` and nothing else running (``ceiling_gbps_2_cores``); in a job, the other
+    processes' CPU comes out of that."""
+    median: Callable[[str], float] = lambda m: statistics.median(seconds[m])  # noqa: E731
     ref = nbytes / median("gloo_one_warm") / 1e9
+
+    def of_both(per_rank: List[Dict[str, List[float]]], m: str) -> List[float]:
+        return [sum(per[m][i] for per in per_rank) for i in range(len(seconds[m]))]
+
+    both = {m: of_both(cpu_s, m) for m in MODES}
+    ref_cpu = statistics.median(both["gloo_one_warm"])
     modes = {}
     for m in MODES:
         gbps = nbytes / median(m) / 1e9
+        cpu = statistics.median(both[m])
         modes[m] = {
-            "seconds": [round(x, 4) for x in raw["seconds"][m]],
+            "seconds": [round(x, 4) for x in seconds[m]],
             "median_s": round(median(m), 4),
             "gbps": round(gbps, 3),
             "vs_gloo_one_warm": round(gbps / ref, 3),
+            "cpu_s_both": [round(x, 4) for x in both[m]],
+            "cpu_s_per_gb": round(cpu / (nbytes / 1e9), 4),
+            "checksum_cpu_s_per_gb": round(
+                statistics.median(of_both(checksum_cpu_s, m)) / (nbytes / 1e9), 4
+            ),
+            "cores_busy": round(cpu / median(m), 2),
+            "cpu_vs_gloo_one_warm": round(cpu / ref_cpu, 3),
+            "ceiling_gbps_2_cores": round(2 * (nbytes / 1e9) / cpu, 3),
         }
     return {"bytes": nbytes, "modes": modes}
 
@@ -185,7 +241,8 @@ def main() -> None:
     print(
         f"heal_stream: {a.mib} MiB in {a.tensor_mib} MiB tensors, 2 ranks, gloo; "
         + "; ".join(
-            f"{m} {v['median_s']} s ({v['gbps']} GB/s, x{v['vs_gloo_one_warm']})"
+            f"{m} {v['median_s']} s ({v['gbps']} GB/s, x{v['vs_gloo_one_warm']}; "
+            f"{v['cpu_s_per_gb']} CPU s/GB, x{v['cpu_vs_gloo_one_warm']})"
             for m, v in modes.items()
         )
     )

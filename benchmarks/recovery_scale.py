@@ -45,7 +45,8 @@ on a quiet machine). ``results/recovery_scale_before.json`` is ``--sizes 0.1,0.4
 state).
 
 Writes ``results/recovery_scale.json`` (``--output``), ``results/plots/recovery_scale.png``
-and prints a one-line summary. Run folders (logs, records, pid files, RSS series) go to
+(``--plot``; for an output outside ``results/``, the output's path with ``.png``) and prints a
+one-line summary. Run folders (logs, records, pid files, RSS series) go to
 ``results/recovery_scale/`` (``--workdir``).
 """
 
@@ -70,7 +71,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from goodput import _read_jsonl  # noqa: E402  (a sibling script: complete JSON lines)
 from recovery_latency import _Tail  # noqa: E402
-from run_header import run_header  # noqa: E402
+from run_header import plot_path, run_header  # noqa: E402
 
 from megatron_mecefo.recovery.records import _heal_seconds  # noqa: E402
 from megatron_mecefo.recovery.state.memory import mem_available, rss_bytes  # noqa: E402
@@ -1326,7 +1327,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--gloo-reps", type=int, default=3)
     p.add_argument("--megatron-lm-dir", default=None)
     p.add_argument("--output", default=str(REPO / "results" / "recovery_scale.json"))
-    p.add_argument("--plot", default=str(REPO / "results" / "plots" / "recovery_scale.png"))
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="default: results/plots/<output's name>.png for an output in results/, else the "
+        "output's path with .png (a run written elsewhere leaves the committed plot alone)",
+    )
     p.add_argument("--workdir", default=str(REPO / "results" / "recovery_scale"))
     p.add_argument(
         "--code-label",
@@ -1603,7 +1609,7 @@ def _write(result: Dict[str, Any], runs: List[Dict[str, Any]], a: argparse.Names
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
     Path(a.output).write_text(json.dumps(result, indent=1) + "\n")
     try:
-        plot(result, Path(a.plot))
+        plot(result, Path(a.plot) if a.plot else plot_path(Path(a.output)))
     except Exception as err:  # a plot is not worth the measurements
         print(f"recovery_scale: no plot: {type(err).__name__}: {err}", flush=True)
 

@@ -1,11 +1,15 @@
-"""The header every store benchmark's JSON starts with: its name, the date and the machine."""
+"""The header every store benchmark's JSON starts with: its name, the date and the machine; and
+where a benchmark's plot goes."""
 
 from __future__ import annotations
 
 import datetime
 import os
 import platform
+from pathlib import Path
 from typing import Any, Dict
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def cpu_model() -> str:
@@ -32,3 +36,12 @@ def run_header(benchmark: str) -> Dict[str, Any]:
             "loadavg_start": os.getloadavg(),
         },
     }
+
+
+def plot_path(output: Path) -> Path:
+    """Where the plot of a run written to ``output`` goes: beside the committed results' plots
+    (``results/plots/<name>.png``) for an output in ``results/``, else next to the output, so
+    that a trial run written elsewhere does not overwrite a committed plot."""
+    if output.resolve().parent == RESULTS:
+        return RESULTS / "plots" / f"{output.stem}.png"
+    return output.with_suffix(".png")
