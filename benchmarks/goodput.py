@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from recovery_latency import _children  # noqa: E402  (a sibling script; /proc children)
+from run_header import plot_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
@@ -1355,7 +1356,8 @@ def main() -> None:
     )
     p.add_argument("--data-path", default=str(REPO / "data" / "stdlib_text_document"))
     p.add_argument("--output", default=None, help="default results/goodput.json")
-    p.add_argument("--plot", default=None, help="default results/plots/goodput.png")
+    p.add_argument("--plot", default=None, help="default: results/plots/<--output's name>.png "
+                   "for an --output in results/, else --output's path with .png")  # fmt: skip
     p.add_argument("--workdir", default=str(REPO / "results" / "goodput"))
     p.add_argument("--plot-only", default=None, metavar="JSON", help="only plot this result")
     p.add_argument("--resume", action="store_true",
@@ -1369,7 +1371,7 @@ def main() -> None:
         res = json.loads(Path(a.plot_only).read_text())
         plot(
             res["table"],
-            Path(a.plot or REPO / "results" / "plots" / "goodput.png"),
+            Path(a.plot) if a.plot else plot_path(Path(a.plot_only)),
             res.get("plot_title", "goodput"),
         )
         return
@@ -1379,7 +1381,7 @@ def main() -> None:
         a.save_time = 0.5 if a.save_time is None else a.save_time
     suffix = "_quick" if a.quick else ""
     a.output = a.output or str(REPO / "results" / f"goodput{suffix}.json")
-    a.plot = a.plot or str(REPO / "results" / "plots" / f"goodput{suffix}.png")
+    a.plot = a.plot or str(plot_path(Path(a.output)))
     systems = [s for s in a.systems.split(",") if s]
     if "torchft" in systems and not TFT_PYTHON.exists() and not a.recount:
         print(f"goodput: {TFT_PYTHON} missing (make bench-goodput sets it up): torchft left out")

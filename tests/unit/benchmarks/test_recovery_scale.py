@@ -11,7 +11,6 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import recovery_scale as rs  # noqa: E402
-from run_header import plot_path  # noqa: E402
 
 FAILURE = {
     "type": "recovery", "kind": "failure", "generation": 1, "ranks_lost": [1],
@@ -271,13 +270,3 @@ def test_with_the_link_probe_the_heal_spans_the_sender_and_joiners_alone() -> No
         "3": {"membership": 1.0}}}}}  # fmt: skip
     assert rs.probed_heal_s(store, 2) == 1.3
     assert rs.probed_heal_s(store, 3) is None and rs.probed_heal_s({}, 2) is None
-
-
-def test_a_run_written_outside_results_leaves_the_committed_plot_alone(tmp_path: Path) -> None:
-    results = rs.REPO / "results"
-    assert plot_path(results / "recovery_scale.json") == results / "plots/recovery_scale.png"
-    assert plot_path(results / "fail_slow.json") == results / "plots/fail_slow.png"
-    assert plot_path(results / "recovery_scale_link_probe.json") == (
-        results / "plots/recovery_scale_link_probe.png"
-    )
-    assert plot_path(tmp_path / "trial.json") == tmp_path / "trial.png"
